@@ -1,0 +1,31 @@
+# The two commands a newcomer runs: `make serve` and `make test`.
+# Everything is installed into .venv from the pins in pyproject.toml.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+MODEL_REPOSITORY ?= model_repository
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup serve test perf bench clean
+
+# Idempotent: reinstalls only when pyproject.toml changes.
+setup: $(STAMP)
+	@dpkg -s libb64-0d >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libb64-0d; }
+	@$(PY) -m opara_core.server prepare >/dev/null
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -e '.[server,test]'
+	@rm -f $(VENV)/.installed-* && touch $@
+
+# Foreground server on 127.0.0.1; ports from HTTP_PORT, GRPC_PORT, METRICS_PORT.
+serve: setup
+	exec $(PY) -m opara_core.server serve --model-repository $(MODEL_REPOSITORY)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf .triton .pytest_cache .hypothesis

@@ -1,0 +1,46 @@
+"""Shared fixtures: the real tritonserver on free ports, and clients for it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from opara_core.server import DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
+
+
+def server_config(model_repository: Path = DEFAULT_MODEL_REPOSITORY, **overrides) -> ServerConfig:
+    """A config on three free loopback ports."""
+    return ServerConfig(
+        model_repository=model_repository,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        **overrides,
+    )
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> TritonServer:
+    """The repository's model_repository served by a real tritonserver."""
+    log_path = tmp_path_factory.mktemp("server") / "tritonserver.log"
+    with TritonServer(server_config(), log_path) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def http_client(server):
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(server.http_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def grpc_client(server):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    yield client
+    client.close()

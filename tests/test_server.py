@@ -1,0 +1,206 @@
+"""The walking skeleton: the real tritonserver serves googlenet over HTTP and gRPC."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from opara_core import zoo
+from opara_core.server import REPO_ROOT, ServerConfig, TritonServer, free_port, server_command
+
+pytestmark = pytest.mark.server
+
+MODEL = "googlenet"
+
+
+def eager(model: str, *inputs: np.ndarray) -> np.ndarray:
+    """The oracle: the same seeded zoo model, run in this process."""
+    module = _built(model)
+    with torch.inference_mode():
+        return module(*(torch.from_numpy(x) for x in inputs)).numpy()
+
+
+_MODULES: dict[str, torch.nn.Module] = {}
+
+
+def _built(model: str) -> torch.nn.Module:
+    if model not in _MODULES:
+        _MODULES[model] = zoo.get(model).build()
+    return _MODULES[model]
+
+
+def images(batch: int, seed: int) -> np.ndarray:
+    return zoo.get(MODEL).example_inputs(batch, seed)[0].numpy()
+
+
+def infer_http(client, x: np.ndarray) -> np.ndarray:
+    tensor = httpclient.InferInput("image", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    return client.infer(MODEL, [tensor]).as_numpy("logits")
+
+
+def infer_grpc(client, x: np.ndarray) -> np.ndarray:
+    tensor = grpcclient.InferInput("image", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    return client.infer(MODEL, [tensor]).as_numpy("logits")
+
+
+def test_the_server_answering_is_our_own_process(server, http_client, grpc_client):
+    assert server.returncode is None
+    assert http_client.get_server_metadata()["name"] == server.config.server_id
+    assert grpc_client.get_server_metadata().name == server.config.server_id
+    assert http_client.is_model_ready(MODEL) and grpc_client.is_model_ready(MODEL)
+
+
+def test_server_binds_loopback_only(server):
+    address = _non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback address")
+    for port in (server.config.http_port, server.config.grpc_port, server.config.metrics_port):
+        with socket.socket() as s:
+            s.settimeout(2)
+            assert s.connect_ex((address, port)) != 0, f"port {port} answers on {address}"
+
+
+def _non_loopback_address() -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent; picks the outbound interface
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_http_and_grpc_match_eager(http_client, grpc_client):
+    x = images(1, seed=1)
+    expected = eager(MODEL, x)
+    over_http = infer_http(http_client, x)
+    over_grpc = infer_grpc(grpc_client, x)
+    assert over_http.shape == (1, 1000) and over_http.dtype == np.float32
+    np.testing.assert_allclose(over_http, expected, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(over_grpc, expected, atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(over_http, over_grpc)
+
+
+def test_outputs_depend_on_the_input(http_client):
+    """Guards the oracle: a model whose output ignores its input would let any
+    wrong answer pass the equality tests."""
+    a, b = infer_http(http_client, images(1, seed=2)), infer_http(http_client, images(1, seed=3))
+    assert np.abs(a - b).max() > 1e-3 * np.abs(a).max()
+
+
+def test_a_batch_equals_its_rows_sent_alone(http_client, grpc_client):
+    x = images(4, seed=4)
+    batched = infer_grpc(grpc_client, x)
+    singles = np.concatenate([infer_http(http_client, x[i : i + 1]) for i in range(4)])
+    np.testing.assert_allclose(batched, singles, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(batched, eager(MODEL, x), atol=1e-4, rtol=1e-4)
+
+
+def test_wrong_shape_is_a_clear_client_error(http_client, grpc_client):
+    x = np.zeros((1, 3, 100, 100), np.float32)
+    with pytest.raises(InferenceServerException) as over_http:
+        infer_http(http_client, x)
+    assert over_http.value.status() == "400"
+    assert "image" in over_http.value.message() and "Traceback" not in over_http.value.message()
+    with pytest.raises(InferenceServerException) as over_grpc:
+        infer_grpc(grpc_client, x)
+    assert over_grpc.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+def readme_models() -> dict[str, dict[str, list[tuple[str, str, list[int]]]]]:
+    """The README's model table: model -> {"inputs": [...], "outputs": [...]},
+    each a list of (name, datatype, dims without the batch dimension)."""
+    text = (REPO_ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| (.+?) \| (.+?) \|", text, flags=re.M)
+    table = {}
+    for model, inputs, outputs in rows:
+        table[model] = {"inputs": _tensors(inputs), "outputs": _tensors(outputs)}
+    return table
+
+
+def _tensors(cell: str) -> list[tuple[str, str, list[int]]]:
+    found = re.findall(r"`(\w+)` (\w+) \[([\d, ]+)\]", cell)
+    return [(name, dtype, [int(d) for d in dims.split(",")]) for name, dtype, dims in found]
+
+
+def test_metadata_and_config_match_the_readme(http_client, grpc_client):
+    documented = readme_models()[MODEL]
+    metadata = http_client.get_model_metadata(MODEL)
+    for kind in ("inputs", "outputs"):
+        served = [(t["name"], t["datatype"], t["shape"][1:]) for t in metadata[kind]]
+        assert served == documented[kind]
+        assert all(t["shape"][0] == -1 for t in metadata[kind]), "batch dimension must be variable"
+    config = grpc_client.get_model_config(MODEL, as_json=True)["config"]
+    assert config["backend"] == "python"
+    assert config["max_batch_size"] >= 8
+    assert "dynamic_batching" in config
+    assert all(group.get("kind") in (None, "KIND_CPU", "KIND_GPU", "KIND_AUTO") for group in config["instance_group"])
+
+
+def test_config_file_leaves_instance_kind_to_triton():
+    text = (REPO_ROOT / "model_repository" / MODEL / "config.pbtxt").read_text()
+    assert "kind" not in re.sub(r"#.*", "", text)
+
+
+def test_server_config_reads_ports_from_the_environment():
+    config = ServerConfig.from_env({"HTTP_PORT": "9100", "GRPC_PORT": "9101", "METRICS_PORT": "9102"})
+    assert (config.http_port, config.grpc_port, config.metrics_port) == (9100, 9101, 9102)
+    assert ServerConfig.from_env({}).http_port == 8000
+    with pytest.raises(ValueError, match="HTTP_PORT"):
+        ServerConfig.from_env({"HTTP_PORT": "eighty"})
+    command = server_command(config, Path("/backends"))
+    assert "--model-control-mode=none" in command
+    assert "--http-address=127.0.0.1" in command and "--grpc-address=127.0.0.1" in command
+
+
+def test_make_serve_runs_in_the_foreground_and_stops_on_sigterm(tmp_path):
+    """The README's first command, on free ports with a one-model repository."""
+    repository = tmp_path / "models"
+    (repository / MODEL / "1").mkdir(parents=True)
+    source = REPO_ROOT / "model_repository" / MODEL
+    (repository / MODEL / "config.pbtxt").write_text((source / "config.pbtxt").read_text())
+    (repository / MODEL / "1" / "model.py").write_text((source / "1" / "model.py").read_text())
+    ports = {"HTTP_PORT": free_port(), "GRPC_PORT": free_port(), "METRICS_PORT": free_port()}
+    env = {**os.environ, **{k: str(v) for k, v in ports.items()}, "MODEL_REPOSITORY": str(repository)}
+    log_path = tmp_path / "make_serve.log"
+    with open(log_path, "wb") as log_file:
+        make = subprocess.Popen(["make", "-s", "serve"], cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP_PORT']}")
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and make.poll() is None:
+            try:
+                if client.is_model_ready(MODEL):
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            time.sleep(0.5)
+        assert make.poll() is None, log_path.read_text()
+        assert client.is_model_ready(MODEL)
+        x = images(1, seed=5)
+        np.testing.assert_allclose(infer_http(client, x), eager(MODEL, x), atol=1e-4, rtol=1e-4)
+        client.close()
+        make.send_signal(signal.SIGTERM)
+        assert make.wait(60) != -signal.SIGKILL
+    finally:
+        if make.poll() is None:
+            make.kill()
+    log = log_path.read_text()
+    assert "Successfully unloaded" in log or "successfully unloaded" in log.lower(), log[-2000:]
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", ports["HTTP_PORT"])) != 0, "server still running after SIGTERM"
