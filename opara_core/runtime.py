@@ -62,7 +62,7 @@ class EagerRunner:
         return [t[:n].numpy() for t in self._host_in]
 
     def run(self, n: int) -> list[np.ndarray]:
-        with self._lock:
+        with self._lock, torch.inference_mode():
             args = [t[:n].to(self.device, non_blocking=True) for t in self._host_in]
             result = _as_tuple(self.module(*args))
             for host, out in zip(self._host_out, result):
@@ -116,7 +116,7 @@ class GraphRunner:
         return next((b for b in self.buckets if b >= n), self.buckets[-1])
 
     def run(self, n: int) -> list[np.ndarray]:
-        with self._lock:
+        with self._lock, torch.inference_mode():
             done = 0
             while done < n:
                 rows = min(n - done, self.buckets[-1])
