@@ -1,0 +1,334 @@
+"""The model zoo: seeded builders for every model the product serves and plans.
+
+Each entry says how to build the module (seeded random weights, eval mode, no hub
+downloads) and what its inputs and outputs look like per sample (without the
+batch dimension), so the Triton adapter, the planner and the tests all agree on
+one description.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from opara_core.models.deepfm import CRITEO_VOCAB_SIZES, NUM_DENSE
+
+SEED = 0
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of a zoo model, per sample (no batch dimension).
+
+    `value_range` is the half-open range [low, high) of valid values for integer
+    inputs (token ids, embedding indices); an id outside it would index out of an
+    embedding table, which inside a CUDA graph kills the process.
+
+    `upper_bounds` tightens that per position along the last axis, for inputs
+    whose positions index different tables (DeepFM's per-field vocabularies):
+    the id at position i must also be below `upper_bounds[i]`.
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    value_range: tuple[int, int] | None = None
+    upper_bounds: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        ranged = self.value_range is not None or self.upper_bounds is not None
+        if ranged and self.dtype.is_floating_point:
+            raise ValueError(f"{self.name}: value ranges are for integer inputs only")
+        if self.value_range is not None and not self.value_range[0] < self.value_range[1]:
+            raise ValueError(f"{self.name}: empty value_range {self.value_range}")
+        if self.upper_bounds is not None:
+            if not self.shape or len(self.upper_bounds) != self.shape[-1]:
+                raise ValueError(
+                    f"{self.name}: {len(self.upper_bounds)} upper_bounds for shape {self.shape}"
+                )
+            low = self.value_range[0] if self.value_range else 0
+            if min(self.upper_bounds) <= low:
+                raise ValueError(f"{self.name}: an upper bound is <= the lowest valid id {low}")
+
+    def limits(self) -> tuple[int, np.ndarray] | None:
+        """(low, high) of valid ids; high broadcasts against a per-sample array.
+
+        None for inputs without a range (floats, or integers that any value suits).
+        """
+        if self.value_range is None and self.upper_bounds is None:
+            return None
+        low, high = self.value_range or (0, np.iinfo(np.int64).max)
+        if self.upper_bounds is None:
+            return low, np.asarray(high, dtype=np.int64)
+        return low, np.minimum(np.asarray(self.upper_bounds, dtype=np.int64), high)
+
+    def random(self, batch: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """A random batch that satisfies this spec."""
+        shape = (batch, *self.shape)
+        if self.dtype.is_floating_point:
+            return torch.randn(shape, dtype=self.dtype, generator=generator)
+        if self.upper_bounds is None:
+            low, high = self.value_range or (0, 2)
+            return torch.randint(low, high, shape, dtype=self.dtype, generator=generator)
+        low, high = self.limits()
+        span = torch.from_numpy(high - low)
+        # One draw for all positions; the modulo bias of a 62-bit draw is negligible.
+        draw = torch.randint(0, 2**62, shape, dtype=torch.int64, generator=generator)
+        return (draw % span + low).to(self.dtype)
+
+    def check(self, array: Any) -> str | None:
+        """A one-line description of the first out-of-range id in a batch, or None.
+
+        `array` is what Triton hands over: a numpy array (a CPU tensor works too)
+        with a leading batch dimension. Only ranged integer inputs are checked;
+        float inputs cannot index out of a table, so they always pass.
+        """
+        limits = self.limits()
+        if limits is None:
+            return None
+        low, high = limits
+        values = np.asarray(array)
+        if values.shape[1:] != self.shape:
+            return f"input {self.name!r}: per-sample shape {values.shape[1:]}, expected {self.shape}"
+        bad = (values < low) | (values >= high)
+        if not bad.any():
+            return None
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        sample, position = first[0], first[1:]
+        where = position[0] if len(position) == 1 else position
+        bound = int(np.broadcast_to(high, self.shape)[position])
+        more = int(bad.sum()) - 1
+        return (
+            f"input {self.name!r}: value {values[first]} at batch item {sample}, position {where} "
+            f"is outside [{low}, {bound})" + (f" ({more} more bad values)" if more else "")
+        )
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """A servable model: how to build it and what goes in and out."""
+
+    name: str
+    builder: Callable[[], nn.Module]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    description: str = ""
+
+    def build(self, seed: int = SEED) -> nn.Module:
+        """The module with deterministic random weights, in eval mode.
+
+        BatchNorm statistics are calibrated on seeded random inputs: with the
+        initial statistics (mean 0, variance 1) a randomly initialised CNN maps
+        every input to (nearly) the same logits, which would make the eager
+        model useless as an oracle.
+        """
+        torch.manual_seed(seed)
+        module = self.builder().eval()
+        return calibrate_batchnorm(module, self.example_inputs(batch=1, seed=seed + 1))
+
+    def example_inputs(self, batch: int = 1, seed: int = SEED) -> tuple[torch.Tensor, ...]:
+        generator = torch.Generator().manual_seed(seed)
+        return tuple(spec.random(batch, generator) for spec in self.inputs)
+
+
+def calibrate_batchnorm(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> nn.Module:
+    """Set every BatchNorm's running statistics to those of `inputs` (one pass,
+    only the norms in training mode), then return the module in eval mode."""
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return module
+    momenta = [m.momentum for m in norms]
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None  # a plain average over the calibration pass
+        norm.train()
+    with torch.no_grad():
+        module(*inputs)
+    for norm, momentum in zip(norms, momenta):
+        norm.momentum = momentum
+    return module.eval()
+
+
+def _googlenet() -> nn.Module:
+    from torchvision.models import googlenet
+
+    return googlenet(weights=None, aux_logits=False, init_weights=True)
+
+
+def _inception_v3() -> nn.Module:
+    from torchvision.models import inception_v3
+
+    return inception_v3(weights=None, aux_logits=False, init_weights=True)
+
+
+def _resnet50() -> nn.Module:
+    from torchvision.models import resnet50
+
+    return resnet50(weights=None)
+
+
+def _nasnet() -> nn.Module:
+    import timm
+
+    return timm.create_model("nasnetalarge", pretrained=False)
+
+
+def _deepfm() -> nn.Module:
+    from opara_core.models.deepfm import DeepFM
+
+    return DeepFM()
+
+
+BERT_SEQ_LEN = 128
+BERT_VOCAB = 30522
+
+
+def _bert() -> nn.Module:
+    from transformers import BertConfig, BertModel
+
+    from opara_core.models.hf import BertLastHiddenState
+
+    # BERT-base defaults. SDPA exports with a dynamic batch and decomposes into
+    # plain bmm/softmax ops, so the exported graph is device-neutral.
+    config = BertConfig(vocab_size=BERT_VOCAB, attn_implementation="sdpa")
+    return BertLastHiddenState(BertModel(config, add_pooling_layer=False))
+
+
+T5_ENCODER_LEN = 128
+T5_DECODER_LEN = 32
+T5_VOCAB = 32128
+T5_D_MODEL = 512
+
+
+def _t5() -> nn.Module:
+    from transformers import T5Config, T5Model
+
+    from opara_core.models.hf import T5DecoderLastHiddenState
+
+    config = T5Config(
+        vocab_size=T5_VOCAB,
+        d_model=T5_D_MODEL,
+        d_kv=64,
+        d_ff=2048,
+        num_layers=6,
+        num_decoder_layers=6,
+        num_heads=8,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        feed_forward_proj="relu",
+        use_cache=False,
+    )
+    return T5DecoderLastHiddenState(T5Model(config))
+
+
+def _image(size: int) -> tuple[TensorSpec, ...]:
+    return (TensorSpec("image", torch.float32, (3, size, size)),)
+
+
+_LOGITS = (TensorSpec("logits", torch.float32, (1000,)),)
+
+_MODELS: dict[str, ZooModel] = {
+    "googlenet": ZooModel(
+        name="googlenet",
+        builder=_googlenet,
+        inputs=_image(224),
+        outputs=_LOGITS,
+        description="torchvision GoogLeNet (Inception v1), no auxiliary heads",
+    ),
+    "inception_v3": ZooModel(
+        name="inception_v3",
+        builder=_inception_v3,
+        inputs=_image(299),
+        outputs=_LOGITS,
+        description="torchvision Inception v3, no auxiliary head",
+    ),
+    "resnet50": ZooModel(
+        name="resnet50",
+        builder=_resnet50,
+        inputs=_image(224),
+        outputs=_LOGITS,
+        description="torchvision ResNet-50",
+    ),
+    "nasnet": ZooModel(
+        name="nasnet",
+        builder=_nasnet,
+        inputs=_image(331),
+        outputs=_LOGITS,
+        description="timm nasnetalarge (NASNet-A Large)",
+    ),
+    "deepfm": ZooModel(
+        name="deepfm",
+        builder=_deepfm,
+        inputs=(
+            TensorSpec("dense", torch.float32, (NUM_DENSE,)),
+            TensorSpec(
+                "sparse",
+                torch.int64,
+                (len(CRITEO_VOCAB_SIZES),),
+                value_range=(0, max(CRITEO_VOCAB_SIZES)),
+                upper_bounds=CRITEO_VOCAB_SIZES,
+            ),
+        ),
+        outputs=(TensorSpec("probability", torch.float32, (1,)),),
+        description=(
+            "DeepFM for Criteo: 13 dense + 26 sparse fields, one embedding table per field "
+            "(dim 16, vocabularies capped at 100k), FM + 400-400-400 ReLU DNN, sigmoid"
+        ),
+    ),
+    "bert": ZooModel(
+        name="bert",
+        builder=_bert,
+        inputs=(
+            TensorSpec("input_ids", torch.int64, (BERT_SEQ_LEN,), value_range=(0, BERT_VOCAB)),
+            TensorSpec("attention_mask", torch.int64, (BERT_SEQ_LEN,), value_range=(0, 2)),
+        ),
+        outputs=(TensorSpec("last_hidden_state", torch.float32, (BERT_SEQ_LEN, 768)),),
+        description=(
+            "HuggingFace BertModel, BERT-base config (12 layers, hidden 768, 12 heads, "
+            "vocab 30522), SDPA attention, no pooler; returns last_hidden_state"
+        ),
+    ),
+    "t5": ZooModel(
+        name="t5",
+        builder=_t5,
+        inputs=(
+            TensorSpec("input_ids", torch.int64, (T5_ENCODER_LEN,), value_range=(0, T5_VOCAB)),
+            TensorSpec("attention_mask", torch.int64, (T5_ENCODER_LEN,), value_range=(0, 2)),
+            TensorSpec("decoder_input_ids", torch.int64, (T5_DECODER_LEN,), value_range=(0, T5_VOCAB)),
+        ),
+        outputs=(TensorSpec("last_hidden_state", torch.float32, (T5_DECODER_LEN, T5_D_MODEL)),),
+        description=(
+            "HuggingFace T5Model, t5-small config (d_model 512, d_kv 64, d_ff 2048, ReLU FF, "
+            "6+6 layers, 8 heads, vocab 32128, 32 relative-attention buckets, max distance 128), "
+            "no KV cache; one encoder pass (128 tokens) + decoder pass (32 tokens), "
+            "returns the decoder's last_hidden_state"
+        ),
+    ),
+}
+
+
+def names() -> list[str]:
+    """Names of all zoo models, in a stable order."""
+    return list(_MODELS)
+
+
+def get(name: str) -> ZooModel:
+    """The zoo entry called `name`; a KeyError lists the known names."""
+    try:
+        return _MODELS[name]
+    except KeyError:
+        raise KeyError(f"unknown model {name!r}; known models: {', '.join(_MODELS)}") from None
+
+
+def dynamic_shapes(model: ZooModel, max_batch: int = 64) -> tuple[dict[int, Any], ...]:
+    """torch.export `dynamic_shapes` for `model`'s inputs: dim 0 (batch) is dynamic.
+
+    One shared Dim, so the exported program knows all inputs have the same batch.
+    Export with an example batch of 2 or more, or 1 gets specialised in.
+    """
+    batch = torch.export.Dim("batch", min=1, max=max_batch)
+    return tuple({0: batch} for _ in model.inputs)
