@@ -7,55 +7,32 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from serving import assert_close, eager, example, infer
 from tritonclient.utils import InferenceServerException
 
-from opara_core import zoo
-from opara_core.server import REPO_ROOT, ServerConfig, TritonServer, free_port, server_command
+from opara_core.server import REPO_ROOT, ServerConfig, free_port, server_command
 
 pytestmark = pytest.mark.server
 
 MODEL = "googlenet"
 
 
-def eager(model: str, *inputs: np.ndarray) -> np.ndarray:
-    """The oracle: the same seeded zoo model, run in this process."""
-    module = _built(model)
-    with torch.inference_mode():
-        return module(*(torch.from_numpy(x) for x in inputs)).numpy()
-
-
-_MODULES: dict[str, torch.nn.Module] = {}
-
-
-def _built(model: str) -> torch.nn.Module:
-    if model not in _MODULES:
-        _MODULES[model] = zoo.get(model).build()
-    return _MODULES[model]
-
-
 def images(batch: int, seed: int) -> np.ndarray:
-    return zoo.get(MODEL).example_inputs(batch, seed)[0].numpy()
+    return example(MODEL, batch, seed)[0]
 
 
 def infer_http(client, x: np.ndarray) -> np.ndarray:
-    tensor = httpclient.InferInput("image", list(x.shape), "FP32")
-    tensor.set_data_from_numpy(x)
-    return client.infer(MODEL, [tensor]).as_numpy("logits")
+    return infer(client, MODEL, [x])
 
 
 def infer_grpc(client, x: np.ndarray) -> np.ndarray:
-    tensor = grpcclient.InferInput("image", list(x.shape), "FP32")
-    tensor.set_data_from_numpy(x)
-    return client.infer(MODEL, [tensor]).as_numpy("logits")
+    return infer(client, MODEL, [x])
 
 
 def test_the_server_answering_is_our_own_process(server, http_client, grpc_client):
@@ -87,12 +64,12 @@ def _non_loopback_address() -> str | None:
 
 def test_http_and_grpc_match_eager(http_client, grpc_client):
     x = images(1, seed=1)
-    expected = eager(MODEL, x)
+    expected = eager(MODEL, [x])
     over_http = infer_http(http_client, x)
     over_grpc = infer_grpc(grpc_client, x)
     assert over_http.shape == (1, 1000) and over_http.dtype == np.float32
-    np.testing.assert_allclose(over_http, expected, atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(over_grpc, expected, atol=1e-4, rtol=1e-4)
+    assert_close(over_http, expected)
+    assert_close(over_grpc, expected)
     np.testing.assert_array_equal(over_http, over_grpc)
 
 
@@ -107,8 +84,8 @@ def test_a_batch_equals_its_rows_sent_alone(http_client, grpc_client):
     x = images(4, seed=4)
     batched = infer_grpc(grpc_client, x)
     singles = np.concatenate([infer_http(http_client, x[i : i + 1]) for i in range(4)])
-    np.testing.assert_allclose(batched, singles, atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(batched, eager(MODEL, x), atol=1e-4, rtol=1e-4)
+    assert_close(batched, singles)
+    assert_close(batched, eager(MODEL, [x]))
 
 
 def test_wrong_shape_is_a_clear_client_error(http_client, grpc_client):
@@ -125,7 +102,7 @@ def test_wrong_shape_is_a_clear_client_error(http_client, grpc_client):
 def readme_models() -> dict[str, dict[str, list[tuple[str, str, list[int]]]]]:
     """The README's model table: model -> {"inputs": [...], "outputs": [...]},
     each a list of (name, datatype, dims without the batch dimension)."""
-    text = (REPO_ROOT / "README.md").read_text()
+    text = (REPO_ROOT / "README.md").read_text().split("\n## Models\n", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(\w+)` \| (.+?) \| (.+?) \|", text, flags=re.M)
     table = {}
     for model, inputs, outputs in rows:
@@ -193,7 +170,7 @@ def test_make_serve_runs_in_the_foreground_and_stops_on_sigterm(tmp_path):
         assert make.poll() is None, log_path.read_text()
         assert client.is_model_ready(MODEL)
         x = images(1, seed=5)
-        np.testing.assert_allclose(infer_http(client, x), eager(MODEL, x), atol=1e-4, rtol=1e-4)
+        assert_close(infer_http(client, x), eager(MODEL, [x]))
         client.close()
         make.send_signal(signal.SIGTERM)
         assert make.wait(60) != -signal.SIGKILL
