@@ -98,8 +98,9 @@ class GraphRunner:
         self._host_out = _staging(outputs, max_batch, pin=True)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], list[torch.Tensor]]] = {}
         pool = torch.cuda.graph_pool_handle()
-        # Largest first: smaller graphs then fit into memory the pool already holds.
-        for bucket in reversed(self.buckets):
+        # Smallest first: batch 1 is where latency matters most, and a capture
+        # function that learns (build.AutoCapture) sees it first.
+        for bucket in self.buckets:
             static_in = [spec.random(bucket).to(device) for spec in inputs]
             graph, static_out = capture(static_in, pool)
             self._graphs[bucket] = (graph, static_in, list(static_out))

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import runtime, zoo
+from . import zoo
+from .build import EngineSettings, build_runner
 
 log = logging.getLogger(__name__)
 
@@ -34,26 +35,35 @@ class RequestError(ValueError):
     """A problem with one request: reported to its client as INVALID_ARG."""
 
 
-@dataclass(frozen=True)
-class ModelSettings:
-    """The knobs a config.pbtxt sets through `parameters`."""
+def engine_settings(config: dict) -> EngineSettings:
+    """EngineSettings from config.pbtxt `parameters` (all values are strings there)."""
+    params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+    parsers = {
+        "policy": str,
+        "max_streams": int,
+        "buckets": lambda text: tuple(int(b) for b in text.split(",")),
+        "guard": _boolean,
+        "guard_tolerance": float,
+        "fail_capture": _boolean,
+    }
+    unknown = sorted(set(params) - set(parsers))
+    if unknown:
+        raise ValueError(f"unknown parameters {unknown}; known: {sorted(parsers)}")
+    values = {}
+    for key, text in params.items():
+        try:
+            values[key] = parsers[key](text.strip())
+        except ValueError:
+            raise ValueError(f"parameter {key} has an invalid value {text!r}") from None
+    return EngineSettings(**values)
 
-    buckets: tuple[int, ...] = runtime.DEFAULT_BUCKETS
 
-    @classmethod
-    def from_config(cls, config: dict) -> "ModelSettings":
-        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        known = {"buckets"}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"unknown parameters {unknown}; known: {sorted(known)}")
-        settings = {}
-        if params.get("buckets"):
-            try:
-                settings["buckets"] = tuple(int(b) for b in params["buckets"].split(","))
-            except ValueError:
-                raise ValueError(f"parameter buckets must be a comma-separated list of batch sizes, got {params['buckets']!r}") from None
-        return cls(**settings)
+def _boolean(text: str) -> bool:
+    if text.lower() in ("true", "yes", "1", "on"):
+        return True
+    if text.lower() in ("false", "no", "0", "off"):
+        return False
+    raise ValueError(text)
 
 
 def check_config(entry: zoo.ZooModel, config: dict) -> None:
@@ -123,14 +133,14 @@ class OparaModel:
         try:
             self.entry = zoo.get(self.zoo_name or args["model_name"])
             check_config(self.entry, config)
-            settings = ModelSettings.from_config(config)
+            settings = engine_settings(config)
         except (KeyError, ValueError) as error:
             raise pb_utils.TritonModelException(f"model {args['model_name']}: {error}") from None
         self.max_batch = max(int(config.get("max_batch_size", 0)), 1)
         self.device = select_device(args)
         module = self.entry.build()
-        self.runner = build_runner(module, self.entry, self.device, self.max_batch, settings)
-        log.info("model %s ready: %s", args["model_name"], self.runner.info)
+        self.runner, self.report = build_runner(module, self.entry, self.device, self.max_batch, settings)
+        log.info("model %s ready on %s:\n%s", args["model_name"], self.device, self.report.summary())
 
     def execute(self, requests: list) -> list:
         pb_utils = self._pb
@@ -189,18 +199,3 @@ def select_device(args: dict) -> torch.device:
         return device
     return torch.device("cpu")
 
-
-def build_runner(module: torch.nn.Module, entry: zoo.ZooModel, device: torch.device, max_batch: int, settings: ModelSettings):
-    """CUDA graphs on a GPU, eager on the CPU."""
-    if device.type == "cuda":
-        module = module.to(device)
-        with torch.inference_mode():
-            return runtime.GraphRunner(
-                runtime.capture_sequential(module),
-                entry.inputs,
-                entry.outputs,
-                device,
-                max_batch,
-                settings.buckets,
-            )
-    return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch)

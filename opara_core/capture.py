@@ -1,0 +1,155 @@
+"""Carry out a plan on CUDA streams and capture it into a CUDA graph.
+
+The only module that juggles streams. A plan names a lane per operator, a launch
+order and the cross-lane waits; here each lane becomes a CUDA stream (with the
+plan's priority), each wait an event, and the whole schedule is captured on a
+dedicated capture stream (lane 0): every other lane is forked from it with an
+event at the start and joined back before the capture ends.
+
+Memory: intermediates are freed at their last use in launch order. A tensor read
+on a lane other than the one that made it is marked with `record_stream` for
+that lane; during capture the caching allocator then defers reusing its block
+until the capture ends, so memory is only ever reused along one lane, where
+stream order makes it safe.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .executor import PlanInterpreter
+from .graph import OpGraph
+from .plan import Plan
+
+log = logging.getLogger(__name__)
+
+# torch.cuda.Stream() hands out streams round-robin from a pool of this many per
+# priority; asking for more gives an earlier stream again (silent aliasing).
+STREAMS_PER_PRIORITY = 32
+
+
+class CaptureError(RuntimeError):
+    """A plan could not be captured; the runtime falls back and logs why."""
+
+
+class LanePool:
+    """CUDA streams for lanes, created once and reused by every capture.
+
+    Graphs that share a memory pool must be captured on the same stream objects
+    (the allocator keys cached blocks by stream), and creating streams per
+    capture would run through torch's stream pool and alias.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+    def lanes(self, priorities: Sequence[int]) -> list[torch.cuda.Stream]:
+        """One stream per lane; lane i with priority p is always the same stream."""
+        streams = []
+        for lane, priority in enumerate(priorities):
+            key = (lane, int(priority))
+            if key not in self._streams:
+                self._streams[key] = torch.cuda.Stream(device=self.device, priority=int(priority))
+            streams.append(self._streams[key])
+        handles = {s.cuda_stream for s in streams}
+        if len(handles) != len(streams) or any(s == torch.cuda.default_stream(self.device) for s in streams):
+            raise CaptureError(
+                f"{len(streams)} lanes alias in torch's stream pool ({STREAMS_PER_PRIORITY} streams per priority); "
+                "plan with a smaller max_streams"
+            )
+        return streams
+
+
+class StreamInterpreter(PlanInterpreter):
+    """Runs the plan's order with each node on its lane's stream.
+
+    `run_node` is the one hook: wait on the events of cross-lane producers,
+    launch on the node's stream, mark inputs read across lanes with
+    `record_stream`, record an event if a later wait needs one.
+    """
+
+    def __init__(self, graph: OpGraph, plan: Plan, lanes: Sequence[torch.cuda.Stream]):
+        super().__init__(graph, plan)
+        if len(lanes) < plan.num_streams:
+            raise CaptureError(f"plan needs {plan.num_streams} lanes, got {len(lanes)}")
+        self.lanes = list(lanes)
+        self.waits_for: dict[str, list[str]] = defaultdict(list)
+        for producer, consumer in plan.waits:
+            self.waits_for[consumer].append(producer)
+        self.recorded = {producer for producer, _ in plan.waits}
+        self.events: dict[str, torch.cuda.Event] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        lane = self.schedule.stream[n.name]
+        stream = self.lanes[lane]
+        for producer in self.waits_for.get(n.name, ()):
+            stream.wait_event(self.events[producer])
+        with torch.cuda.stream(stream):
+            result = super().run_node(n)
+        for inp in n.all_input_nodes:
+            if inp.op == "call_function" and self.schedule.stream[inp.name] != lane:
+                for tensor in _tensors(self.env[inp]):
+                    tensor.record_stream(stream)
+        if n.name in self.recorded:
+            event = torch.cuda.Event()
+            event.record(stream)
+            self.events[n.name] = event
+        return result
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+
+
+def run_on_lanes(interpreter: StreamInterpreter, inputs: Sequence[torch.Tensor]) -> Any:
+    """Fork every lane from the current stream, run, join every lane back."""
+    origin = torch.cuda.current_stream()
+    fork = torch.cuda.Event()
+    fork.record(origin)
+    for stream in interpreter.lanes:
+        if stream != origin:
+            stream.wait_event(fork)
+    interpreter.events.clear()
+    result = interpreter.run(*inputs)
+    for stream in interpreter.lanes:
+        if stream != origin:
+            origin.wait_stream(stream)
+    return result
+
+
+CaptureFn = Callable[[Sequence[torch.Tensor], Any], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]]
+
+
+def plan_capture(graph: OpGraph, plan: Plan, lane_pool: LanePool, warmup: int = 2) -> CaptureFn:
+    """A capture function for `runtime.GraphRunner`: `plan` on its lanes.
+
+    Before capturing, the exact schedule runs `warmup` times on the same stream
+    objects (cuDNN autotuning, per-stream cuBLAS workspaces, lazy loading).
+    """
+    lanes = lane_pool.lanes(plan.priorities[: plan.num_streams] or (0,))
+    capture_stream = lanes[0]
+
+    def capture(static_in: Sequence[torch.Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+        interpreter = StreamInterpreter(graph, plan, lanes)
+        capture_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(capture_stream):
+            for _ in range(warmup):
+                run_on_lanes(interpreter, static_in)
+        torch.cuda.current_stream().wait_stream(capture_stream)
+        torch.cuda.synchronize()
+        cuda_graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(cuda_graph, pool=pool, stream=capture_stream, capture_error_mode="thread_local"):
+                result = run_on_lanes(interpreter, static_in)
+        except RuntimeError as error:
+            raise CaptureError(f"capturing {plan.policy} with {plan.num_streams} lanes failed: {error}") from error
+        outputs = tuple(_tensors(result))
+        return cuda_graph, outputs
+
+    return capture

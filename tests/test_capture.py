@@ -1,0 +1,96 @@
+"""Multi-stream capture on a GPU: every plan's graph equals the sequential graph."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from opara_core import runtime, zoo
+from opara_core.build import EngineSettings, build_runner, trace_on
+from opara_core.capture import CaptureError, LanePool, plan_capture
+from opara_core.plan import plan_graph
+
+pytestmark = pytest.mark.gpu
+
+POLICIES = ("sequential", "opara", "nimble", "asap", "wavefront")
+
+
+@functools.lru_cache(maxsize=None)
+def traced(model: str):
+    device = torch.device("cuda")
+    module = zoo.get(model).build().to(device)
+    return module, trace_on(module, zoo.get(model), device)
+
+
+def graph_runner(model: str, policy: str, max_streams: int | None, lane_pool: LanePool, buckets=(1, 4)):
+    module, graph = traced(model)
+    entry = zoo.get(model)
+    plan = plan_graph(graph, policy, max_streams)
+    with torch.inference_mode():
+        runner = runtime.GraphRunner(plan_capture(graph, plan, lane_pool), entry.inputs, entry.outputs, torch.device("cuda"), 8, buckets)
+    return runner, plan
+
+
+def replay(runner, arrays) -> list[torch.Tensor]:
+    n = arrays[0].shape[0]
+    for buffer, x in zip(runner.host_inputs(n), arrays):
+        buffer[...] = x.numpy()
+    return [torch.from_numpy(o.copy()) for o in runner.run(n)]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_equals_the_sequential_graph_on_googlenet(policy):
+    lane_pool = LanePool(torch.device("cuda"))
+    sequential, _ = graph_runner("googlenet", "sequential", None, lane_pool)
+    parallel, plan = graph_runner("googlenet", policy, 8, lane_pool)
+    assert plan.num_streams <= 8 and (policy == "sequential" or plan.num_streams > 1)
+    entry = zoo.get("googlenet")
+    for seed in range(20):
+        inputs = entry.example_inputs(1 + seed % 4, seed=seed)
+        assert torch.equal(replay(parallel, inputs)[0], replay(sequential, inputs)[0])
+
+
+@pytest.mark.parametrize("model", zoo.names())
+def test_a_thousand_replays_of_the_multi_stream_graph_equal_the_sequential_graph(model):
+    """Races show up as outputs that differ between replays on fresh inputs."""
+    lane_pool = LanePool(torch.device("cuda"))
+    sequential, _ = graph_runner(model, "sequential", None, lane_pool, buckets=(1,))
+    parallel, plan = graph_runner(model, "opara", 16, lane_pool, buckets=(1,))
+    assert plan.num_streams > 1
+    entry = zoo.get(model)
+    generator = torch.Generator().manual_seed(0)
+    mismatches = 0
+    for _ in range(1000):
+        inputs = tuple(spec.random(1, generator) for spec in entry.inputs)
+        mismatches += not torch.equal(replay(parallel, inputs)[0], replay(sequential, inputs)[0])
+    assert mismatches == 0
+
+
+def test_auto_is_never_slower_than_sequential_and_passes_the_guard():
+    module, _ = traced("googlenet")
+    runner, report = build_runner(module, zoo.get("googlenet"), torch.device("cuda"), 8, EngineSettings(buckets=(1, 8)))
+    assert report.runner == "multi-stream graph", report.summary()
+    for bucket in (1, 8):
+        timings = report.timings_ms[bucket]
+        assert timings[report.choices[bucket]] <= timings["sequential/1"]
+    assert not report.fallbacks
+
+
+def test_a_failed_capture_falls_back_to_the_sequential_graph_with_the_reason():
+    module, _ = traced("googlenet")
+    runner, report = build_runner(module, zoo.get("googlenet"), torch.device("cuda"), 8, EngineSettings(buckets=(1,), fail_capture=True))
+    assert report.runner == "sequential graph"
+    assert "fail_capture" in report.fallbacks[0]
+    inputs = zoo.get("googlenet").example_inputs(1, seed=3)
+    with torch.inference_mode():
+        expected = module(inputs[0].cuda()).cpu()
+    got = replay(runner, inputs)[0]
+    assert float((got - expected).abs().max()) <= 1e-4 * float(expected.abs().max())
+
+
+def test_lanes_beyond_the_stream_pool_are_refused_not_aliased():
+    lane_pool = LanePool(torch.device("cuda"))
+    with pytest.raises(CaptureError, match="alias"):
+        lane_pool.lanes([0] * 40)
