@@ -1,0 +1,194 @@
+"""Stream policies: the paper's example, and properties on random DAGs for every policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from engine_helpers import appendix_dag, dags, min_waits_by_brute_force, redundant_waits
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opara_core import policies
+from opara_core.dag import Dag, OpNode
+from opara_core.plan import make_plan, violations
+
+SETTINGS = settings(max_examples=60, deadline=None)
+BUDGETS = st.sampled_from([None, 1, 2, 3, 5])
+
+
+def test_registry_names_every_policy():
+    assert policies.names() == ["sequential", "opara", "nimble", "asap", "wavefront"]
+    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
+        policies.get("fastest")
+
+
+def test_opara_on_the_papers_appendix_example_gives_five_streams():
+    dag = appendix_dag()
+    plan = make_plan(dag, "opara")
+    assert plan.num_streams == 5
+    # Alg. 1 by hand: 1 donates to 2, 3 and 4 start streams, 8 takes 5's stream,
+    # 10 and 12 start streams, 13 takes 10's.
+    expected = {"1": 0, "2": 0, "3": 1, "4": 2, "5": 0, "6": 1, "7": 2, "8": 0, "9": 0, "10": 3, "11": 0, "12": 4, "13": 3}
+    assert dict(plan.stream) == expected
+    assert not violations(dag, plan)
+
+
+def test_opara_takes_the_first_unflagged_predecessor_in_edge_order():
+    # c's edges list b before a, so c joins b's stream although a comes first in the node list.
+    dag = Dag(tuple(OpNode(n) for n in "abc"), (("b", "c"), ("a", "c")))
+    a, b, c = policies.opara(dag).stream
+    assert c == b != a
+    # a donates its stream once: b takes it, c (also a's consumer) starts a new one.
+    dag = Dag(tuple(OpNode(n) for n in "abc"), (("a", "b"), ("a", "c")))
+    a, b, c = policies.opara(dag).stream
+    assert a == b != c
+
+
+def test_nimble_on_the_appendix_example():
+    dag = appendix_dag()
+    plan = make_plan(dag, "nimble")
+    assert plan.num_streams == 3  # the width of the DAG
+    # 16 reduction edges; a maximum matching has 8 (chains 1-2-5-8-9-11, 3-6, 4-7, 10-13, 12).
+    assert len(dag.reduced_edges) == 16
+    assert len(plan.waits) == 16 - 8
+
+
+def test_asap_keeps_the_critical_path_on_one_lane():
+    # The expensive branch is the second input of the join; argument order would pick the first.
+    nodes = (OpNode("src"), OpNode("cheap", cost=1), OpNode("heavy", cost=100), OpNode("join"))
+    dag = Dag(nodes, (("src", "cheap"), ("src", "heavy"), ("cheap", "join"), ("heavy", "join")))
+    stream = policies.asap(dag).stream
+    assert stream[0] == stream[2] == stream[3] != stream[1]
+
+
+def test_wavefront_launches_wave_by_wave():
+    dag = appendix_dag()
+    plan = make_plan(dag, "wavefront")
+    assert plan.order == ("1", "2", "5", "3", "6", "4", "7", "8", "9", "10", "11", "12", "13")
+    assert plan.num_streams == 3
+    assert not violations(dag, plan)
+
+
+def test_sequential_is_one_stream_in_node_order():
+    dag = appendix_dag()
+    plan = make_plan(dag, "sequential")
+    assert plan.num_streams == 1 and plan.waits == () and list(plan.order) == list(dag.names)
+
+
+@pytest.mark.parametrize("policy", policies.names())
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_budget_must_be_a_positive_integer(policy, bad):
+    with pytest.raises(ValueError, match="max_streams"):
+        policies.get(policy)(appendix_dag(), bad)
+
+
+@pytest.mark.parametrize("policy", policies.names())
+def test_empty_and_single_node_dags(policy):
+    assert make_plan(Dag((), ()), policy).num_streams == 0
+    plan = make_plan(Dag((OpNode("x"),), ()), policy)
+    assert plan.num_streams == 1 and plan.order == ("x",) and plan.waits == ()
+
+
+@pytest.mark.parametrize("policy", policies.names())
+@SETTINGS
+@given(dag=dags(), budget=BUDGETS)
+def test_every_plan_is_valid_within_budget_and_has_no_redundant_wait(policy, dag, budget):
+    plan = make_plan(dag, policy, budget)
+    assert violations(dag, plan) == []  # edges enforced, no self-waits, order topological, ids 0..k-1
+    if budget is not None:
+        assert plan.num_streams <= budget
+    assert plan.num_streams <= len(dag)
+    assert redundant_waits(dag, plan) == []
+    assert all((dag.index[p], dag.index[c]) in set(dag.reduced_edges) for p, c in plan.waits)
+
+
+@pytest.mark.parametrize("policy", policies.names())
+@SETTINGS
+@given(dag=dags(max_nodes=10), order=st.sampled_from(["topological", "opara", "critical_path"]))
+def test_any_launch_order_gives_a_valid_plan(policy, dag, order):
+    plan = make_plan(dag, policy, order=order)
+    assert violations(dag, plan) == []
+    assert redundant_waits(dag, plan) == []
+
+
+@settings(max_examples=80, deadline=None)
+@given(dag=dags(max_nodes=7, resources=False))
+def test_nimble_is_optimal_against_brute_force(dag):
+    plan = make_plan(dag, "nimble")
+    # Maximum logical concurrency: two nodes with no path between them never share a stream.
+    for i, u in enumerate(dag.names):
+        for j, v in enumerate(dag.names[i + 1 :], i + 1):
+            if not dag.reaches(i, j):
+                assert plan.stream[u] != plan.stream[v], (u, v)
+    # The fewest waits: |E_tr| - |maximum matching|, the brute-force minimum.
+    assert len(plan.waits) == min_waits_by_brute_force(dag)
+
+
+@SETTINGS
+@given(dag=dags(max_nodes=9))
+def test_nimble_uses_the_fewest_streams_without_false_dependencies(dag):
+    # The chain cover is minimum, so it needs exactly as many streams as the widest antichain
+    # when no budget is given (Dilworth); a greedy cover could need more.
+    plan = make_plan(dag, "nimble")
+    assert plan.num_streams == _width(dag)
+
+
+@pytest.mark.parametrize("policy", policies.names())
+@SETTINGS
+@given(dag=dags(max_nodes=12), budget=st.integers(1, 6))
+def test_a_budget_that_does_not_bind_changes_nothing(policy, dag, budget):
+    free = make_plan(dag, policy)
+    if free.num_streams <= budget:
+        assert make_plan(dag, policy, budget).stream == free.stream
+
+
+@pytest.mark.parametrize("policy", policies.names())
+@settings(max_examples=20, deadline=None)
+@given(dag=dags())
+def test_plans_are_deterministic_within_a_process(policy, dag):
+    assert make_plan(dag, policy) == make_plan(Dag.from_json(dag.to_json()), policy)
+
+
+def test_plans_do_not_depend_on_the_hash_seed():
+    script = (
+        "import json, random\n"
+        "from opara_core.dag import Dag, OpNode\n"
+        "from opara_core.plan import make_plan\n"
+        "from opara_core import policies\n"
+        "rng = random.Random(7)\n"
+        "out = []\n"
+        "for trial in range(6):\n"
+        "    n = rng.randint(5, 40)\n"
+        "    names = [f'node-{rng.random():.12f}' for _ in range(n)]\n"
+        "    edges = sorted({(min(a, b), max(a, b)) for a, b in ((rng.randrange(n), rng.randrange(n)) for _ in range(2 * n)) if a != b})\n"
+        "    dag = Dag(tuple(OpNode(x, rng.choice(['compute', 'memory']), rng.randint(1, 9)) for x in names),\n"
+        "              tuple((names[a], names[b]) for a, b in edges))\n"
+        "    for p in policies.names():\n"
+        "        for k in (None, 2):\n"
+        "            out.append(make_plan(dag, p, k).to_json())\n"
+        "print(json.dumps(out))\n"
+    )
+    outputs = set()
+    for seed in ("0", "1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+        outputs.add(result.stdout)
+    assert len(outputs) == 1
+    assert len(json.loads(outputs.pop())) == 6 * len(policies.names()) * 2
+
+
+def _width(dag: Dag) -> int:
+    """Size of the largest antichain, by brute force over subsets (small DAGs only)."""
+    n = len(dag)
+    best = 0
+    for mask in range(1 << n):
+        members = [i for i in range(n) if mask >> i & 1]
+        if len(members) > best and all(
+            not dag.reaches(a, b) and not dag.reaches(b, a) for k, a in enumerate(members) for b in members[k + 1 :]
+        ):
+            best = len(members)
+    return best
