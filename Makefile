@@ -27,5 +27,14 @@ serve: setup
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# perf_analyzer (bundled in tritonclient) against a running server (`make serve`):
+# a concurrency sweep with count-based windows for every ready model, one CSV
+# per model in out/perf/. PERF_URL is the gRPC HOST:PORT; PERF_ARGS adds
+# options of `python -m client.perf run` (e.g. --concurrency 1,2,4,8).
+PERF_URL ?= localhost:8001
+PERF_ARGS ?=
+perf: setup
+	$(PY) -m client.perf run --url $(PERF_URL) --out-dir out/perf $(PERF_ARGS)
+
 clean:
 	rm -rf .triton .pytest_cache .hypothesis

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -56,6 +57,8 @@ class EagerRunner:
         self._host_out = _staging(outputs, max_batch, pin)
         self._lock = threading.Lock()
         self.info = RunnerInfo("eager", str(device))
+        self.batches: Counter[int] = Counter()  # batch size -> runs
+        self.padded_rows = 0
 
     def host_inputs(self, n: int) -> list[np.ndarray]:
         _check_rows(n, self.max_batch)
@@ -67,6 +70,7 @@ class EagerRunner:
             result = _as_tuple(self.module(*args))
             for host, out in zip(self._host_out, result):
                 host[:n].copy_(out)
+            self.batches[n] += 1
             return [t[:n].numpy() for t in self._host_out]
 
 
@@ -106,6 +110,8 @@ class GraphRunner:
             self._graphs[bucket] = (graph, static_in, list(static_out))
         self._lock = threading.Lock()
         self.info = RunnerInfo("cuda-graph", str(device), self.buckets)
+        self.batches: Counter[int] = Counter()  # bucket -> replays
+        self.padded_rows = 0
         log.info("captured CUDA graphs for buckets %s on %s", self.buckets, device)
 
     def host_inputs(self, n: int) -> list[np.ndarray]:
@@ -121,7 +127,10 @@ class GraphRunner:
             done = 0
             while done < n:
                 rows = min(n - done, self.buckets[-1])
-                graph, static_in, static_out = self._graphs[self.bucket_for(rows)]
+                bucket = self.bucket_for(rows)
+                graph, static_in, static_out = self._graphs[bucket]
+                self.batches[bucket] += 1
+                self.padded_rows += bucket - rows
                 for static, host in zip(static_in, self._host_in):
                     static[:rows].copy_(host[done : done + rows], non_blocking=True)
                 graph.replay()

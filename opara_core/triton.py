@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from . import zoo
+from . import weights, zoo
 from .build import EngineSettings, build_runner
 
 log = logging.getLogger(__name__)
@@ -35,9 +36,21 @@ class RequestError(ValueError):
     """A problem with one request: reported to its client as INVALID_ARG."""
 
 
+# Parameters the adapter reads itself; every other parameter is an EngineSettings field.
+# `value_range.<input>` ("low,high", half-open) and `upper_bounds.<input>` (one
+# bound per position) publish valid ids to clients; they must match the model.
+ADAPTER_PARAMETERS = ("weights",)
+RANGE_PREFIXES = ("value_range.", "upper_bounds.")
+
+
+def parameters(config: dict) -> dict[str, str]:
+    """config.pbtxt `parameters` as plain strings."""
+    return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+
+
 def engine_settings(config: dict) -> EngineSettings:
     """EngineSettings from config.pbtxt `parameters` (all values are strings there)."""
-    params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+    params = {k: v for k, v in parameters(config).items() if k not in ADAPTER_PARAMETERS and not k.startswith(RANGE_PREFIXES)}
     parsers = {
         "policy": str,
         "max_streams": int,
@@ -45,10 +58,11 @@ def engine_settings(config: dict) -> EngineSettings:
         "guard": _boolean,
         "guard_tolerance": float,
         "fail_capture": _boolean,
+        "fusion": _boolean,
     }
     unknown = sorted(set(params) - set(parsers))
     if unknown:
-        raise ValueError(f"unknown parameters {unknown}; known: {sorted(parsers)}")
+        raise ValueError(f"unknown parameters {unknown}; known: {sorted([*parsers, *ADAPTER_PARAMETERS])}")
     values = {}
     for key, text in params.items():
         try:
@@ -81,6 +95,21 @@ def check_config(entry: zoo.ZooModel, config: dict) -> None:
                     f"config {kind} {spec.name!r} is {tensor['data_type']} {list(dims)}, "
                     f"the model needs {TRITON_DTYPES[spec.dtype]} {list(spec.shape)}"
                 )
+
+
+def check_ranges(entry: zoo.ZooModel, config: dict) -> None:
+    """The id ranges a config publishes must be exactly the model's."""
+    declared = {k: v for k, v in parameters(config).items() if k.startswith(RANGE_PREFIXES)}
+    expected = {}
+    for spec in entry.inputs:
+        if spec.value_range is not None:
+            expected[f"value_range.{spec.name}"] = ",".join(map(str, spec.value_range))
+        if spec.upper_bounds is not None:
+            expected[f"upper_bounds.{spec.name}"] = ",".join(map(str, spec.upper_bounds))
+    for key in sorted(set(declared) | set(expected)):
+        got = declared.get(key, "").replace(" ", "")
+        if got != expected.get(key):
+            raise ValueError(f"parameter {key} is {declared.get(key)!r}, the model's is {expected.get(key)!r}")
 
 
 def request_arrays(entry: zoo.ZooModel, tensors: dict[str, np.ndarray | None]) -> list[np.ndarray]:
@@ -133,13 +162,17 @@ class OparaModel:
         try:
             self.entry = zoo.get(self.zoo_name or args["model_name"])
             check_config(self.entry, config)
+            check_ranges(self.entry, config)
             settings = engine_settings(config)
+            weights_file = parameters(config).get("weights")
+            version_dir = Path(args["model_repository"]) / args["model_version"]
+            module = weights.load_module(self.entry, weights.weights_path(version_dir, weights_file) if weights_file else None)
         except (KeyError, ValueError) as error:
             raise pb_utils.TritonModelException(f"model {args['model_name']}: {error}") from None
         self.max_batch = max(int(config.get("max_batch_size", 0)), 1)
         self.device = select_device(args)
-        module = self.entry.build()
         self.runner, self.report = build_runner(module, self.entry, self.device, self.max_batch, settings)
+        self.metrics = ServingMetrics(pb_utils, args["model_name"], self.runner, self.report)
         log.info("model %s ready on %s:\n%s", args["model_name"], self.device, self.report.summary())
 
     def execute(self, requests: list) -> list:
@@ -162,7 +195,11 @@ class OparaModel:
                 log.exception("inference failed for a batch of %d requests", len(good))
                 for i, _ in good:
                     responses[i] = _error(pb_utils, "inference failed inside the model; see the server log", pb_utils.TritonError.INTERNAL)
+            self.metrics.maybe_flush()
         return responses
+
+    def finalize(self) -> None:
+        self.metrics.flush()
 
     def _run(self, good: list[tuple[int, list[np.ndarray]]]) -> list[list]:
         """Concatenate, run the batch once, split the outputs per request."""
@@ -182,6 +219,64 @@ class OparaModel:
             ]
             offset += size
         return results
+
+
+class ServingMetrics:
+    """The model's own Prometheus metrics, next to Triton's on the metrics port.
+
+    opara_batches_total{model,runner,bucket}: batches run, per CUDA-graph bucket
+    (runner "cuda-graph") or per batch size (runner "eager"); opara_padded_rows_total:
+    rows replayed beyond the real batch to fill a bucket; opara_fallbacks_total:
+    fallbacks taken at load (label `stage`: what failed). Every metric update is an
+    IPC round trip to the server, so counts are pushed at most every
+    `FLUSH_SECONDS`, not per request.
+    """
+
+    FLUSH_SECONDS = 0.5
+
+    def __init__(self, pb_utils, model: str, runner, report):
+        kind = pb_utils.MetricFamily.COUNTER
+        self._batches = pb_utils.MetricFamily(
+            name="opara_batches_total", description="Batches run, by runner and bucket", kind=kind
+        )
+        # a MetricFamily must outlive its Metrics: keep every one
+        self._padded_family = pb_utils.MetricFamily(
+            name="opara_padded_rows_total", description="Rows replayed beyond the batch to fill a bucket", kind=kind
+        )
+        self._padded = self._padded_family.Metric(labels={"model": model})
+        self._padded.increment(0)  # show the series from the start, also where it stays 0
+        self._fallback_family = pb_utils.MetricFamily(
+            name="opara_fallbacks_total", description="Fallbacks taken when the model was loaded", kind=kind
+        )
+        self._fallbacks = [
+            self._fallback_family.Metric(labels={"model": model, "stage": reason.split(":", 1)[0]}) for reason in report.fallbacks
+        ]
+        for metric in self._fallbacks:
+            metric.increment(1)
+        self._model = model
+        self._runner = runner
+        self._metrics: dict[int, object] = {}
+        self._sent: dict[int, int] = {}
+        self._padded_sent = 0
+        self._last_flush = time.monotonic()
+
+    def maybe_flush(self) -> None:
+        if time.monotonic() - self._last_flush >= self.FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        self._last_flush = time.monotonic()
+        for bucket, count in list(self._runner.batches.items()):
+            if bucket not in self._metrics:
+                labels = {"model": self._model, "runner": self._runner.info.kind, "bucket": str(bucket)}
+                self._metrics[bucket] = self._batches.Metric(labels=labels)
+                self._sent[bucket] = 0
+            if count > self._sent[bucket]:
+                self._metrics[bucket].increment(count - self._sent[bucket])
+                self._sent[bucket] = count
+        if self._runner.padded_rows > self._padded_sent:
+            self._padded.increment(self._runner.padded_rows - self._padded_sent)
+            self._padded_sent = self._runner.padded_rows
 
 
 def _error(pb_utils, message: str, code):

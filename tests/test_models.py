@@ -112,3 +112,25 @@ def test_an_error_for_one_request_in_a_batch_leaves_the_batch_intact(grpc_client
         else:
             assert_close(result, eager(model, arrays))
 
+
+
+def test_custom_metrics_count_batches_next_to_tritons_own(server, http_client):
+    """opara_batches_total sits on the metrics port with Triton's metrics; counts
+    are pushed at most every half second, so a later request flushes them."""
+    import time
+    import urllib.request
+
+    for seed in range(3):
+        infer(http_client, "resnet50", example("resnet50", 1, seed=seed))
+    time.sleep(0.6)
+    infer(http_client, "resnet50", example("resnet50", 1, seed=9))
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    assert "nv_inference_request_success" in text
+    counts = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("opara_batches_total{") and 'model="resnet50"' in line
+    ]
+    assert counts and sum(counts) >= 4, [line for line in text.splitlines() if "opara" in line]
+    assert "opara_padded_rows_total" in text

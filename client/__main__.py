@@ -1,0 +1,180 @@
+"""python -m client: send a request, or measure latency over a concurrency sweep.
+
+  python -m client infer --model M --protocol grpc|http --url HOST:PORT [--input FILE.npy] [--batch B]
+  python -m client bench --model M --protocol grpc|http --url HOST:PORT --concurrency 1,2,4
+                         (--requests N | --duration S) [--batch B] [--shared-memory none|system]
+                         [--json F] [--csv F] [--plot F.png]
+
+Exit status: 0 on success, 1 when a request failed or the server cannot be
+reached (a bench with errors still writes its rows), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from client import bench
+from client.api import PROTOCOLS, UNAVAILABLE, Client, ClientError, parse_url, result_arrays
+from client.cli import Parser, UsageError, concurrency_list, positive_int, run_main
+from client.inputs import load_inputs, random_inputs
+
+
+def _parser() -> Parser:
+    parser = Parser(prog="python -m client", description="Triton client: one request, or a latency sweep")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", required=True)
+        p.add_argument("--protocol", choices=PROTOCOLS, default="grpc")
+        p.add_argument("--url", help="HOST:PORT (default localhost:8001 for grpc, localhost:8000 for http)")
+        p.add_argument(
+            "--batch", type=positive_int, default=None, help="rows per request (default 1, or the batch of --input)"
+        )
+        p.add_argument(
+            "--input",
+            action="append",
+            default=[],
+            metavar="FILE.npy",
+            help="real data: FILE.npy (one-input model), NAME=FILE.npy or FILE.npz; repeatable; "
+            "other inputs get random data",
+        )
+        p.add_argument(
+            "--timeout", type=float, default=60.0, metavar="S", help="per-request timeout in seconds (default 60)"
+        )
+
+    infer = sub.add_parser("infer", help="send one request and summarise the outputs")
+    common(infer)
+
+    run = sub.add_parser("bench", help="closed-loop latency and throughput at each concurrency")
+    common(run)
+    run.add_argument("--concurrency", type=concurrency_list, required=True, help="levels, e.g. 1,2,4")
+    amount = run.add_mutually_exclusive_group(required=True)
+    amount.add_argument("--requests", type=positive_int, help="measured requests per concurrency level")
+    amount.add_argument("--duration", type=float, metavar="S", help="measured seconds per concurrency level")
+    run.add_argument("--shared-memory", choices=bench.SHARED_MEMORY_MODES, default="none")
+    run.add_argument(
+        "--warmup", type=int, default=2, help="unmeasured requests per worker before each level (default 2)"
+    )
+    run.add_argument("--json", type=Path, help="write {model, protocol, results: [rows]} here")
+    run.add_argument("--csv", type=Path, help="write the rows here")
+    run.add_argument("--plot", type=Path, help="PNG: latency percentiles and throughput against concurrency")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _url(args: argparse.Namespace) -> str:
+    url = args.url or f"localhost:{8001 if args.protocol == 'grpc' else 8000}"
+    try:
+        return parse_url(url, args.protocol)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _unreachable(error: ClientError, args: argparse.Namespace, url: str) -> ClientError:
+    if error.kind == UNAVAILABLE:
+        return ClientError(f"cannot reach the server at {url} over {args.protocol}: {error}", UNAVAILABLE)
+    return error
+
+
+def infer(args: argparse.Namespace) -> int:
+    url = _url(args)
+    with Client(url, args.protocol, args.timeout) as client:
+        try:
+            info = client.model_info(args.model)
+            arrays = load_inputs(info, args.input, args.batch) if args.input else random_inputs(info, args.batch or 1)
+            request = client.request(args.model, arrays)
+            start = time.perf_counter()
+            result = client.infer(request)
+            elapsed_ms = (time.perf_counter() - start) * 1000
+        except ClientError as error:
+            raise _unreachable(error, args, url) from None
+        outputs = result_arrays(request, result, [t.name for t in info.outputs])
+    shapes = ", ".join(f"{name} {list(a.shape)}" for name, a in arrays.items())
+    print(f"{args.model} over {args.protocol} at {url}: {elapsed_ms:.1f} ms; inputs {shapes}")
+    for name, array in outputs.items():
+        print(summarize_output(name, array, info.batching))
+    return 0
+
+
+def summarize_output(name: str, array: np.ndarray, batching: bool) -> str:
+    """Shape and value range; top-5 classes where the output looks like
+    per-row class scores (a float vector per row)."""
+    lines = [f"{name}: {array.dtype} {list(array.shape)}"]
+    if array.size and array.dtype.kind in "fiub":
+        values = array.astype(np.float64)
+        lines[0] += f"  min {values.min():.4g}  mean {values.mean():.4g}  max {values.max():.4g}"
+    rows = array if batching else array[np.newaxis]
+    if array.dtype.kind == "f" and rows.ndim == 2 and rows.shape[1] >= 5:
+        for index, row in enumerate(rows[:4]):
+            top = np.argsort(row)[::-1][:5]
+            lines.append(f"  row {index} top-5: " + ", ".join(f"{int(c)} ({row[c]:.3f})" for c in top))
+        if len(rows) > 4:
+            lines.append(f"  ... {len(rows) - 4} more rows")
+    return "\n".join(lines)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    url = _url(args)
+    try:
+        config = bench.BenchConfig(
+            model=args.model,
+            url=url,
+            protocol=args.protocol,
+            concurrency=args.concurrency,
+            requests=args.requests,
+            duration_s=args.duration,
+            batch=args.batch,
+            shared_memory=args.shared_memory,
+            warmup=args.warmup,
+            timeout_s=args.timeout,
+            input_files=tuple(args.input),
+            progress=not args.no_progress,
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    amount = f"{args.requests} requests" if args.requests else f"{args.duration:g} s"
+    batch = args.batch or ("from --input" if args.input else 1)
+    print(
+        f"{args.model} over {args.protocol} at {url}: batch {batch}, shared memory {config.shared_memory}, "
+        f"{amount} per level, concurrency {','.join(map(str, config.concurrency))}",
+        flush=True,
+    )
+    try:
+        result = bench.run(config)
+    except ClientError as error:
+        raise _unreachable(error, args, url) from None
+    print(bench.format_table(result.rows))
+    if args.json:
+        bench.write_json(args.json, result)
+    if args.csv:
+        bench.write_csv(args.csv, result.rows)
+    if args.plot:
+        from client.plots import plot_bench
+
+        title = f"{args.model} over {args.protocol}, batch {result.batch}, shared memory {config.shared_memory}"
+        plot_bench([asdict(row) for row in result.rows], args.plot, title)
+    for path in (args.json, args.csv, args.plot):
+        if path:
+            print(f"wrote {path}")
+    if result.errors:
+        total = sum(row.requests for row in result.rows)
+        print(f"error: {result.errors} of {total} requests failed: {'; '.join(result.error_messages)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError(f"--timeout must be > 0, got {args.timeout}")
+    return infer(args) if args.command == "infer" else run_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

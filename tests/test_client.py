@@ -1,0 +1,272 @@
+"""The client package against the real server (the session `server` fixture).
+
+Request counts are small on purpose: one googlenet inference takes 50-1000 ms
+on a shared CPU, and every test here shares that budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client import bench, perf
+from client.__main__ import main as client_main
+from client.api import SHM_PREFIX, AsyncClient, Client, SharedMemoryRegions, result_arrays
+from client.inputs import random_inputs
+from opara_core.server import REPO_ROOT, free_port
+
+pytestmark = pytest.mark.server
+
+MODEL = "googlenet"
+REQUESTS = 4  # per concurrency level in the sweeps
+
+
+def url_of(server, protocol: str) -> str:
+    return server.grpc_url if protocol == "grpc" else server.http_url
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m client ...` as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "client", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def our_leftovers(server, pid: int) -> tuple[list[str], list[str]]:
+    """Shared-memory regions of process `pid`: registered on the server, and in /dev/shm."""
+    prefix = f"{SHM_PREFIX}{pid}_"
+    with Client(server.grpc_url) as client:
+        registered = [name for name in client.shm_regions() if name.startswith(prefix)]
+    return registered, [f for f in os.listdir("/dev/shm") if f.startswith(prefix)]
+
+
+# --- sweeps over both protocols ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["grpc", "http"])
+def sweep(request, server, tmp_path_factory) -> tuple[str, Path, int]:
+    """One `bench` run per protocol through the CLI, with every output file."""
+    protocol = request.param
+    out = tmp_path_factory.mktemp(f"sweep_{protocol}")
+    code = client_main(
+        ["bench", "--model", MODEL, "--protocol", protocol, "--url", url_of(server, protocol), "--concurrency", "1,2",
+         "--requests", str(REQUESTS), "--warmup", "1", "--json", str(out / "r.json"), "--csv", str(out / "r.csv"),
+         "--plot", str(out / "r.png")]
+    )  # fmt: skip
+    return protocol, out, code
+
+
+def test_sweep_gives_consistent_rows(sweep):
+    protocol, out, code = sweep
+    assert code == 0
+    rows = json.loads((out / "r.json").read_text())["results"]
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["requests"] == REQUESTS and r["errors"] == 0
+        assert 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"]
+        assert r["throughput_rps"] > 0 and r["mean_ms"] > 0
+        server_ms = sum(r[f"server_{name}_ms"] for name in bench.SERVER_COMPONENTS)
+        assert 0 < r["server_compute_infer_ms"] <= server_ms <= r["mean_ms"] * 1.05 + 1, (
+            f"{protocol}: the server's time per request cannot exceed the client's: {r}"
+        )
+
+
+def test_sweep_writes_json_csv_and_plot(sweep):
+    protocol, out, _ = sweep
+    data = json.loads((out / "r.json").read_text())
+    assert data["model"] == MODEL and data["protocol"] == protocol and data["batch"] == 1
+    assert "successful requests" in data["latency"]
+    for row in data["results"]:
+        assert list(row) == list(bench.ROW_FIELDS)
+        assert all(isinstance(row[k], int) for k in ("concurrency", "requests", "errors"))
+        assert all(isinstance(row[k], float) for k in bench.ROW_FIELDS[3:])
+    with open(out / "r.csv", newline="") as f:
+        assert [int(r["concurrency"]) for r in csv.DictReader(f)] == [1, 2]
+    assert (out / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --- perf_analyzer -------------------------------------------------------------------------
+
+
+def perf_analyzer_run(server, out: Path) -> Path:
+    """A short perf_analyzer run at concurrency 1: count windows of 5 requests,
+    lenient stability (the CPU is shared), stabilised on p50."""
+    code = perf.main(
+        ["run", "--model", MODEL, "--url", server.grpc_url, "--concurrency", "1", "--request-count", "5",
+         "--stability-percentage", "100", "--max-trials", "10", "--out-dir", str(out)]
+    )  # fmt: skip
+    assert code == 0, (out / f"{MODEL}.log").read_text()[-3000:]
+    return out / f"{MODEL}.csv"
+
+
+@pytest.fixture(scope="module")
+def perf_csv(server, tmp_path_factory) -> Path:
+    return perf_analyzer_run(server, tmp_path_factory.mktemp("perf"))
+
+
+def test_perf_analyzer_writes_its_csv(perf_csv):
+    rows = perf.read_perf_csv(perf_csv)
+    assert len(rows) == 1 and rows[0]["Concurrency"] == "1"
+    assert float(rows[0]["Inferences/Second"]) > 0
+    assert 0 < float(rows[0]["p50 latency"]) <= float(rows[0]["p99 latency"])
+    assert float(rows[0]["Server Compute Infer"]) > 0
+
+
+def test_client_p50_agrees_with_perf_analyzer(perf_csv, server, tmp_path):
+    """Both at concurrency 1 over gRPC, the client right after perf_analyzer.
+    Other processes on this shared CPU can change the server's speed between
+    two runs, so a disagreement is measured again (up to three rounds) before
+    it counts; the tools measure the same thing only under the same load."""
+    config = bench.BenchConfig(
+        model=MODEL, url=server.grpc_url, protocol="grpc", concurrency=(1,), requests=5, warmup=1, progress=False
+    )
+    rounds = []
+    for attempt in range(3):
+        csv_path = perf_csv if attempt == 0 else perf_analyzer_run(server, tmp_path / f"perf{attempt}")
+        result = bench.run(config)
+        ours, theirs = result.rows[0].p50_ms, float(perf.read_perf_csv(csv_path)[0]["p50 latency"]) / 1000
+        rounds.append(f"client p50 {ours:.1f} ms vs perf_analyzer p50 {theirs:.1f} ms")
+        if 0.5 <= ours / theirs <= 2.0:
+            break
+    assert 0.5 <= ours / theirs <= 2.0, "; ".join(rounds)
+    bench.write_json(tmp_path / "client.json", result)
+    code = perf.main(
+        [
+            "plot",
+            "--perf-csv",
+            str(csv_path),
+            "--bench-json",
+            str(tmp_path / "client.json"),
+            "--output",
+            str(tmp_path / "cmp.png"),
+        ]
+    )
+    assert code == 0 and (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --- failures ------------------------------------------------------------------------------
+
+
+def test_bad_model_counts_every_request_as_an_error(server, tmp_path):
+    done = cli("bench", "--model", "no_such_model", "--protocol", "http", "--url", server.http_url, "--concurrency", "1,2",
+               "--requests", "4", "--json", str(tmp_path / "r.json"), "--no-progress")  # fmt: skip
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr and done.stderr.strip().splitlines()[-1].startswith(
+        "error: 8 of 8 requests failed"
+    )
+    rows = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert [(r["requests"], r["errors"]) for r in rows] == [(4, 4), (4, 4)]
+    assert all(r["p50_ms"] is None and r["throughput_rps"] == 0 for r in rows)
+    assert "no_such_model" in done.stdout + done.stderr
+
+
+def test_unreachable_server_is_one_error_line():
+    done = cli(
+        "bench",
+        "--model",
+        MODEL,
+        "--url",
+        f"127.0.0.1:{free_port()}",
+        "--concurrency",
+        "1",
+        "--requests",
+        "1",
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: cannot reach the server") and done.stderr.count("\n") == 1
+
+
+# --- infer, asyncio ------------------------------------------------------------------------
+
+
+def test_infer_command_sends_real_data_and_prints_top5(server, tmp_path):
+    np.save(tmp_path / "images.npy", np.random.default_rng(0).standard_normal((2, 3, 224, 224), dtype=np.float32))
+    done = cli(
+        "infer",
+        "--model",
+        MODEL,
+        "--protocol",
+        "http",
+        "--url",
+        server.http_url,
+        "--input",
+        str(tmp_path / "images.npy"),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "logits: float32 [2, 1000]" in done.stdout
+    assert done.stdout.count("top-5:") == 2
+
+
+def test_async_client_over_both_protocols(server):
+    async def one(protocol: str) -> np.ndarray:
+        async with AsyncClient(url_of(server, protocol), protocol) as client:
+            assert await client.live() and await client.ready() and await client.model_ready(MODEL)
+            info = await client.model_info(MODEL)
+            request = client.request(MODEL, random_inputs(info, 1, seed=7))
+            logits = (await client.infer(request)).as_numpy("logits")
+            assert (await client.statistics(MODEL))["success"][0] > 0
+            return logits
+
+    async def both():
+        return await asyncio.gather(one("grpc"), one("http"))
+
+    over_grpc, over_http = asyncio.run(both())
+    assert over_grpc.shape == (1, 1000)
+    np.testing.assert_array_equal(over_grpc, over_http)
+
+
+# --- system shared memory ------------------------------------------------------------------
+
+
+def test_shared_memory_gives_the_same_outputs_and_cleans_up(server):
+    with Client(server.grpc_url, "grpc") as client:
+        info = client.model_info(MODEL)
+        arrays = random_inputs(info, 2, seed=3)
+        plain = client.request(MODEL, arrays)
+        expected = result_arrays(plain, client.infer(plain), ["logits"])["logits"]
+        outputs = {t.name: (t.dtype, info.full_shape(t, 2)) for t in info.outputs}
+        with SharedMemoryRegions(client, arrays, outputs) as shm:
+            assert {shm.input_name, shm.output_name} <= set(client.shm_regions())
+            request = client.request(MODEL, arrays, shm)
+            # read from the output region, which holds zeros until the server writes there
+            got = result_arrays(request, client.infer(request), ["logits"])["logits"]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert our_leftovers(server, os.getpid()) == ([], [])
+
+
+def test_bench_over_shared_memory_leaves_nothing_behind(server):
+    config = bench.BenchConfig(model=MODEL, url=server.http_url, protocol="http", concurrency=(2,), requests=3, warmup=0,
+                               shared_memory="system", progress=False)  # fmt: skip
+    result = bench.run(config)
+    assert result.errors == 0 and result.rows[0].requests == 3 and result.rows[0].p50_ms > 0
+    assert our_leftovers(server, os.getpid()) == ([], [])
+
+
+def test_ctrl_c_unregisters_shared_memory(server):
+    command = [sys.executable, "-m", "client", "bench", "--model", MODEL, "--url", server.grpc_url, "--concurrency", "2",
+               "--requests", "1000", "--shared-memory", "system", "--no-progress"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(our_leftovers(server, process.pid)[0]) < 4:
+            assert process.poll() is None, process.communicate()
+            time.sleep(0.2)
+        assert len(our_leftovers(server, process.pid)[0]) == 4, "two workers, one input and one output region each"
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130 and stderr.strip().splitlines()[-1] == "error: interrupted"
+    assert our_leftovers(server, process.pid) == ([], [])

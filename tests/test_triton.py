@@ -1,0 +1,104 @@
+"""The adapter's checks, without a server: config, parameters, per-request validation."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from opara_core import zoo
+from opara_core.build import EngineSettings
+from opara_core.server import DEFAULT_MODEL_REPOSITORY
+from opara_core.triton import RequestError, check_config, check_ranges, engine_settings, request_arrays
+
+
+def config_of(model: str) -> dict:
+    """The parts of a config.pbtxt the adapter reads, as Triton's JSON would give them."""
+    text = (DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt").read_text()
+    tensors = {}
+    for kind in ("input", "output"):
+        block = re.search(rf"^{kind} \[(.*?)^\]", text, re.S | re.M).group(1)
+        tensors[kind] = [
+            {"name": name, "data_type": dtype, "dims": [int(d) for d in dims.split(",")]}
+            for name, dtype, dims in re.findall(r'name: "(\w+)"\s+data_type: (\w+)\s+dims: \[([\d, ]+)\]', block)
+        ]
+    params = dict(re.findall(r'key: "([\w.]+)"\s+value: \{ string_value: "([^"]*)" \}', text))
+    return {**tensors, "parameters": {k: {"string_value": v} for k, v in params.items()}}
+
+
+@pytest.mark.parametrize("model", zoo.names())
+def test_every_repository_config_passes_the_load_checks(model):
+    config = config_of(model)
+    entry = zoo.get(model)
+    check_config(entry, config)
+    check_ranges(entry, config)
+    assert isinstance(engine_settings(config), EngineSettings)
+
+
+def test_a_config_that_differs_from_the_model_fails_at_load():
+    config = config_of("googlenet")
+    config["input"][0]["dims"] = [3, 299, 299]
+    with pytest.raises(ValueError, match="image"):
+        check_config(zoo.get("googlenet"), config)
+
+
+def test_published_id_ranges_must_match_the_model():
+    config = config_of("bert")
+    config["parameters"]["value_range.input_ids"] = {"string_value": "0,100"}
+    with pytest.raises(ValueError, match="value_range.input_ids"):
+        check_ranges(zoo.get("bert"), config)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "problem"),
+    [
+        ({"policy": "fastest"}, "unknown policy"),
+        ({"max_streams": "0"}, "max_streams"),
+        ({"max_streams": "many"}, "max_streams"),
+        ({"buckets": "1,two"}, "buckets"),
+        ({"guard": "maybe"}, "guard"),
+        ({"colour": "blue"}, "unknown parameters"),
+    ],
+)
+def test_bad_parameters_are_named(parameters, problem):
+    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+    with pytest.raises(ValueError, match=problem):
+        engine_settings(config)
+
+
+def test_parameters_become_engine_settings():
+    config = {"parameters": {k: {"string_value": v} for k, v in {"policy": "nimble", "max_streams": "4", "buckets": "1, 8", "guard": "off"}.items()}}
+    assert engine_settings(config) == EngineSettings(policy="nimble", max_streams=4, buckets=(1, 8), guard=False)
+
+
+def good_bert(batch: int = 2) -> dict[str, np.ndarray]:
+    return {s.name: t.numpy() for s, t in zip(zoo.get("bert").inputs, zoo.get("bert").example_inputs(batch))}
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (lambda t: t.pop("attention_mask"), "missing input 'attention_mask'"),
+        (lambda t: t.update(extra=np.zeros((2, 1), np.int64)), "unknown input 'extra'"),
+        (lambda t: t.update(input_ids=t["input_ids"].astype(np.int32)), "datatype int32"),
+        (lambda t: t.update(input_ids=t["input_ids"][:, :64]), "shape [2, 64]"),
+        (lambda t: t.update(input_ids=t["input_ids"][:1]), "has batch 2, other inputs have 1"),
+        (lambda t: t.update(input_ids=t["input_ids"][:0], attention_mask=t["attention_mask"][:0]), "empty batch"),
+        (lambda t: t["input_ids"].__setitem__((1, 7), 30522), "position 7"),
+    ],
+)
+def test_each_bad_request_gets_a_message_naming_the_problem(change, problem):
+    tensors = good_bert()
+    change(tensors)
+    with pytest.raises(RequestError) as error:
+        request_arrays(zoo.get("bert"), tensors)
+    assert problem in str(error.value)
+    json.dumps(str(error.value))  # one plain line, fit for a response
+
+
+def test_a_good_request_comes_back_in_model_order():
+    tensors = good_bert()
+    arrays = request_arrays(zoo.get("bert"), dict(reversed(list(tensors.items()))))
+    assert [a is tensors[s.name] for a, s in zip(arrays, zoo.get("bert").inputs)] == [True, True]

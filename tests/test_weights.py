@@ -1,0 +1,95 @@
+"""User weights: state_dicts (weights_only) and torch.export archives, served for real."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+import tritonclient.http as httpclient
+from conftest import server_config
+from serving import assert_close, example, infer
+
+from opara_core import zoo
+from opara_core.server import REPO_ROOT, TritonServer
+from opara_core.weights import WeightsError, load_module, weights_path
+
+SCRIPT = REPO_ROOT / "scripts" / "export_weights.py"
+
+
+def export(model: str, version_dir, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), model, str(version_dir), *args], capture_output=True, text=True, check=True
+    )
+    return result.stdout
+
+
+def test_a_state_dict_replaces_the_seeded_weights(tmp_path):
+    export("deepfm", tmp_path, "--seed", "7", "--format", "state_dict")
+    entry = zoo.get("deepfm")
+    module = load_module(entry, weights_path(tmp_path, "weights.pt"))
+    seeded_7 = entry.build(seed=7)
+    assert all(torch.equal(a, b) for a, b in zip(module.state_dict().values(), seeded_7.state_dict().values()))
+    assert not torch.equal(module.state_dict()["embeddings.0.weight"], entry.build().state_dict()["embeddings.0.weight"])
+
+
+def test_a_pickle_that_runs_code_is_refused(tmp_path):
+    class Exploit:
+        def __reduce__(self):
+            return (print, ("this would have run",))
+
+    (tmp_path / "weights.pt").write_bytes(pickle.dumps({"weight": Exploit()}))
+    with pytest.raises(WeightsError, match="refusing weights.pt"):
+        load_module(zoo.get("deepfm"), weights_path(tmp_path, "weights.pt"))
+
+
+def test_weights_that_do_not_fit_the_model_are_refused(tmp_path):
+    torch.save({"not_a_layer.weight": torch.zeros(3)}, tmp_path / "weights.pt")
+    with pytest.raises(WeightsError, match="does not fit deepfm"):
+        load_module(zoo.get("deepfm"), weights_path(tmp_path, "weights.pt"))
+
+
+def test_weights_must_lie_inside_the_version_directory(tmp_path):
+    (tmp_path / "outside.pt").write_bytes(b"")
+    (tmp_path / "1").mkdir()
+    with pytest.raises(WeightsError, match="inside the version directory"):
+        weights_path(tmp_path / "1", "../outside.pt")
+    with pytest.raises(WeightsError, match="does not exist"):
+        weights_path(tmp_path / "1", "missing.pt")
+
+
+def test_an_exported_archive_is_served_as_is(tmp_path):
+    stdout = export("deepfm", tmp_path, "--seed", "5")
+    assert 'string_value: "weights.pt2"' in stdout
+    module = load_module(zoo.get("deepfm"), weights_path(tmp_path, "weights.pt2"))
+    arrays = example("deepfm", 3, seed=2)
+    with torch.inference_mode():
+        got = module(*(torch.from_numpy(a) for a in arrays)).numpy()
+        want = zoo.get("deepfm").build(seed=5)(*(torch.from_numpy(a) for a in arrays)).numpy()
+    assert_close(got, want)
+
+
+@pytest.mark.server
+def test_the_server_serves_exported_weights(tmp_path):
+    """A repository whose googlenet has a state_dict and whose deepfm has an
+    export archive: both answer with their weights' outputs, not the seed's."""
+    repository = tmp_path / "models"
+    for model, args in (("googlenet", ("--seed", "3", "--format", "state_dict")), ("deepfm", ("--seed", "4"))):
+        source = REPO_ROOT / "model_repository" / model
+        (repository / model / "1").mkdir(parents=True)
+        (repository / model / "1" / "model.py").write_text((source / "1" / "model.py").read_text())
+        stdout = export(model, repository / model / "1", *args)
+        parameter = stdout.strip().splitlines()[-1]
+        (repository / model / "config.pbtxt").write_text((source / "config.pbtxt").read_text() + parameter + "\n")
+    with TritonServer(server_config(repository), tmp_path / "server.log") as server:
+        client = httpclient.InferenceServerClient(server.http_url)
+        try:
+            for model, seed in (("googlenet", 3), ("deepfm", 4)):
+                arrays = example(model, 2, seed=9)
+                with torch.inference_mode():
+                    expected = zoo.get(model).build(seed=seed)(*(torch.from_numpy(a) for a in arrays)).numpy()
+                assert_close(infer(client, model, arrays), expected)
+        finally:
+            client.close()
