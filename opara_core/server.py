@@ -94,7 +94,9 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     ]
     env["LD_LIBRARY_PATH"] = _join_paths(libs, env.get("LD_LIBRARY_PATH"))
     env["PATH"] = _join_paths([str(Path(sys.executable).parent)], env.get("PATH"))
-    env["PYTHONPATH"] = _join_paths([site_packages, str(REPO_ROOT)], env.get("PYTHONPATH"))
+    # a PYTHONPATH the caller set comes first, so it can override a package of
+    # the venv for the server alone (e.g. numpy<2 beside a numpy 2 venv)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), site_packages, str(REPO_ROOT)) if p)
     return env
 
 
