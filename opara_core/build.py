@@ -19,6 +19,7 @@ import torch
 
 from . import runtime, zoo
 from .capture import CaptureError, LanePool, plan_capture
+from .fusion import FusionReport, fuse_graph
 from .graph import OpGraph, trace
 from .plan import Plan, plan_graph
 
@@ -51,6 +52,7 @@ class EngineSettings:
     guard: bool = True
     guard_tolerance: float = 1e-4
     fail_capture: bool = False  # a test switch: every multi-stream capture fails
+    fusion: bool = True  # fold, merge and fuse kernels before planning (opara_core.fusion)
 
     def __post_init__(self) -> None:
         if self.policy not in (*POLICIES, "auto"):
@@ -70,9 +72,12 @@ class BuildReport:
     timings_ms: dict[int, dict[str, float]] = field(default_factory=dict)  # bucket -> candidate -> median ms
     fallbacks: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    fusion: FusionReport | None = None
 
     def summary(self) -> str:
         lines = [f"runner {self.runner}"]
+        if self.fusion is not None:
+            lines.append(f"fusion: {self.fusion}")
         for bucket, choice in sorted(self.choices.items()):
             times = ", ".join(f"{k} {v:.3f}" for k, v in sorted(self.timings_ms.get(bucket, {}).items(), key=lambda kv: kv[1]))
             lines.append(f"bucket {bucket}: {choice}" + (f" (median ms: {times})" if times else ""))
@@ -105,6 +110,20 @@ def build_runner(
         report.seconds["trace"] = time.perf_counter() - start
     except Exception as error:  # noqa: BLE001 - any tracing failure falls back
         report.fallbacks.append(f"tracing failed: {error}")
+    if graph is not None and settings.fusion:
+        start = time.perf_counter()
+        # checked against the unfused graph at the smallest and largest bucket;
+        # a rejected rewrite falls back to fewer passes (see fuse_graph)
+        checks = [tuple(t.to(device) for t in entry.example_inputs(b, seed=7)) for b in sorted({min(settings.buckets), max(settings.buckets)})]
+        try:
+            graph, report.fusion = fuse_graph(graph, device, check_inputs=checks)
+        except Exception as error:  # noqa: BLE001 - the unfused graph is still right
+            report.fallbacks.append(f"fusion: {error}")
+        report.seconds["fusion"] = time.perf_counter() - start
+    # The guard checks capture and scheduling: a replay against the same graph
+    # run eagerly (same kernels). Fusion was checked on its own against the
+    # unfused graph in plain fp32; with TF32 on, folded weights round differently.
+    reference = graph.module if graph is not None else module
     lane_pool = LanePool(device)
     if graph is not None and settings.policy != "sequential":
         try:
@@ -112,7 +131,7 @@ def build_runner(
             if settings.fail_capture:
                 raise CaptureError("capture failure forced by the fail_capture switch")
             capture = _multi_stream_capture(graph, settings, lane_pool, report)
-            runner = _guarded(capture, module, entry, device, max_batch, settings)
+            runner = _guarded(capture, reference, entry, device, max_batch, settings)
             report.seconds["plan+capture"] = time.perf_counter() - start
             report.runner = "multi-stream graph"
             return runner, report
@@ -127,7 +146,7 @@ def build_runner(
             capture = plan_capture(graph, plan_graph(graph, "sequential"), lane_pool)
         else:
             capture = runtime.capture_sequential(module)
-        runner = _guarded(capture, module, entry, device, max_batch, settings)
+        runner = _guarded(capture, reference, entry, device, max_batch, settings)
         report.seconds["capture"] = time.perf_counter() - start
         report.runner = "sequential graph"
         report.choices = {b: "sequential/1" for b in settings.buckets}

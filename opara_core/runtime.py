@@ -122,6 +122,23 @@ class GraphRunner:
         """The smallest bucket that holds n rows (the largest if none does)."""
         return next((b for b in self.buckets if b >= n), self.buckets[-1])
 
+    def run_on_device(self, n: int) -> list[torch.Tensor]:
+        """Like `run`, but the outputs stay on the GPU: views of the graph's static
+        outputs, valid until the next run (no device-to-host copy, no sync; the
+        consumer must order itself after the current stream). For n up to the
+        largest bucket; larger batches go through `run`."""
+        if n > self.buckets[-1]:
+            return [torch.from_numpy(a) for a in self.run(n)]
+        with self._lock, torch.inference_mode():
+            bucket = self.bucket_for(n)
+            graph, static_in, static_out = self._graphs[bucket]
+            self.batches[bucket] += 1
+            self.padded_rows += bucket - n
+            for static, host in zip(static_in, self._host_in):
+                static[:n].copy_(host[:n], non_blocking=True)
+            graph.replay()
+            return [static[:n] for static in static_out]
+
     def run(self, n: int) -> list[np.ndarray]:
         with self._lock, torch.inference_mode():
             done = 0

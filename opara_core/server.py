@@ -89,7 +89,7 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     site_packages = sysconfig.get_paths()["purelib"]
     libs = [
-        str(Path(site_packages) / "nvidia_pytriton.libs"),
+        str(pytriton_root().parent / "nvidia_pytriton.libs"),
         sysconfig.get_config_var("LIBDIR") or "",
     ]
     env["LD_LIBRARY_PATH"] = _join_paths(libs, env.get("LD_LIBRARY_PATH"))

@@ -39,7 +39,7 @@ class RequestError(ValueError):
 # Parameters the adapter reads itself; every other parameter is an EngineSettings field.
 # `value_range.<input>` ("low,high", half-open) and `upper_bounds.<input>` (one
 # bound per position) publish valid ids to clients; they must match the model.
-ADAPTER_PARAMETERS = ("weights",)
+ADAPTER_PARAMETERS = ("weights", "output_memory")
 RANGE_PREFIXES = ("value_range.", "upper_bounds.")
 
 
@@ -172,6 +172,12 @@ class OparaModel:
         self.max_batch = max(int(config.get("max_batch_size", 0)), 1)
         self.device = select_device(args)
         self.runner, self.report = build_runner(module, self.entry, self.device, self.max_batch, settings)
+        # "gpu": hand Triton the graph's output buffers through DLPack; "host"
+        # (default): one batched device-to-host copy, then numpy slices
+        output_memory = parameters(config).get("output_memory", "host")
+        if output_memory not in ("host", "gpu"):
+            raise pb_utils.TritonModelException(f"model {args['model_name']}: output_memory must be 'host' or 'gpu'")
+        self.outputs_on_device = output_memory == "gpu" and hasattr(self.runner, "run_on_device")
         self.metrics = ServingMetrics(pb_utils, args["model_name"], self.runner, self.report)
         log.info("model %s ready on %s:\n%s", args["model_name"], self.device, self.report.summary())
 
@@ -211,12 +217,15 @@ class OparaModel:
         staging = self.runner.host_inputs(total)
         for k, buffer in enumerate(staging):
             np.concatenate([arrays[k] for _, arrays in good], axis=0, out=buffer)
-        outputs = self.runner.run(total)
+        if self.outputs_on_device:
+            outputs = self.runner.run_on_device(total)
+            tensor = pb_utils.Tensor.from_dlpack  # syncs with the current stream
+        else:
+            outputs = self.runner.run(total)
+            tensor = pb_utils.Tensor
         offset = 0
         for r, size in enumerate(sizes):
-            results[r] = [
-                pb_utils.Tensor(spec.name, out[offset : offset + size]) for spec, out in zip(self.entry.outputs, outputs)
-            ]
+            results[r] = [tensor(spec.name, out[offset : offset + size]) for spec, out in zip(self.entry.outputs, outputs)]
             offset += size
         return results
 

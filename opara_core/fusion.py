@@ -1,0 +1,709 @@
+"""Graph passes before planning: fewer, cheaper kernels with the same outputs.
+
+On an H100 the time of GoogLeNet's multi-stream graph sits in the convolutions
+and ReLUs on the critical path and in the waits between lanes; folding
+BatchNorm alone did not move it (0.46 -> 0.47 ms). So besides folding, the
+passes here fuse critical-path kernels (cuDNN's conv + bias + ReLU), merge
+parallel convolutions that read one tensor into one kernel (IOS's merge, which
+also removes lanes and waits), and drop work that is done twice or not at all.
+
+Every pass rewrites the ATen-level GraphModule that `graph.trace` gives
+(torch.export + run_decompositions) in place, returns how many rewrites it
+made, and keeps `node.meta["val"]` (a fake tensor) on every node it creates, so
+`graph.from_graph_module` can rebuild the kernel DAG. Folded and merged weights
+become new buffers of the GraphModule; the ones no node reads any more are
+deleted by `fuse`. The cuDNN passes only rewrite nodes whose values live on a
+CUDA device: the fused ops have no CPU (or meta) kernel.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import math
+import operator
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+import sympy
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx import GraphModule, Node
+from torch.utils._pytree import tree_leaves, tree_map
+
+from opara_core import graph as graphs
+from opara_core.graph import OpGraph
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+CONV = aten.convolution.default
+BATCH_NORM = aten._native_batch_norm_legit_no_training.default
+RELU = aten.relu.default
+ADD = aten.add.Tensor
+SLICE = aten.slice.Tensor
+CONV_RELU = aten.cudnn_convolution_relu.default
+CONV_ADD_RELU = aten.cudnn_convolution_add_relu.default
+
+# dtypes cuDNN's fused convolutions take
+_CUDNN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class FusionReport:
+    """What `fuse` did: rewrites per pass (in the order run) and kernels before/after.
+
+    `note` says why fewer passes than asked for were kept (see `fuse_graph`).
+    """
+
+    device: str
+    rewrites: Mapping[str, int] = field(default_factory=dict)
+    kernels_before: int = 0
+    kernels_after: int = 0
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rewrites", MappingProxyType(dict(self.rewrites)))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "rewrites": dict(self.rewrites),
+            "kernels_before": self.kernels_before,
+            "kernels_after": self.kernels_after,
+            "note": self.note,
+        }
+
+    def __str__(self) -> str:
+        passes = ", ".join(f"{name} {count}" for name, count in self.rewrites.items()) or "no passes"
+        text = f"{self.kernels_before} -> {self.kernels_after} kernels ({passes})"
+        return f"{text}; {self.note}" if self.note else text
+
+
+# ---- helpers -------------------------------------------------------------------------
+
+
+def _fake_mode(gm: GraphModule) -> FakeTensorMode:
+    """The fake mode the graph's values were traced under (new values must share it)."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, FakeTensor):
+            return val.fake_mode
+    raise ValueError("the graph has no fake values in node.meta['val']; trace it with torch.export")
+
+
+def _fake(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
+    """A fake tensor like `tensor` (a constant: static shape). A fake factory call
+    is ~10x cheaper than `mode.from_tensor`, which matters for hundreds of weights."""
+    if isinstance(tensor, FakeTensor) and tensor.fake_mode is mode:
+        return tensor
+    with mode:
+        return torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device=tensor.device)
+
+
+def _infer(mode: FakeTensorMode, target: Any, args: tuple, kwargs: dict | None = None) -> Any:
+    """The fake value of `target(*args)` computed from the inputs' fake values."""
+    fake_args, fake_kwargs = tree_map(lambda a: a.meta["val"] if isinstance(a, Node) else a, (args, kwargs or {}))
+    with mode:
+        return target(*fake_args, **fake_kwargs)
+
+
+def _call(gm: GraphModule, target: Any, args: tuple, kwargs: dict | None = None, *, val: Any = None, like: Node | None = None) -> Node:
+    """A new call_function node (inserted at the graph's current insert point) with its fake value."""
+    node = gm.graph.call_function(target, args, kwargs or {})
+    node.meta["val"] = _infer(_fake_mode(gm), target, args, kwargs) if val is None else val
+    if like is not None and "stack_trace" in like.meta:
+        node.meta["stack_trace"] = like.meta["stack_trace"]
+    return node
+
+
+def _constant(gm: GraphModule, node: Any) -> torch.Tensor | None:
+    """The tensor a get_attr node reads (None for anything else)."""
+    if not isinstance(node, Node) or node.op != "get_attr":
+        return None
+    value = functools.reduce(getattr, node.target.split("."), gm)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _add_constant(gm: GraphModule, tensor: torch.Tensor, hint: str) -> Node:
+    """Register `tensor` as a new buffer (buffers follow .to() and are not trained) and read it."""
+    index = 0
+    while hasattr(gm, f"_opara_{hint}_{index}"):
+        index += 1
+    name = f"_opara_{hint}_{index}"
+    gm.register_buffer(name, tensor.detach())
+    node = gm.graph.get_attr(name)
+    node.meta["val"] = _fake(_fake_mode(gm), tensor)
+    return node
+
+
+def _shape(node: Node) -> tuple[str, ...]:
+    """The shape of a node's value as strings, so symbolic sizes compare without guards."""
+    return tuple(str(d) for d in node.meta["val"].shape)
+
+
+def _has_writes(gm: GraphModule) -> bool:
+    return any(graphs._written_inputs(n) for n in gm.graph.nodes)
+
+
+def _eliminate_dead_code(gm: GraphModule) -> None:
+    """Erase pure call_function and get_attr nodes that nothing reads.
+
+    Not `Graph.eliminate_dead_code`: that may also drop call_module nodes such
+    as export's input guard (`_guards_fn`), which reads but returns nothing.
+    """
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op in ("call_function", "get_attr") and not node.users and not node.is_impure():
+            gm.graph.erase_node(node)
+
+
+def _delete_attributes(gm: GraphModule, targets: set[str]) -> None:
+    """Delete the attributes (dotted paths) of `targets`, so their memory can be freed."""
+    for target in sorted(targets):
+        *path, name = target.split(".")
+        owner = functools.reduce(getattr, path, gm)
+        if hasattr(owner, name):
+            delattr(owner, name)
+
+
+def count_kernels(gm: GraphModule) -> int:
+    """Nodes that launch a kernel (see `graph.is_free`)."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and not graphs.is_free(n))
+
+
+# ---- drop identities -----------------------------------------------------------------
+
+def _number(value: Any, wanted: int) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == wanted
+
+
+def _arg(node: Node, index: int, name: str, default: Any = None) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _identity_source(node: Node) -> Node | None:
+    """The input that `node` returns unchanged (same values, dtype, shape and device), if any."""
+    if node.op != "call_function" or not node.args:
+        return None
+    target, kwargs = node.target, node.kwargs
+    first, second = node.args[0], _arg(node, 1, "other")
+    source = None
+    if target is aten.alias.default:
+        source = first
+    elif target is aten.clone.default:
+        source = first if kwargs.get("memory_format") in (None, torch.preserve_format) else None
+    elif target is aten._to_copy.default:
+        val = first.meta.get("val") if isinstance(first, Node) else None
+        device = kwargs.get("device")
+        same = (
+            isinstance(val, torch.Tensor)
+            and (device is None or torch.device(device) == val.device)
+            and kwargs.get("layout") in (None, val.layout)
+            and kwargs.get("memory_format") in (None, torch.preserve_format)
+            and not kwargs.get("pin_memory")
+        )  # the dtype is checked below for every op
+        source = first if same else None
+    elif target is aten.dropout.default:
+        source = first if not _arg(node, 2, "train") or _arg(node, 1, "p") == 0 else None
+    elif target in (aten.mul.Tensor, aten.mul.Scalar):  # x * 1, 1 * x
+        source = first if _number(second, 1) else second if _number(first, 1) else None
+    elif target in (aten.div.Tensor, aten.div.Scalar):  # x / 1
+        source = first if _number(second, 1) and "rounding_mode" not in kwargs else None
+    elif target in (aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar):  # x + a*0, 0 + x
+        if _number(second, 0):
+            source = first
+        elif target in (aten.add.Tensor, aten.add.Scalar) and _number(first, 0) and kwargs.get("alpha", 1) == 1:
+            source = second
+    if not isinstance(source, Node):
+        return None
+    out, src = node.meta.get("val"), source.meta.get("val")
+    if not isinstance(out, torch.Tensor) or not isinstance(src, torch.Tensor):
+        return None
+    if out.dtype != src.dtype or out.device != src.device or _shape(node) != _shape(source):
+        return None
+    # same layout too: a copy of a strided view is dense, and a later `view` may need that
+    if [str(s) for s in out.stride()] != [str(s) for s in src.stride()]:
+        return None
+    return source
+
+
+def drop_identities(gm: GraphModule) -> int:
+    """Replace ops that return their input unchanged in eval by that input.
+
+    clone and _to_copy that change nothing, alias, dropout in eval, x * 1, x / 1,
+    x + 0, x - 0. Skipped when the graph writes in place (a copy may then be
+    needed) and where dropping would return a graph input or weight itself as
+    an output (outputs would alias inputs).
+    """
+    if _has_writes(gm):
+        return 0
+    count = 0
+    for node in list(gm.graph.nodes):
+        source = _identity_source(node)
+        if source is None:
+            continue
+        if source.op in ("placeholder", "get_attr") and any(u.op == "output" for u in node.users):
+            continue
+        node.replace_all_uses_with(source)
+        gm.graph.erase_node(node)
+        count += 1
+    _eliminate_dead_code(gm)
+    return count
+
+
+# ---- common subexpressions -----------------------------------------------------------
+
+
+def _key(value: Any) -> Any:
+    """A hashable key for an argument: containers by content, scalars with their type
+    (so that 1, 1.0 and True stay apart), nodes by identity."""
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((k, _key(v)) for k, v in value.items())))
+    if isinstance(value, float) and math.isnan(value):
+        raise TypeError("NaN never equals itself")
+    hash(value)
+    return (type(value).__name__, value)
+
+
+def eliminate_common_subexpressions(gm: GraphModule) -> int:
+    """Compute each pure op on the same inputs once.
+
+    NASNet's separable branches each start with their own ReLU of the same
+    tensor (58 duplicated ReLUs, 18 average pools, 4 paddings); one kernel does.
+    Random ops and anything impure are left alone; graphs that write in place
+    are skipped.
+    """
+    if _has_writes(gm):
+        return 0
+    seen: dict[Any, Node] = {}
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.is_impure():
+            continue
+        target = node.target
+        if target is not operator.getitem:
+            if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in target.tags:
+                continue
+        try:
+            key = (target, _key(node.args), _key(node.kwargs))
+            hash(key)
+        except TypeError:
+            continue
+        first = seen.setdefault(key, node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            gm.graph.erase_node(node)
+            count += 1
+    return count
+
+
+# ---- BatchNorm folding ---------------------------------------------------------------
+
+
+def _plain_conv(node: Any) -> bool:
+    """A forward (not transposed) convolution node, arguments positional as export writes them."""
+    return (
+        isinstance(node, Node)
+        and node.op == "call_function"
+        and node.target is CONV
+        and len(node.args) == 9
+        and not node.kwargs
+        and not node.args[6]
+    )
+
+
+def fold_batchnorm(gm: GraphModule) -> int:
+    """Fold eval-mode BatchNorm into the convolution before it.
+
+    w' = w * g / sqrt(var + eps), b' = (b - mean) * g / sqrt(var + eps) + beta,
+    computed in float64 and stored in the weight's dtype. Only where the
+    convolution's output has no other reader and every parameter is a constant.
+    """
+    count = 0
+    for bn in list(gm.graph.nodes):
+        if bn.op != "call_function" or bn.target is not BATCH_NORM or len(bn.args) != 7 or bn.kwargs:
+            continue
+        conv = bn.args[0]
+        if not _plain_conv(conv) or len(conv.users) != 1:
+            continue
+        if not all(u.target is operator.getitem and u.args[1] == 0 for u in bn.users):
+            continue
+        weight, bias = _constant(gm, conv.args[1]), _constant(gm, conv.args[2])
+        gamma, beta, mean, var = (_constant(gm, a) for a in bn.args[1:5])
+        eps = bn.args[6]
+        if weight is None or (conv.args[2] is not None and bias is None) or mean is None or var is None:
+            continue
+        if (bn.args[1] is not None and gamma is None) or (bn.args[2] is not None and beta is None):
+            continue
+        with torch.no_grad():
+            scale = torch.rsqrt(var.double() + eps) * (gamma.double() if gamma is not None else 1.0)
+            new_weight = weight.double() * scale.reshape(-1, *([1] * (weight.dim() - 1)))
+            new_bias = ((bias.double() if bias is not None else 0.0) - mean.double()) * scale
+            if beta is not None:
+                new_bias = new_bias + beta.double()
+        with gm.graph.inserting_before(conv):
+            w_node = _add_constant(gm, new_weight.to(weight.dtype), "folded_weight")
+            b_node = _add_constant(gm, new_bias.to(weight.dtype), "folded_bias")
+        conv.args = (conv.args[0], w_node, b_node, *conv.args[3:])
+        for user in list(bn.users):
+            user.replace_all_uses_with(conv)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(bn)
+        count += 1
+    _eliminate_dead_code(gm)
+    return count
+
+
+# ---- merging parallel convolutions ---------------------------------------------------
+
+
+def _merge_key(gm: GraphModule, conv: Node) -> tuple | None:
+    """Convolutions with equal keys read the same tensor the same way and can be merged."""
+    if not _plain_conv(conv) or conv.args[8] != 1:
+        return None
+    weight = _constant(gm, conv.args[1])
+    if weight is None or (conv.args[2] is not None and _constant(gm, conv.args[2]) is None):
+        return None
+    x, _, _, stride, padding, dilation = conv.args[:6]
+    return (x, tuple(weight.shape[1:]), weight.dtype, weight.device, tuple(stride), tuple(padding), tuple(dilation))
+
+
+def merge_parallel_convs(gm: GraphModule) -> int:
+    """Merge convolutions that read the same tensor with the same geometry into one.
+
+    IOS's merge: one convolution with the output channels concatenated, then a
+    slice (a view, no kernel) per original consumer. When every merged
+    convolution feeds only a ReLU, one ReLU follows the merged convolution
+    instead, so that the conv + ReLU fusion still applies. Run after BatchNorm
+    folding, so the merged convolution carries the folded biases. Returns the
+    number of convolutions removed.
+    """
+    groups: dict[tuple, list[Node]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        key = _merge_key(gm, node) if node.op == "call_function" and node.target is CONV else None
+        if key is not None:
+            groups[key].append(node)
+    count = 0
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        weights = [_constant(gm, c.args[1]) for c in members]
+        sizes = [int(w.shape[0]) for w in weights]
+        biased = any(c.args[2] is not None for c in members)
+        first = members[0]
+        with gm.graph.inserting_before(first):
+            with torch.no_grad():
+                w_node = _add_constant(gm, torch.cat(weights), "merged_weight")
+                b_node = None
+                if biased:
+                    parts = [
+                        _constant(gm, c.args[2]) if c.args[2] is not None else torch.zeros(n, dtype=w.dtype, device=w.device)
+                        for c, w, n in zip(members, weights, sizes)
+                    ]
+                    b_node = _add_constant(gm, torch.cat(parts), "merged_bias")
+            merged = _call(gm, CONV, (first.args[0], w_node, b_node, *first.args[3:]), like=first)
+            relus = [next(iter(c.users)) for c in members if len(c.users) == 1]
+            if len(relus) == len(members) and all(r.target is RELU for r in relus):
+                source, replaced = _call(gm, RELU, (merged,), like=relus[0]), relus
+            else:
+                source, replaced = merged, members
+            start = 0
+            for node, size in zip(replaced, sizes):
+                view = _call(gm, SLICE, (source, 1, start, start + size), like=node)
+                node.replace_all_uses_with(view)
+                start += size
+        for node in replaced:
+            gm.graph.erase_node(node)
+        if replaced is not members:
+            for conv in members:
+                gm.graph.erase_node(conv)
+        count += len(members) - 1
+    _eliminate_dead_code(gm)
+    return count
+
+
+# ---- cuDNN fused convolutions (CUDA only) --------------------------------------------
+
+
+def _cudnn_conv(conv: Any) -> bool:
+    """A 2-d forward ungrouped convolution on a CUDA device in a dtype cuDNN fuses,
+    read by one node. Grouped (depthwise) convolutions are left alone: whether
+    cuDNN's runtime fusion takes them varies by version, and no zoo model's
+    grouped convolution feeds a ReLU directly."""
+    if not _plain_conv(conv) or len(conv.users) != 1 or conv.args[8] != 1:
+        return False
+    val, weight = conv.meta.get("val"), conv.args[1].meta.get("val") if isinstance(conv.args[1], Node) else None
+    if not isinstance(val, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return False
+    return val.device.type == "cuda" and val.dtype in _CUDNN_DTYPES and weight.dim() == 4 and weight.dtype == val.dtype
+
+
+def _bias_node(gm: GraphModule, conv: Node) -> Node:
+    """The conv's bias, or a zero bias: without one the fused op fills zeros on every call."""
+    if conv.args[2] is not None:
+        return conv.args[2]
+    weight = conv.args[1].meta["val"]
+    zeros = torch.zeros(int(weight.shape[0]), dtype=weight.dtype, device=weight.device)
+    return _add_constant(gm, zeros, "zero_bias")
+
+
+def _register_fused_flops() -> None:
+    """Count the fused convolutions' FLOPs as their convolution's in the static cost
+    model (torch's flop registry knows only aten.convolution)."""
+    from torch.utils.flop_counter import flop_registry
+
+    conv = flop_registry[aten.convolution]
+
+    def fused(x, w, *args, out_val=None, **kwargs):
+        return conv(x, w, None, None, None, None, False, out_val=out_val)
+
+    for packet in (aten.cudnn_convolution_relu, aten.cudnn_convolution_add_relu):
+        flop_registry.setdefault(packet, fused)
+
+
+def _concrete_shape(val: torch.Tensor) -> list[int]:
+    """A concrete shape for a fake value: symbolic sizes (the batch) taken as 1."""
+    shape = []
+    for d in val.shape:
+        if isinstance(d, int):
+            shape.append(d)
+            continue
+        expr = sympy.sympify(d.node.expr)
+        value = expr.subs({symbol: 1 for symbol in expr.free_symbols})
+        shape.append(int(value) if value.is_number and int(value) > 0 else 1)
+    return shape
+
+
+def _cudnn_probe(gm: GraphModule, conv: Node, z: Node | None, alpha: Any, cache: dict) -> bool:
+    """Whether cuDNN runs this fused convolution and matches conv (+ z) + ReLU.
+
+    cuDNN's runtime fusion does not take every shape (pytorch#62926), and a
+    failure inside a captured graph would cost the whole multi-stream graph, so
+    each distinct configuration is run once on random data. Only with a real
+    CUDA device and real weights; otherwise (tests of the graph structure) True.
+    """
+    weight = _constant(gm, conv.args[1])
+    if not torch.cuda.is_available() or weight is None or isinstance(weight, FakeTensor):
+        return True
+    x_val, out_val = conv.args[0].meta["val"], conv.meta["val"]
+    _, _, _, stride, padding, dilation, _, _, groups = conv.args
+    key = (tuple(_concrete_shape(x_val)), tuple(weight.shape), weight.dtype, str(weight.device), tuple(stride), tuple(padding), tuple(dilation), z is not None, alpha)
+    if key not in cache:
+        generator = torch.Generator(device=weight.device).manual_seed(0)
+        x = torch.randn(key[0], dtype=weight.dtype, device=weight.device, generator=generator)
+        bias = torch.randn(weight.shape[0], dtype=weight.dtype, device=weight.device, generator=generator)
+        try:
+            with torch.no_grad(), _strict_fp32():
+                want = CONV(x, weight, bias, stride, padding, dilation, False, [0] * len(stride), groups)
+                if z is None:
+                    got = CONV_RELU(x, weight, bias, stride, padding, dilation, groups)
+                else:
+                    zz = torch.randn(_concrete_shape(out_val), dtype=weight.dtype, device=weight.device, generator=generator)
+                    want = want + alpha * zz
+                    got = CONV_ADD_RELU(x, weight, zz, alpha, bias, stride, padding, dilation, groups)
+                want = torch.relu(want)
+                scale = float(want.abs().max()) or 1.0
+                cache[key] = float((got - want).abs().max()) / scale <= 1e-4
+        except RuntimeError as error:
+            log.info("cuDNN does not fuse %s: %s", conv.name, str(error).splitlines()[0])
+            cache[key] = False
+        if not cache[key]:
+            log.info("fusion: %s stays a plain convolution (cuDNN's fused kernel refused it)", conv.name)
+    return cache[key]
+
+
+def fuse_conv_relu(gm: GraphModule) -> int:
+    """relu(convolution(x, w, b)) -> cudnn_convolution_relu(x, w, b): one cuDNN kernel.
+
+    Only for CUDA values (the op has no CPU kernel), ungrouped 2-d forward
+    convolutions in float32/16 or bfloat16, and only where the ReLU is the
+    convolution's only reader.
+    """
+    count = 0
+    probed: dict = {}
+    for relu in list(gm.graph.nodes):
+        if relu.op != "call_function" or relu.target is not RELU or not _cudnn_conv(relu.args[0]):
+            continue
+        conv = relu.args[0]
+        if not _cudnn_probe(gm, conv, None, None, probed):
+            continue
+        x, w, _, stride, padding, dilation, _, _, groups = conv.args
+        with gm.graph.inserting_before(relu):
+            bias = _bias_node(gm, conv)
+            fused = _call(gm, CONV_RELU, (x, w, bias, stride, padding, dilation, groups), val=relu.meta["val"], like=conv)
+        relu.replace_all_uses_with(fused)
+        gm.graph.erase_node(relu)
+        gm.graph.erase_node(conv)
+        count += 1
+    if count:
+        _register_fused_flops()
+    return count
+
+
+def fuse_conv_add_relu(gm: GraphModule) -> int:
+    """relu(convolution(x, w, b) + z) -> cudnn_convolution_add_relu(x, w, z, 1, b): ResNet's
+    residual join in one cuDNN kernel. CUDA only, same conditions as `fuse_conv_relu`;
+    `z` must have the convolution's shape, dtype and device (no broadcasting)."""
+    count = 0
+    probed: dict = {}
+    for relu in list(gm.graph.nodes):
+        if relu.op != "call_function" or relu.target is not RELU:
+            continue
+        add = relu.args[0]
+        if not isinstance(add, Node) or add.target is not ADD or len(add.users) != 1 or len(add.args) != 2:
+            continue
+        a, b = add.args
+        alpha = add.kwargs.get("alpha", 1)
+        if _cudnn_conv(a) and isinstance(b, Node) and b is not a:
+            conv, z = a, b
+        elif _cudnn_conv(b) and isinstance(a, Node) and a is not b and alpha == 1:
+            conv, z = b, a
+        else:
+            continue
+        cval, zval = conv.meta["val"], z.meta.get("val")
+        if not isinstance(zval, torch.Tensor) or zval.dtype != cval.dtype or zval.device != cval.device or _shape(z) != _shape(conv):
+            continue
+        if not _cudnn_probe(gm, conv, z, alpha, probed):
+            continue
+        x, w, _, stride, padding, dilation, _, _, groups = conv.args
+        with gm.graph.inserting_before(relu):
+            bias = _bias_node(gm, conv)
+            fused = _call(gm, CONV_ADD_RELU, (x, w, z, alpha, bias, stride, padding, dilation, groups), val=relu.meta["val"], like=conv)
+        relu.replace_all_uses_with(fused)
+        for node in (relu, add, conv):
+            gm.graph.erase_node(node)
+        count += 1
+    if count:
+        _register_fused_flops()
+    return count
+
+
+# ---- driver --------------------------------------------------------------------------
+
+Pass = Callable[[GraphModule], int]
+
+# Every pass in the order `fuse` runs them: identities first (they hide duplicates),
+# folding before merging (so merged convolutions carry the folded biases), merging
+# before the cuDNN fusions (so a merged convolution's ReLU fuses too).
+PASSES: dict[str, Pass] = {
+    "drop_identities": drop_identities,
+    "cse": eliminate_common_subexpressions,
+    "fold_batchnorm": fold_batchnorm,
+    "merge_convs": merge_parallel_convs,
+    "conv_add_relu": fuse_conv_add_relu,
+    "conv_relu": fuse_conv_relu,
+}
+CUDA_ONLY = frozenset({"conv_add_relu", "conv_relu"})
+# conv_add_relu is left out until measured: cuDNN's runtime-fused kernels are not
+# always faster than a convolution plus an elementwise kernel.
+DEFAULT_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_convs", "conv_relu")
+
+
+def _selected(passes: Sequence[str] | None, device: torch.device) -> list[str]:
+    wanted = DEFAULT_PASSES if passes is None else tuple(passes)
+    unknown = sorted(set(wanted) - set(PASSES))
+    if unknown:
+        raise ValueError(f"unknown fusion passes {unknown}; known: {', '.join(PASSES)}")
+    return [p for p in PASSES if p in wanted and (device.type == "cuda" or p not in CUDA_ONLY)]
+
+
+def fuse(gm: GraphModule, device: torch.device | str, passes: Sequence[str] | None = None) -> FusionReport:
+    """Run `passes` (default DEFAULT_PASSES; the CUDA-only ones only for a CUDA device)
+    on `gm` in place, delete the weights no node reads any more, and recompile."""
+    device = torch.device(device)
+    before = count_kernels(gm)
+    attributes = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    rewrites = {}
+    for name in _selected(passes, device):
+        rewrites[name] = PASSES[name](gm)
+        log.debug("fusion pass %s: %d rewrites", name, rewrites[name])
+    gm.graph.lint()
+    _delete_attributes(gm, attributes - {n.target for n in gm.graph.nodes if n.op == "get_attr"})
+    gm.recompile()
+    report = FusionReport(device=str(device), rewrites=rewrites, kernels_before=before, kernels_after=count_kernels(gm))
+    log.info("fusion: %s", report)
+    return report
+
+
+def fuse_graph(
+    graph: OpGraph,
+    device: torch.device | str,
+    *,
+    passes: Sequence[str] | None = None,
+    check_inputs: Sequence[Sequence[torch.Tensor]] = (),
+    tolerance: float = 1e-4,
+    sizes: Mapping[sympy.Symbol, int] | None = None,
+) -> tuple[OpGraph, FusionReport]:
+    """A fused copy of `graph` (the input graph is left as it is) and what was done.
+
+    With `check_inputs` (tuples of model inputs on the graph's device) the fused
+    module must match the unfused one on each within `tolerance` (relative to
+    the largest output magnitude, TF32 off, so only the rewrite is judged). If
+    it fails or raises, the CUDA-only passes are dropped and it is tried again;
+    if that fails too, `graph` itself comes back. The report's note says why.
+    `sizes` binds symbolic sizes for the static costs, as in `graph.trace`
+    (unbound symbols, e.g. the batch, count as 1).
+    """
+    device = torch.device(device)
+    selected = _selected(passes, device)
+    attempts = [selected]
+    if any(p in CUDA_ONLY for p in selected):
+        attempts.append([p for p in selected if p not in CUDA_ONLY])
+    notes = []
+    for attempt in attempts:
+        try:
+            gm = copy.deepcopy(graph.module)
+            report = fuse(gm, device, attempt)
+            problem = _compare(graph.module, gm, check_inputs, tolerance)
+            if problem is None:
+                fused = graphs.from_graph_module(gm, sizes=sizes, name=graph.name, salt=f"{graph.fingerprint} fused {attempt}")
+                return fused, replace(report, note="; ".join(notes))
+        except Exception as error:  # noqa: BLE001 - a failing pass only costs its speed-up
+            log.warning("fusion with %s failed", attempt, exc_info=True)
+            problem = f"{type(error).__name__}: {error}"
+        notes.append(f"passes {'+'.join(attempt)} rejected: {problem}")
+        log.warning("fusion: %s", notes[-1])
+    kernels = len(graph.dag)
+    return graph, FusionReport(device=str(device), kernels_before=kernels, kernels_after=kernels, note="; ".join(notes))
+
+
+def _compare(reference: GraphModule, fused: GraphModule, inputs_list: Sequence[Sequence[torch.Tensor]], tolerance: float) -> str | None:
+    """None if `fused` matches `reference` on every input set, else what differs."""
+    if not inputs_list:
+        return None
+    with torch.no_grad(), _strict_fp32():
+        for inputs in inputs_list:
+            expected, actual = tree_leaves(reference(*inputs)), tree_leaves(fused(*inputs))
+            if len(expected) != len(actual):
+                return f"{len(actual)} outputs instead of {len(expected)}"
+            for want, got in zip(expected, actual):
+                if not isinstance(want, torch.Tensor):
+                    continue
+                if got.shape != want.shape or got.dtype != want.dtype:
+                    return f"output {tuple(got.shape)} {got.dtype} instead of {tuple(want.shape)} {want.dtype}"
+                if not want.is_floating_point():
+                    if not torch.equal(got, want):
+                        return "integer outputs differ"
+                    continue
+                scale = float(want.abs().max()) if want.numel() else 0.0
+                error = float((got.float() - want.float()).abs().max()) / (scale or 1.0) if want.numel() else 0.0
+                if not error <= tolerance:
+                    return f"outputs differ by {error:.2e} (relative), tolerance {tolerance:.0e}"
+    return None
+
+
+class _strict_fp32:
+    """TF32 off for cuDNN and cuBLAS inside the block, restored after."""
+
+    def __enter__(self) -> None:
+        self.saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = self.saved

@@ -1,0 +1,170 @@
+"""Serving benchmark: perf_analyzer over gRPC against the real server, per model.
+
+    python scripts/serving_bench.py --models googlenet,resnet50 --concurrency 1,16 \
+        --shared-memory none,system --json out/serving.json
+
+Starts tritonserver through the project's launcher on a copy of
+model_repository/ (plus `googlenet_dlpack`, GoogLeNet returning its outputs as
+GPU tensors through DLPack instead of one host copy), waits until every model
+is ready (on a GPU host: traced, planned and captured), then runs perf_analyzer
+at batch 1 for each model, concurrency and shared-memory mode, with rotating
+seeded random inputs (valid ids for embedding inputs). Prints a markdown table
+with the latency percentiles and Triton's server-side split, and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from opara_core import zoo
+from opara_core.server import DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
+
+DLPACK_VARIANT = "googlenet_dlpack"
+
+
+def make_repository(models: list[str], root: Path) -> Path:
+    """A copy of the selected models, plus the DLPack-output variant of googlenet."""
+    repository = root / "models"
+    for name in models:
+        shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, repository / name)
+    if "googlenet" in models:
+        variant = repository / DLPACK_VARIANT
+        shutil.copytree(DEFAULT_MODEL_REPOSITORY / "googlenet", variant)
+        config = (variant / "config.pbtxt").read_text().replace('name: "googlenet"', f'name: "{DLPACK_VARIANT}"')
+        config += 'parameters { key: "output_memory" value: { string_value: "gpu" } }\n'
+        (variant / "config.pbtxt").write_text(config)
+    return repository
+
+
+def input_data(model: str, path: Path, count: int = 4) -> Path:
+    """perf_analyzer --input-data JSON: `count` seeded random requests."""
+    entry = zoo.get(model)
+    data = []
+    for k in range(count):
+        arrays = entry.example_inputs(1, seed=200 + k)
+        data.append({spec.name: array[0].flatten().tolist() for spec, array in zip(entry.inputs, arrays)})
+    path.write_text(json.dumps({"data": data}))
+    return path
+
+
+def output_bytes(model: str) -> int:
+    return sum(int(np.prod(s.shape)) * 4 for s in zoo.get(model).outputs)
+
+
+def run_perf_analyzer(binary: str, url: str, model: str, concurrency: int, shm: str, data: Path, requests: int, out: Path) -> dict:
+    command = [
+        binary, "-m", model, "-i", "grpc", "-u", url, "-b", "1",
+        f"--concurrency-range={concurrency}:{concurrency}",
+        "--measurement-mode=count_windows", f"--measurement-request-count={requests}",
+        f"--input-data={data}", "--stability-percentage=20", "--max-trials=6",
+        "-f", str(out),
+    ]  # fmt: skip
+    if shm == "system":
+        command += ["--shared-memory=system", f"--output-shared-memory-size={max(output_bytes(model), 4096)}"]
+    if os.environ.get("OPARA_ADMIN_KEY"):
+        command += ["-H", f"admin-key:{os.environ['OPARA_ADMIN_KEY']}"]
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0 or not out.exists():
+        return {"error": (result.stdout + result.stderr)[-800:]}
+    with open(out) as f:
+        row = next(csv.DictReader(f))
+    us = {k: float(v) for k, v in row.items() if v not in ("", None) and re.fullmatch(r"[\d.]+", v)}
+    return {
+        "throughput_rps": us.get("Inferences/Second"),
+        "p50_ms": us.get("p50 latency", 0) / 1000,
+        "p90_ms": us.get("p90 latency", 0) / 1000,
+        "p99_ms": us.get("p99 latency", 0) / 1000,
+        "avg_ms": us.get("Avg latency", 0) / 1000,
+        "server_queue_ms": us.get("Server Queue", 0) / 1000,
+        "server_compute_input_ms": us.get("Server Compute Input", 0) / 1000,
+        "server_compute_infer_ms": us.get("Server Compute Infer", 0) / 1000,
+        "server_compute_output_ms": us.get("Server Compute Output", 0) / 1000,
+        "client_send_ms": us.get("Client Send", 0) / 1000,
+        "client_recv_ms": us.get("Client Recv", 0) / 1000,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def replay_medians(log: str) -> dict[str, float]:
+    """Bucket-1 replay medians the models logged when they chose their graph."""
+    medians = {}
+    for model, block in re.findall(r"model (\w+) ready on cuda[^\n]*\n((?:.*\n){1,12})", log):
+        found = re.search(r"bucket 1: ([\w/]+) \(median ms: (.*?)\)", block)
+        if found:
+            times = dict(re.findall(r"([\w/]+) ([\d.]+)", found.group(2)))
+            medians[model] = float(times.get(found.group(1), "nan"))
+    return medians
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(zoo.names()))
+    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--shared-memory", default="none,system")
+    parser.add_argument("--requests", type=int, default=1000, help="requests per measurement window")
+    parser.add_argument("--perf-analyzer", default=shutil.which("perf_analyzer") or "perf_analyzer")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--log", type=Path, help="where the server log goes")
+    args = parser.parse_args()
+    models = [zoo.get(m).name for m in args.models.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
+    repository = make_repository(models, work)
+    served = models + ([DLPACK_VARIANT] if "googlenet" in models else [])
+    config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    log_path = args.log or work / "server.log"
+    rows = []
+    started = time.perf_counter()
+    server = TritonServer(config, log_path).start()
+    try:
+        server.wait_ready(timeout_s=900)
+        load_s = time.perf_counter() - started
+        print(f"server ready with {len(served)} models in {load_s:.0f} s", flush=True)
+        for model in served:
+            zoo_name = "googlenet" if model == DLPACK_VARIANT else model
+            data = input_data(zoo_name, work / f"{model}.json")
+            for shm in args.shared_memory.split(","):
+                for concurrency in (int(c) for c in args.concurrency.split(",")):
+                    out = work / f"{model}_{shm}_{concurrency}.csv"
+                    result = run_perf_analyzer(args.perf_analyzer, server.grpc_url, model, concurrency, shm, data, args.requests, out)
+                    rows.append({"model": model, "shared_memory": shm, "concurrency": concurrency, **result})
+                    print(json.dumps(rows[-1]), flush=True)
+    finally:
+        server.stop()
+    log = log_path.read_text(errors="replace")
+    replay = replay_medians(log)
+    print()
+    print("| model | shm | conc | infer/s | p50 ms | p99 ms | queue | compute input | compute infer | compute output | bucket-1 replay | outside replay |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['model']} | {r['shared_memory']} | {r['concurrency']} | error: {r['error'][-120:]!r} |")
+            continue
+        server_ms = r["server_queue_ms"] + r["server_compute_input_ms"] + r["server_compute_infer_ms"] + r["server_compute_output_ms"]
+        graph = replay.get("googlenet" if r["model"] == DLPACK_VARIANT else r["model"])
+        outside = f"{server_ms - graph:.3f}" if graph else "-"
+        print(
+            f"| {r['model']} | {r['shared_memory']} | {r['concurrency']} | {r['throughput_rps']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
+            f"| {r['server_queue_ms']:.3f} | {r['server_compute_input_ms']:.3f} | {r['server_compute_infer_ms']:.3f} "
+            f"| {r['server_compute_output_ms']:.3f} | {graph if graph else '-'} | {outside} |"
+        )
+    if args.json:
+        meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "load_seconds": load_s, "replay_ms": replay}
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

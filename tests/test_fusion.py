@@ -1,0 +1,456 @@
+"""Fusion passes: each checked for structure (which nodes before and after) and for
+equality with eager, on small modules and on GoogLeNet, Inception-v3 and ResNet-50."""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+import torch
+from engine_helpers import traced
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves
+
+from opara_core import fusion, zoo
+from opara_core.build import EngineSettings
+from opara_core.executor import run_plan
+from opara_core.graph import from_graph_module, is_free, trace
+from opara_core.plan import plan_graph
+
+aten = torch.ops.aten
+TOLERANCE = 1e-4  # relative to the largest output magnitude
+ZOO = ("googlenet", "inception_v3", "resnet50")
+
+
+def relative_error(actual, expected) -> float:
+    actual, expected = tree_leaves(actual), tree_leaves(expected)
+    assert len(actual) == len(expected)
+    worst = 0.0
+    for a, e in zip(actual, expected):
+        assert a.shape == e.shape and a.dtype == e.dtype
+        scale = float(e.abs().max()) or 1.0
+        worst = max(worst, float((a - e).abs().max()) / scale)
+    return worst
+
+
+def targets(gm: torch.fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def count(gm: torch.fx.GraphModule, target) -> int:
+    return targets(gm).count(target)
+
+
+# ---- a small module with every pattern -----------------------------------------------
+
+
+class Patterns(nn.Module):
+    """conv+BN+ReLU stem; three parallel 1x1 convs on one tensor (two with BN, one
+    with its own bias); a residual conv+BN+add+ReLU; a duplicated ReLU; identities
+    (x * 1, clone, + 0); a transposed conv (never folded or fused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.bn0 = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.a, self.bna = nn.Conv2d(8, 4, 1, bias=False), nn.BatchNorm2d(4)
+        self.b, self.bnb = nn.Conv2d(8, 6, 1, bias=False), nn.BatchNorm2d(6)
+        self.c = nn.Conv2d(8, 5, 1)
+        self.d, self.bnd = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.up = nn.ConvTranspose2d(8, 8, 2, stride=2)
+        generator = torch.Generator().manual_seed(0)
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):  # statistics far from (0, 1), so folding matters
+                n = m.num_features
+                m.running_mean.copy_(torch.rand(n, generator=generator, device="cpu") * 2 - 1)
+                m.running_var.copy_(torch.rand(n, generator=generator, device="cpu") * 2 + 0.5)
+                m.weight.data.copy_(torch.rand(n, generator=generator, device="cpu") + 0.5)
+                m.bias.data.copy_(torch.rand(n, generator=generator, device="cpu") - 0.5)
+
+    def forward(self, x):
+        y = torch.relu(self.bn0(self.stem(x)))
+        a = torch.relu(self.bna(self.a(y)))
+        b = torch.relu(self.bnb(self.b(y)))
+        c = torch.relu(self.c(y))
+        r = torch.relu(self.bnd(self.d(y)) + y)
+        twice = torch.relu(y) + torch.relu(y)
+        return torch.cat([a, b, c], 1) * 1, (r.clone() + 0) + twice, self.up(r).mean()
+
+
+def patterns_inputs(batch: int = 2) -> tuple[torch.Tensor]:
+    return (torch.randn(batch, 3, 8, 8, generator=torch.Generator().manual_seed(batch)),)
+
+
+@pytest.fixture(scope="module")
+def patterns():
+    module = Patterns().eval()
+    graph = trace(module, patterns_inputs(2), ({0: torch.export.Dim("batch", min=1, max=8)},))
+    return module, graph
+
+
+def fused_copy(graph, *passes: str, device: str = "cpu"):
+    gm = copy.deepcopy(graph.module)
+    report = fusion.fuse(gm, device, passes or None)  # none named: the defaults
+    return gm, report
+
+
+def assert_equal_to_eager(module, gm, batches=(1, 2, 3)):
+    for batch in batches:
+        inputs = patterns_inputs(batch)
+        with torch.no_grad():
+            assert relative_error(gm(*inputs), module(*inputs)) <= TOLERANCE
+
+
+def test_fold_batchnorm_removes_every_norm_after_a_convolution(patterns):
+    module, graph = patterns
+    gm, report = fused_copy(graph, "fold_batchnorm")
+    assert report.rewrites == {"fold_batchnorm": 4}
+    assert count(graph.module, aten._native_batch_norm_legit_no_training.default) == 4
+    assert count(gm, aten._native_batch_norm_legit_no_training.default) == 0
+    assert count(gm, aten.convolution.default) == count(graph.module, aten.convolution.default)
+    assert report.kernels_after == report.kernels_before - 4
+    # the originals are gone from the module; the folded weights are buffers
+    assert not any(name.startswith("bn") for name, _ in gm.named_buffers())
+    assert sum(name.startswith("_opara_folded") for name, _ in gm.named_buffers()) == 8
+    assert_equal_to_eager(module, gm)
+
+
+def test_merge_turns_parallel_convolutions_into_one_and_slices(patterns):
+    module, graph = patterns
+    gm, report = fused_copy(graph, "fold_batchnorm", "merge_convs")
+    assert report.rewrites["merge_convs"] == 2  # a, b, c -> one
+    convs = [n for n in gm.graph.nodes if n.target is aten.convolution.default]
+    assert len(convs) == count(graph.module, aten.convolution.default) - 2
+    merged = next(n for n in convs if n.meta["val"].shape[1] == 4 + 6 + 5)
+    # every merged conv fed a ReLU: one ReLU follows, then free slices
+    (relu,) = merged.users
+    assert relu.target is aten.relu.default
+    slices = list(relu.users)
+    assert [s.target for s in slices] == [aten.slice.Tensor] * 3 and all(is_free(s) for s in slices)
+    assert [(s.args[2], s.args[3]) for s in slices] == [(0, 4), (4, 10), (10, 15)]
+    assert_equal_to_eager(module, gm)
+
+
+def test_merge_without_folding_keeps_the_norms_on_slices(patterns):
+    module, graph = patterns
+    gm, report = fused_copy(graph, "merge_convs")
+    assert report.rewrites["merge_convs"] == 2
+    assert count(gm, aten._native_batch_norm_legit_no_training.default) == 4
+    assert count(gm, aten.slice.Tensor) == 3
+    assert_equal_to_eager(module, gm)
+
+
+def test_common_subexpressions_are_computed_once(patterns):
+    module, graph = patterns
+    gm, report = fused_copy(graph, "cse")
+    assert report.rewrites == {"cse": 1}
+    assert count(gm, aten.relu.default) == count(graph.module, aten.relu.default) - 1
+    assert_equal_to_eager(module, gm)
+
+
+def test_identities_are_dropped(patterns):
+    module, graph = patterns
+    gm, report = fused_copy(graph, "drop_identities")
+    assert report.rewrites == {"drop_identities": 3}  # * 1, clone, + 0
+    assert count(gm, aten.clone.default) == 0
+    assert count(gm, aten.mul.Tensor) == count(graph.module, aten.mul.Tensor) - 1
+    assert_equal_to_eager(module, gm)
+
+
+class Identities(nn.Module):
+    def forward(self, x, n):
+        y = torch.sigmoid(x)
+        same = y.to(torch.float32) * 1.0 - 0
+        strided = x[:, 1:3].clone().view(-1)  # the copy is dense, the slice is not: view needs it
+        return x.clone(), same, y.to(torch.float64), (n * 1.0), torch.dropout(y, 0.5, False), strided
+
+
+def test_identities_keep_copies_that_change_something_or_alias_an_input():
+    module = Identities().eval()
+    inputs = (torch.randn(2, 3), torch.arange(6).reshape(2, 3))
+    graph = trace(module, inputs)
+    gm = copy.deepcopy(graph.module)
+    rewrites = fusion.drop_identities(gm)
+    gm.recompile()
+    remaining = targets(gm)
+    assert remaining.count(aten.clone.default) == 2  # x.clone() as an output, the strided copy
+    assert aten.mul.Tensor in remaining  # int * 1.0 changes the dtype
+    assert aten._to_copy.default in remaining  # float64
+    assert rewrites >= 2  # * 1.0 and - 0 on floats (export may already drop the no-op .to)
+    with torch.no_grad():
+        for got, want in zip(gm(*inputs), module(*inputs)):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_fuse_runs_every_cpu_pass_and_the_graph_rebuilds(patterns):
+    module, graph = patterns
+    gm, report = fused_copy(graph)  # the default passes; the cuDNN ones need CUDA
+    assert list(report.rewrites) == ["drop_identities", "cse", "fold_batchnorm", "merge_convs"]
+    assert report.kernels_after < report.kernels_before == len(graph.dag)
+    rebuilt = from_graph_module(gm)
+    assert len(rebuilt.dag) == report.kernels_after
+    assert aten.cudnn_convolution_relu.default not in targets(gm)
+    assert_equal_to_eager(module, gm)
+
+
+def test_the_cudnn_passes_leave_cpu_graphs_alone(patterns):
+    _, graph = patterns
+    gm = copy.deepcopy(graph.module)
+    fusion.fold_batchnorm(gm)
+    assert fusion.fuse_conv_relu(gm) == 0 and fusion.fuse_conv_add_relu(gm) == 0
+    _, report = fused_copy(graph, *fusion.PASSES, device="cuda")  # asked for CUDA, traced on CPU
+    assert report.rewrites["conv_relu"] == 0 and report.rewrites["conv_add_relu"] == 0
+
+
+def fake_cuda_patterns() -> torch.fx.GraphModule:
+    """Patterns exported with fake CUDA tensors: the graph a GPU trace gives, built
+    without a GPU (nothing here can run, but the structure can be checked)."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with torch.device("cuda"):
+            module = Patterns().eval()
+            x = torch.randn(2, 3, 8, 8)
+        program = torch.export.export(module, (x,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=8)},))
+    return program.run_decompositions().module()
+
+
+def test_cudnn_fusion_structure_on_a_cuda_graph():
+    gm = fake_cuda_patterns()
+    report = fusion.fuse(gm, "cuda", list(fusion.PASSES))
+    # stem and the merged 1x1 conv fuse with their ReLUs; the residual conv with its add + ReLU
+    assert report.rewrites["conv_relu"] == 2 and report.rewrites["conv_add_relu"] == 1
+    assert count(gm, aten.cudnn_convolution_relu.default) == 2
+    assert count(gm, aten.cudnn_convolution_add_relu.default) == 1
+    assert count(gm, aten.convolution.default) == 1  # the transposed conv stays
+    (transposed,) = [n for n in gm.graph.nodes if n.target is aten.convolution.default]
+    assert transposed.args[6] is True
+    for node in gm.graph.nodes:
+        if node.target in (aten.cudnn_convolution_relu.default, aten.cudnn_convolution_add_relu.default):
+            assert node.args[2 if node.target is aten.cudnn_convolution_relu.default else 4] is not None  # a bias
+            assert node.meta["val"].device.type == "cuda"
+    graph = from_graph_module(gm)
+    fused = [n for n in graph.dag.nodes if n.name.startswith("cudnn")]
+    assert len(fused) == 3 and all(n.flops > 0 for n in fused)  # counted as convolutions
+
+
+def test_only_relu_read_convolutions_fuse():
+    gm = fake_cuda_patterns()
+    fusion.fuse(gm, "cuda", ["conv_relu"])  # BN not folded: no conv feeds a ReLU directly but c
+    assert count(gm, aten.cudnn_convolution_relu.default) == 1
+
+
+def test_grouped_and_transposed_convolutions_are_not_fused_by_cudnn():
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with torch.device("cuda"):
+            module = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.ReLU(), nn.ConvTranspose2d(4, 4, 2), nn.ReLU()).eval()
+            x = torch.randn(1, 4, 8, 8)
+        gm = torch.export.export(module, (x,)).run_decompositions().module()
+    assert fusion.fuse_conv_relu(gm) == 0
+    assert count(gm, aten.relu.default) == 2
+
+
+def test_the_cudnn_probe_keeps_only_configurations_that_run_and_match(patterns, monkeypatch):
+    """On a GPU each distinct fused configuration is tried once; here the fused op is
+    stood in for by CPU functions that are right, wrong, or refuse."""
+    _, graph = patterns
+    gm = copy.deepcopy(graph.module)
+    fusion.fold_batchnorm(gm)
+    conv = next(n for n in gm.graph.nodes if n.target is aten.convolution.default)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def right(x, w, b, stride, padding, dilation, groups):
+        return torch.relu(aten.convolution.default(x, w, b, stride, padding, dilation, False, [0, 0], groups))
+
+    def refuses(*args):
+        raise RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED")
+
+    for stand_in, accepted in ((right, True), (lambda *a: right(*a) * 1.01, False), (refuses, False)):
+        monkeypatch.setattr(fusion, "CONV_RELU", stand_in)
+        cache = {}
+        assert fusion._cudnn_probe(gm, conv, None, None, cache) is accepted
+        assert list(cache.values()) == [accepted]
+    assert fusion._concrete_shape(conv.meta["val"]) == [1, 8, 8, 8]  # the batch is symbolic: 1
+
+
+# ---- fuse_graph ----------------------------------------------------------------------
+
+
+def test_fuse_graph_copies_and_reports(patterns):
+    module, graph = patterns
+    code = graph.module.code
+    fused, report = fusion.fuse_graph(graph, "cpu", check_inputs=[patterns_inputs(1), patterns_inputs(3)])
+    assert graph.module.code == code, "the input graph must be left as it was"
+    assert fused is not graph and fused.fingerprint != graph.fingerprint
+    assert report.note == "" and len(fused.dag) == report.kernels_after < len(graph.dag)
+    assert str(report).startswith(f"{len(graph.dag)} -> {len(fused.dag)} kernels (")
+    assert report.to_json()["rewrites"] == dict(report.rewrites)
+    with pytest.raises(TypeError):
+        report.rewrites["cse"] = 0  # frozen
+
+
+def test_fuse_graph_falls_back_when_a_pass_breaks_the_outputs(patterns, monkeypatch):
+    def merge_wrongly(gm):
+        merged = fusion.merge_parallel_convs(gm)
+        for name, buffer in gm.named_buffers():
+            if name.startswith("_opara_merged_weight"):
+                buffer.mul_(2)
+        return merged
+
+    monkeypatch.setitem(fusion.PASSES, "merge_convs", merge_wrongly)
+    _, graph = patterns
+    fused, report = fusion.fuse_graph(graph, "cpu", check_inputs=[patterns_inputs(2)])
+    assert fused is graph and "rejected: outputs differ" in report.note
+    assert report.kernels_after == report.kernels_before == len(graph.dag)
+    fused, report = fusion.fuse_graph(graph, "cpu")  # unchecked: the caller's risk
+    assert fused is not graph and report.note == ""
+
+
+def test_unknown_passes_are_refused(patterns):
+    with pytest.raises(ValueError, match="unknown fusion passes"):
+        fusion.fuse(copy.deepcopy(patterns[1].module), "cpu", ["fold_everything"])
+
+
+def test_the_engine_settings_switch_fusion():
+    from opara_core.triton import engine_settings
+
+    assert EngineSettings().fusion is True
+    assert engine_settings({"parameters": {"fusion": {"string_value": "off"}}}).fusion is False
+
+
+# ---- zoo models ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """Eager outputs of each zoo model at batch 2 (the traced graphs take any batch)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            inputs = zoo.get(name).example_inputs(2, seed=11)
+            with torch.no_grad():
+                cache[name] = inputs, zoo.get(name).build()(*inputs)
+        return cache[name]
+
+    return get
+
+
+# convolutions removed by merging: GoogLeNet's 9 inception blocks each read their
+# input with three 1x1 convs; ResNet-50's first block with conv1 and the downsample.
+MERGED = {"googlenet": 18, "inception_v3": 19, "resnet50": 1}
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_folding_on_zoo_models(name, expected):
+    graph = traced(name)
+    norms = count(graph.module, aten._native_batch_norm_legit_no_training.default)
+    gm, report = fused_copy(graph, "fold_batchnorm")
+    assert report.rewrites["fold_batchnorm"] == norms == count(graph.module, aten.convolution.default)
+    assert count(gm, aten._native_batch_norm_legit_no_training.default) == 0
+    assert report.kernels_after == len(graph.dag) - norms
+    inputs, want = expected(name)
+    with torch.no_grad():
+        assert relative_error(gm(*inputs), want) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_merging_on_zoo_models(name, expected):
+    graph = traced(name)
+    gm, report = fused_copy(graph, "merge_convs")
+    assert report.rewrites["merge_convs"] == MERGED[name]
+    assert count(gm, aten.convolution.default) == count(graph.module, aten.convolution.default) - MERGED[name]
+    # no two convolutions that could be merged are left
+    keys = [fusion._merge_key(gm, n) for n in gm.graph.nodes if n.target is aten.convolution.default]
+    keys = [k for k in keys if k is not None]
+    assert len(keys) == len(set(keys))
+    inputs, want = expected(name)
+    with torch.no_grad():
+        assert relative_error(gm(*inputs), want) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_fused_zoo_graphs_plan_and_run_like_eager(name, expected):
+    graph = traced(name)
+    inputs, want = expected(name)
+    fused, report = fusion.fuse_graph(graph, "cpu", check_inputs=[inputs])
+    assert report.note == ""
+    assert report.rewrites["fold_batchnorm"] > 0 and report.rewrites["merge_convs"] == MERGED[name]
+    assert len(fused.dag) == report.kernels_after < len(graph.dag)
+    assert fused.dag.critical_path_us < graph.dag.critical_path_us
+    assert not any(n.target is operator.getitem and n.args[0].target is aten._native_batch_norm_legit_no_training.default for n in fused.module.graph.nodes)
+    assert relative_error(run_plan(fused, plan_graph(fused, "opara"), *inputs), want) <= TOLERANCE
+
+
+# ---- on the GPU ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def strict_fp32():
+    """Plain fp32: with TF32 (cuDNN's default) folded weights round differently from
+    conv-then-norm and the comparison would measure TF32, not the rewrite."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _cuda_graph(name):
+    from opara_core.build import trace_on
+
+    device = torch.device("cuda")
+    module = zoo.get(name).build().to(device)
+    return module, trace_on(module, zoo.get(name), device)
+
+
+@pytest.mark.gpu
+def test_cuda_fusion_of_googlenet_equals_eager_and_captures(strict_fp32):
+    from opara_core.capture import LanePool, plan_capture
+
+    device = torch.device("cuda")
+    module, graph = _cuda_graph("googlenet")
+    fused, report = fusion.fuse_graph(graph, device)  # no check inputs: failures must show here
+    assert report.note == "", report.note
+    assert report.rewrites["fold_batchnorm"] == 57 and report.rewrites["merge_convs"] == 18
+    # every one of the 39 convolutions left feeds a ReLU; cuDNN may refuse a few (the probe)
+    fused_convs = count(fused.module, aten.cudnn_convolution_relu.default)
+    assert report.rewrites["conv_relu"] == fused_convs >= 35
+    assert fused_convs + count(fused.module, aten.relu.default) == 57 - 18
+    lane_pool = LanePool(device)
+    pool = torch.cuda.graph_pool_handle()
+    with torch.inference_mode():
+        for batch in (1, 3):
+            inputs = tuple(x.to(device) for x in zoo.get("googlenet").example_inputs(batch, seed=batch))
+            want = module(*inputs)
+            assert relative_error(fused.module(*inputs), want) <= TOLERANCE
+            for policy in ("sequential", "opara"):
+                static_in = [x.clone() for x in inputs]
+                cuda_graph, outputs = plan_capture(fused, plan_graph(fused, policy, 8), lane_pool)(static_in, pool)
+                cuda_graph.replay()
+                torch.cuda.synchronize()
+                assert relative_error(outputs[0], want) <= TOLERANCE, (policy, batch)
+
+
+@pytest.mark.gpu
+def test_cuda_conv_add_relu_on_resnet50_equals_eager(strict_fp32):
+    device = torch.device("cuda")
+    module, graph = _cuda_graph("resnet50")
+    fused, report = fusion.fuse_graph(graph, device, passes=(*fusion.DEFAULT_PASSES, "conv_add_relu"))
+    assert report.note == "", report.note
+    # 16 bottlenecks end in a residual join; cuDNN may refuse a few (the probe)
+    assert report.rewrites["conv_add_relu"] == count(fused.module, aten.cudnn_convolution_add_relu.default) >= 12
+    with torch.inference_mode():
+        for batch in (1, 4):
+            inputs = tuple(x.to(device) for x in zoo.get("resnet50").example_inputs(batch, seed=batch))
+            assert relative_error(fused.module(*inputs), module(*inputs)) <= TOLERANCE
+
+
+@pytest.mark.gpu
+def test_build_runner_fuses_and_passes_the_guard(strict_fp32):
+    from opara_core.build import build_runner
+
+    device = torch.device("cuda")
+    module = zoo.get("googlenet").build().to(device)
+    _, report = build_runner(module, zoo.get("googlenet"), device, 8, EngineSettings(buckets=(1, 8)))
+    assert report.fusion is not None and report.fusion.note == "", report.summary()
+    assert report.fusion.rewrites["conv_relu"] > 0
+    assert report.runner == "multi-stream graph" and not report.fallbacks, report.summary()
