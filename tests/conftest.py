@@ -46,6 +46,20 @@ def grpc_client(server):
     client.close()
 
 
+@pytest.fixture
+def strict_fp32():
+    """Plain fp32 convolutions and matmuls for comparisons with eager: with TF32
+    (cuDNN's default) two runs that pick different algorithms, or folded
+    weights, differ by ~1e-2 relative after 60 layers, which would hide real
+    errors."""
+    import torch
+
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests skip cleanly where torch sees no CUDA device (CI, laptops)."""
     import torch

@@ -78,7 +78,7 @@ def test_auto_is_never_slower_than_sequential_and_passes_the_guard():
     assert not report.fallbacks
 
 
-def test_a_failed_capture_falls_back_to_the_sequential_graph_with_the_reason():
+def test_a_failed_capture_falls_back_to_the_sequential_graph_with_the_reason(strict_fp32):
     module, _ = traced("googlenet")
     runner, report = build_runner(module, zoo.get("googlenet"), torch.device("cuda"), 8, EngineSettings(buckets=(1,), fail_capture=True))
     assert report.runner == "sequential graph"

@@ -384,16 +384,6 @@ def test_fused_zoo_graphs_plan_and_run_like_eager(name, expected):
 # ---- on the GPU ----------------------------------------------------------------------
 
 
-@pytest.fixture
-def strict_fp32():
-    """Plain fp32: with TF32 (cuDNN's default) folded weights round differently from
-    conv-then-norm and the comparison would measure TF32, not the rewrite."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def _cuda_graph(name):
     from opara_core.build import trace_on
 

@@ -46,17 +46,6 @@ def test_batches_outside_the_staging_buffers_are_refused(entry, module):
         runner.host_inputs(0)
 
 
-@pytest.fixture
-def strict_fp32():
-    """Plain fp32 convolutions: with TF32 (cuDNN's default) a graph captured at
-    batch 4 and eager at batch 3 may pick different algorithms and differ by
-    ~1e-2 relative after 60 layers, which would hide real errors."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])
 def test_graph_runner_equals_eager_on_every_bucket_and_chunks(entry, module, rows, strict_fp32):
