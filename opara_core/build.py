@@ -9,6 +9,7 @@ info: multi-stream graph -> sequential graph -> eager. On a CPU: eager.
 
 from __future__ import annotations
 
+import copy
 import logging
 import statistics
 import time
@@ -26,17 +27,15 @@ from .plan import Plan, plan_graph
 log = logging.getLogger(__name__)
 
 POLICIES = ("sequential", "opara", "nimble", "asap", "wavefront")
+LAYOUTS = ("auto", "nchw", "nhwc")
 
-# What `auto` captures and times at the smallest bucket; larger buckets re-time
-# only the best few of the bucket before them, plus the sequential graph.
+# What `auto` captures and times at the smallest bucket, per layout; larger
+# buckets re-time only the best few of the bucket before, plus the sequential graph.
 AUTO_CANDIDATES: tuple[tuple[str, int], ...] = (
     ("opara", 8),
-    ("opara", 16),
     ("nimble", 8),
-    ("nimble", 16),
     ("asap", 4),
     ("asap", 8),
-    ("asap", 16),
     ("wavefront", 8),
 )
 AUTO_KEEP = 3
@@ -53,6 +52,9 @@ class EngineSettings:
     guard_tolerance: float = 1e-4
     fail_capture: bool = False  # a test switch: every multi-stream capture fails
     fusion: bool = True  # fold, merge and fuse kernels before planning (opara_core.fusion)
+    # convolution layout: NHWC (channels_last) wins at larger batches and on some
+    # models, NCHW on others; "auto" traces both and times them per bucket
+    layout: str = "auto"
 
     def __post_init__(self) -> None:
         if self.policy not in (*POLICIES, "auto"):
@@ -61,6 +63,8 @@ class EngineSettings:
             raise ValueError(f"max_streams must be at least 1, got {self.max_streams}")
         if not self.buckets or min(self.buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {list(self.buckets)}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
 
 
 @dataclass
@@ -68,16 +72,15 @@ class BuildReport:
     """What was built and why: shown in logs, plan summaries and metrics."""
 
     runner: str = "eager"
-    choices: dict[int, str] = field(default_factory=dict)  # bucket -> "policy/lanes"
+    choices: dict[int, str] = field(default_factory=dict)  # bucket -> "layout:policy/lanes"
     timings_ms: dict[int, dict[str, float]] = field(default_factory=dict)  # bucket -> candidate -> median ms
     fallbacks: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
-    fusion: FusionReport | None = None
+    fusion: dict[str, FusionReport] = field(default_factory=dict)  # layout -> report
 
     def summary(self) -> str:
         lines = [f"runner {self.runner}"]
-        if self.fusion is not None:
-            lines.append(f"fusion: {self.fusion}")
+        lines += [f"fusion ({layout}): {fused}" for layout, fused in self.fusion.items()]
         for bucket, choice in sorted(self.choices.items()):
             times = ", ".join(f"{k} {v:.3f}" for k, v in sorted(self.timings_ms.get(bucket, {}).items(), key=lambda kv: kv[1]))
             lines.append(f"bucket {bucket}: {choice}" + (f" (median ms: {times})" if times else ""))
@@ -88,6 +91,15 @@ class BuildReport:
 
 class GuardError(RuntimeError):
     """A captured graph disagreed with eager."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to capture the model: a traced graph (in a layout) and a plan."""
+
+    key: str  # "layout:policy/lanes"
+    graph: OpGraph
+    plan: Plan
 
 
 def build_runner(
@@ -103,35 +115,17 @@ def build_runner(
         return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
     module = module.to(device).eval()
     torch.backends.cudnn.benchmark = True
-    graph = None
-    try:
-        start = time.perf_counter()
-        graph = trace_on(module, entry, device)
-        report.seconds["trace"] = time.perf_counter() - start
-    except Exception as error:  # noqa: BLE001 - any tracing failure falls back
-        report.fallbacks.append(f"tracing failed: {error}")
-    if graph is not None and settings.fusion:
-        start = time.perf_counter()
-        # checked against the unfused graph at the smallest and largest bucket;
-        # a rejected rewrite falls back to fewer passes (see fuse_graph)
-        checks = [tuple(t.to(device) for t in entry.example_inputs(b, seed=7)) for b in sorted({min(settings.buckets), max(settings.buckets)})]
-        try:
-            graph, report.fusion = fuse_graph(graph, device, check_inputs=checks)
-        except Exception as error:  # noqa: BLE001 - the unfused graph is still right
-            report.fallbacks.append(f"fusion: {error}")
-        report.seconds["fusion"] = time.perf_counter() - start
-    # The guard checks capture and scheduling: a replay against the same graph
-    # run eagerly (same kernels). Fusion was checked on its own against the
-    # unfused graph in plain fp32; with TF32 on, folded weights round differently.
-    reference = graph.module if graph is not None else module
+    graphs = traced_graphs(module, entry, device, settings, report)
     lane_pool = LanePool(device)
-    if graph is not None and settings.policy != "sequential":
+    if graphs and settings.policy != "sequential":
         try:
             start = time.perf_counter()
             if settings.fail_capture:
                 raise CaptureError("capture failure forced by the fail_capture switch")
-            capture = _multi_stream_capture(graph, settings, lane_pool, report)
-            runner = _guarded(capture, reference, entry, device, max_batch, settings)
+            auto = AutoCapture(candidates(graphs, settings), lane_pool, report)
+            runner = runtime.GraphRunner(auto, entry.inputs, entry.outputs, device, max_batch, settings.buckets)
+            if settings.guard:
+                check_against_eager(runner, {b: c.graph.module for b, c in auto.chosen.items()}, entry, settings.guard_tolerance)
             report.seconds["plan+capture"] = time.perf_counter() - start
             report.runner = "multi-stream graph"
             return runner, report
@@ -142,20 +136,79 @@ def build_runner(
             report.timings_ms.clear()
     try:
         start = time.perf_counter()
-        if graph is not None:
+        if graphs:
+            graph = next(iter(graphs.values()))
             capture = plan_capture(graph, plan_graph(graph, "sequential"), lane_pool)
+            reference = graph.module
         else:
-            capture = runtime.capture_sequential(module)
-        runner = _guarded(capture, reference, entry, device, max_batch, settings)
+            capture, reference = runtime.capture_sequential(module), module
+        runner = runtime.GraphRunner(capture, entry.inputs, entry.outputs, device, max_batch, settings.buckets)
+        if settings.guard:
+            check_against_eager(runner, {b: reference for b in runner.buckets}, entry, settings.guard_tolerance)
         report.seconds["capture"] = time.perf_counter() - start
         report.runner = "sequential graph"
-        report.choices = {b: "sequential/1" for b in settings.buckets}
+        report.choices = {b: f"{next(iter(graphs), 'module')}:sequential/1" for b in settings.buckets}
         return runner, report
     except (CaptureError, GuardError, RuntimeError) as error:
         report.fallbacks.append(f"sequential graph: {error}")
         log.warning("sequential graph failed, falling back to eager: %s", error)
     report.runner = "eager"
     return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
+
+
+def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: EngineSettings, report: BuildReport) -> dict[str, OpGraph]:
+    """The model traced (and fused) in each layout to try; empty if tracing fails.
+
+    The guard later compares each replay with its own graph run eagerly (same
+    kernels): fusion is checked on its own here, against the unfused graph in
+    plain fp32, since with TF32 folded weights round differently.
+    """
+    has_convs = any(isinstance(m, torch.nn.Conv2d) for m in module.modules())
+    layouts = {"auto": ("nchw", "nhwc") if has_convs else ("nchw",), "nchw": ("nchw",), "nhwc": ("nhwc",)}[settings.layout]
+    graphs = {}
+    for layout in layouts:
+        start = time.perf_counter()
+        try:
+            if layout == "nhwc":  # a copy: the caller's module (the eager fallback) stays as it is
+                module = to_channels_last(copy.deepcopy(module))
+            graph = trace_on(module, entry, device)
+        except Exception as error:  # noqa: BLE001 - any tracing failure falls back
+            report.fallbacks.append(f"tracing ({layout}): {error}")
+            continue
+        report.seconds[f"trace {layout}"] = time.perf_counter() - start
+        if settings.fusion:
+            start = time.perf_counter()
+            buckets = sorted({min(settings.buckets), max(settings.buckets)})
+            checks = [tuple(t.to(device) for t in entry.example_inputs(b, seed=7)) for b in buckets]
+            try:
+                graph, report.fusion[layout] = fuse_graph(graph, device, check_inputs=checks)
+            except Exception as error:  # noqa: BLE001 - the unfused graph is still right
+                report.fallbacks.append(f"fusion ({layout}): {error}")
+            report.seconds[f"fusion {layout}"] = time.perf_counter() - start
+        graphs[layout] = graph
+    return graphs
+
+
+def candidates(graphs: dict[str, OpGraph], settings: EngineSettings) -> list[Candidate]:
+    """What AutoCapture times: the sequential graph of every layout, plus the
+    configured policy (or, with `auto`, every AUTO_CANDIDATES policy) per layout."""
+    wanted = AUTO_CANDIDATES if settings.policy == "auto" else ((settings.policy, settings.max_streams),)
+    found: dict[str, Candidate] = {}
+    for layout, graph in graphs.items():
+        for policy, lanes in (("sequential", 1), *wanted):
+            plan = plan_graph(graph, policy, min(lanes, settings.max_streams))
+            key = f"{layout}:{policy}/{plan.num_streams}"
+            found.setdefault(key, Candidate(key, graph, plan))
+    return list(found.values())
+
+
+def to_channels_last(module: torch.nn.Module) -> torch.nn.Module:
+    """NHWC weights for every 2-d convolution: cuDNN then runs the whole network
+    in NHWC, the layout its tensor-core kernels prefer."""
+    for layer in module.modules():
+        if isinstance(layer, torch.nn.Conv2d):
+            layer.weight.data = layer.weight.data.contiguous(memory_format=torch.channels_last)
+    return module
 
 
 def trace_on(module: torch.nn.Module, entry: zoo.ZooModel, device: torch.device) -> OpGraph:
@@ -165,22 +218,16 @@ def trace_on(module: torch.nn.Module, entry: zoo.ZooModel, device: torch.device)
     return trace(module, example, zoo.dynamic_shapes(entry), cost_inputs=tuple(t[:1] for t in example), name=entry.name)
 
 
-def _guarded(capture, module, entry, device, max_batch, settings: EngineSettings) -> runtime.GraphRunner:
-    runner = runtime.GraphRunner(capture, entry.inputs, entry.outputs, device, max_batch, settings.buckets)
-    if settings.guard:
-        check_against_eager(runner, module, entry, settings.guard_tolerance)
-    return runner
-
-
-def check_against_eager(runner: runtime.GraphRunner, module: torch.nn.Module, entry: zoo.ZooModel, tolerance: float) -> None:
-    """Replay every bucket on fresh random inputs and compare with eager."""
+def check_against_eager(runner: runtime.GraphRunner, references: dict[int, torch.nn.Module], entry: zoo.ZooModel, tolerance: float) -> None:
+    """Replay every bucket on fresh random inputs and compare with the graph it
+    replays, run eagerly (`references`: bucket -> module)."""
     for bucket in runner.buckets:
         inputs = entry.example_inputs(bucket, seed=1000 + bucket)
         for buffer, x in zip(runner.host_inputs(bucket), inputs):
             buffer[...] = x.numpy()
         outputs = [torch.from_numpy(o.copy()) for o in runner.run(bucket)]
         with torch.inference_mode():
-            expected = runtime._as_tuple(module(*(x.to(runner.device) for x in inputs)))
+            expected = runtime._as_tuple(references[bucket](*(x.to(runner.device) for x in inputs)))
         for got, want in zip(outputs, expected):
             want = want.cpu()
             scale = float(want.abs().max()) or 1.0
@@ -189,73 +236,62 @@ def check_against_eager(runner: runtime.GraphRunner, module: torch.nn.Module, en
                 raise GuardError(f"bucket {bucket}: replay differs from eager by {error:.2e} (relative), tolerance {tolerance:.0e}")
 
 
-def _multi_stream_capture(graph: OpGraph, settings: EngineSettings, lane_pool: LanePool, report: BuildReport):
-    """A capture function that captures the configured policy, or with `auto`
-    times the candidates per bucket and keeps the fastest."""
-    if settings.policy != "auto":
-        plan = plan_graph(graph, settings.policy, settings.max_streams)
-        capture_plan = plan_capture(graph, plan, lane_pool)
-
-        def capture(static_in, pool):
-            report.choices[static_in[0].shape[0]] = f"{settings.policy}/{plan.num_streams}"
-            return capture_plan(static_in, pool)
-
-        return capture
-    plans = {"sequential/1": plan_graph(graph, "sequential")}
-    for policy, lanes in AUTO_CANDIDATES:
-        if lanes <= max(settings.max_streams, 1):
-            plan = plan_graph(graph, policy, lanes)
-            plans.setdefault(f"{policy}/{plan.num_streams}", plan)
-    return AutoCapture(graph, plans, lane_pool, report)
-
-
 class AutoCapture:
-    """Capture each candidate plan, time its replays, keep the fastest.
+    """Capture each candidate, time its replays, keep the fastest, per bucket.
 
     The sequential graph of the same traced graph is always a candidate, so the
-    choice is never slower than it (within timing noise).
+    choice is never slower than it (within timing noise). `chosen` records the
+    candidate kept for each bucket.
     """
 
-    def __init__(self, graph: OpGraph, plans: dict[str, Plan], lane_pool: LanePool, report: BuildReport, replays: int = 30, repeats: int = 3):
-        self.graph = graph
-        self.plans = plans
+    def __init__(self, candidates: list[Candidate], lane_pool: LanePool, report: BuildReport):
+        self.candidates = {c.key: c for c in candidates}
         self.lane_pool = lane_pool
         self.report = report
-        self.replays = replays
-        self.repeats = repeats
-        self.shortlist: list[str] = list(plans)
+        self.shortlist: list[str] = list(self.candidates)
+        self.chosen: dict[int, Candidate] = {}
 
     def __call__(self, static_in: Sequence[torch.Tensor], pool: Any):
         bucket = static_in[0].shape[0]
         timings: dict[str, float] = {}
         best: tuple[float, str, Any] | None = None
-        for key in dict.fromkeys(["sequential/1", *self.shortlist]):
+        failures = []
+        sequential = [k for k in self.candidates if k.endswith(":sequential/1")]
+        for key in dict.fromkeys([*sequential, *self.shortlist]):
+            candidate = self.candidates[key]
             try:
-                captured = plan_capture(self.graph, self.plans[key], self.lane_pool)(static_in, pool)
+                captured = plan_capture(candidate.graph, candidate.plan, self.lane_pool)(static_in, pool)
             except CaptureError as error:
-                log.info("auto: %s not captured at bucket %d: %s", key, bucket, error)
+                log.warning("auto: %s not captured at bucket %d: %s", key, bucket, error)
+                failures.append(f"{key}: {error}")
                 continue
-            timings[key] = time_replays(captured[0], self.replays, self.repeats)
+            timings[key] = time_replays(captured[0])
             if best is None or timings[key] < best[0]:
                 best = (timings[key], key, captured)
         if best is None:
-            raise CaptureError(f"no candidate could be captured at bucket {bucket}")
+            raise CaptureError(f"no candidate could be captured at bucket {bucket}: {'; '.join(failures)[:1000]}")
         ranked = sorted(timings, key=timings.get)
-        self.shortlist = [k for k in ranked if k != "sequential/1"][:AUTO_KEEP]
+        self.shortlist = [k for k in ranked if k not in sequential][:AUTO_KEEP]
+        self.chosen[bucket] = self.candidates[best[1]]
         self.report.choices[bucket] = best[1]
         self.report.timings_ms[bucket] = timings
         log.info("auto: bucket %d -> %s (%s)", bucket, best[1], ", ".join(f"{k} {timings[k]:.3f} ms" for k in ranked))
         return best[2]
 
 
-def time_replays(cuda_graph: torch.cuda.CUDAGraph, replays: int = 30, repeats: int = 3, warmup: int = 3) -> float:
-    """Median milliseconds per replay, timed with CUDA events."""
+def time_replays(cuda_graph: torch.cuda.CUDAGraph, seconds: float = 0.02, repeats: int = 5, warmup: int = 3) -> float:
+    """Median milliseconds per replay over `repeats` runs of ~`seconds` each,
+    timed with CUDA events (short graphs get more replays, so noise stays low)."""
     stream = torch.cuda.current_stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
     for _ in range(warmup):
         cuda_graph.replay()
+    end.record(stream)
+    end.synchronize()
+    replays = int(min(max(seconds * 1000 * warmup / max(start.elapsed_time(end), 1e-3), 10), 1000))
     samples = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         for _ in range(replays):
             cuda_graph.replay()

@@ -7,9 +7,15 @@ running Python, builds the environment the server and its stubs need, and starts
 the server bound to loopback. `make serve` and the integration tests both go
 through here, so what the tests start is what a user starts.
 
+Safe defaults: every endpoint binds 127.0.0.1, model control is `none`, and
+the model-repository, shared-memory, logging and trace APIs need the key in
+OPARA_ADMIN_KEY (a random key nobody knows when it is unset: those APIs are
+then closed to everyone).
+
 CLI: `python -m opara_core.server prepare` lays out the backend directory;
 `python -m opara_core.server serve [--model-repository DIR]` runs the server in
-the foreground (ports from HTTP_PORT, GRPC_PORT, METRICS_PORT).
+the foreground (ports from HTTP_PORT, GRPC_PORT, METRICS_PORT) and restarts it
+if a model's backend process dies.
 """
 
 from __future__ import annotations
@@ -20,12 +26,15 @@ import importlib.util
 import json
 import logging
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -39,6 +48,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_WORKDIR = REPO_ROOT / ".triton"
 LOOPBACK = "127.0.0.1"
+
+# Triton's restricted APIs: a request to one of these must carry the header
+# `admin-key: <key>` (HTTP) or the metadata `triton-grpc-protocol-admin-key: <key>` (gRPC).
+ADMIN_KEY_ENV = "OPARA_ADMIN_KEY"
+ADMIN_HEADER = "admin-key"
+RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
+_ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]{16,}")
 
 
 def pytriton_root() -> Path:
@@ -119,6 +135,15 @@ class ServerConfig:
     log_verbose: int = 0
     exit_timeout_s: int = 30
     extra_args: tuple[str, ...] = ()
+    # the key for the restricted APIs; None: a random one per start, so nobody has it
+    admin_key: str | None = field(default_factory=lambda: os.environ.get(ADMIN_KEY_ENV) or None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.admin_key is not None and not _ADMIN_KEY_PATTERN.fullmatch(self.admin_key):
+            raise ValueError(
+                f"{ADMIN_KEY_ENV} must be at least 16 characters from A-Z a-z 0-9 . _ ~ + / - "
+                "(e.g. the output of `openssl rand -hex 32`)"
+            )
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "ServerConfig":
@@ -134,8 +159,20 @@ class ServerConfig:
         return cls(**{**ports, **overrides})
 
 
+def shm_prefix(config: ServerConfig) -> str:
+    """The Python backend's /dev/shm region names for this server start with this."""
+    return f"opara_{config.server_id}_"
+
+
+def restricted_api_args(key: str) -> list[str]:
+    """Flags that put RESTRICTED_APIS behind `key` on HTTP and gRPC."""
+    apis = ",".join(RESTRICTED_APIS)
+    return [f"--http-restricted-api={apis}:{ADMIN_HEADER}={key}", f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={key}"]
+
+
 def server_command(config: ServerConfig, backends: Path) -> list[str]:
-    """The tritonserver command line: loopback only, model control `none`."""
+    """The tritonserver command line: loopback only, model control `none`,
+    administrative APIs behind a key."""
     binary = pytriton_root() / "tritonserver" / "bin" / "tritonserver"
     return [
         str(binary),
@@ -154,8 +191,9 @@ def server_command(config: ServerConfig, backends: Path) -> list[str]:
         f"--exit-timeout-secs={config.exit_timeout_s}",
         # a unique shared-memory prefix per server, so parallel servers and
         # leftovers of a crashed one never collide
-        f"--backend-config=python,shm-region-prefix-name=opara_{config.server_id}_",
+        f"--backend-config=python,shm-region-prefix-name={shm_prefix(config)}",
         f"--log-verbose={config.log_verbose}",
+        *restricted_api_args(config.admin_key or secrets.token_urlsafe(32)),
         *config.extra_args,
     ]
 
@@ -179,9 +217,9 @@ class TritonServer:
     hold the port cannot fool us).
     """
 
-    def __init__(self, config: ServerConfig, log_path: Path, workdir: Path = DEFAULT_WORKDIR):
+    def __init__(self, config: ServerConfig, log_path: Path | None, workdir: Path = DEFAULT_WORKDIR):
         self.config = config
-        self.log_path = Path(log_path)
+        self.log_path = None if log_path is None else Path(log_path)  # None: this process's stdout
         self.workdir = workdir
         self.process: subprocess.Popen | None = None
 
@@ -200,18 +238,25 @@ class TritonServer:
     def start(self) -> "TritonServer":
         backends = prepare_backends(self.workdir)
         command = server_command(self.config, backends)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log_file:
-            self.process = subprocess.Popen(
-                command,
-                env=server_env(),
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
-            )
+        if self.log_path is None:
+            self.process = subprocess.Popen(command, env=server_env(), stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        else:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "ab") as log_file:  # a restart appends
+                self.process = subprocess.Popen(
+                    command,
+                    env=server_env(),
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=_die_with_parent,
+                )
         log.info("started tritonserver pid %d (%s)", self.process.pid, self.config.server_id)
         return self
+
+    def stubs(self) -> dict[str, int]:
+        """This server's Python-backend stub processes: instance name -> pid."""
+        return {} if self.process is None else stub_processes(self.process.pid)
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -239,20 +284,26 @@ class TritonServer:
         return None if self.process is None else self.process.poll()
 
     def stop(self, timeout_s: float | None = None) -> int | None:
-        """SIGTERM (Triton finishes in-flight requests and unloads), then SIGKILL."""
-        if self.process is None or self.process.poll() is not None:
-            return self.returncode
-        timeout_s = self.config.exit_timeout_s + 10 if timeout_s is None else timeout_s
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            log.warning("tritonserver did not stop in %.0f s; killing it", timeout_s)
-            self.process.kill()
-            self.process.wait()
+        """SIGTERM (Triton finishes in-flight requests and unloads), then SIGKILL;
+        then remove the shared-memory regions a dead stub left behind."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            timeout_s = self.config.exit_timeout_s + 10 if timeout_s is None else timeout_s
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("tritonserver did not stop in %.0f s; killing it", timeout_s)
+                self.process.kill()
+                self.process.wait()
+        for region in Path("/dev/shm").glob(f"{shm_prefix(self.config)}*"):  # the server is gone: all ours
+            region.unlink(missing_ok=True)
         return self.process.returncode
 
     def log_tail(self, lines: int = 60) -> str:
+        if self.log_path is None:
+            return "(the log is on the terminal)"
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
@@ -271,6 +322,28 @@ class TritonServer:
         self.stop()
 
 
+def stub_processes(server_pid: int) -> dict[str, int]:
+    """The Python-backend stubs of a tritonserver process: instance name -> pid.
+
+    Each model instance is a child process whose command line (Triton 2.51) is
+    `triton_python_backend_stub <model.py> <shm region> <shm sizes x2> <server
+    pid> <backend dir> <ipc handle> <instance name> <kind>`.
+    """
+    stubs = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            args = (entry / "cmdline").read_bytes().split(b"\0") if parent == server_pid else []
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+        if len(args) > 8 and args[0].endswith(b"triton_python_backend_stub"):
+            stubs[args[8].decode()] = int(entry.name)
+    return stubs
+
+
 def _die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent dies, so a killed
     `make serve` or test run never leaves an orphaned server holding ports."""
@@ -281,21 +354,83 @@ def _die_with_parent() -> None:
         pass
 
 
-def serve(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR) -> None:
-    """Replace this process with tritonserver in the foreground.
+def supervise(
+    server: TritonServer,
+    stop: threading.Event,
+    poll_s: float = 1.0,
+    max_restarts: int = 3,
+    serving: threading.Event | None = None,
+) -> int:
+    """Run `server` until `stop` is set (0), or until it fails (1); `serving`,
+    if given, is set while the server is ready and watched.
 
-    exec keeps Ctrl-C and SIGTERM going straight to the server, which then
-    shuts down cleanly; the parent-death signal covers a killed `make`.
+    Triton 2.51 neither restarts a Python-backend stub process that died (killed,
+    out of memory, a crash in native code) nor reports its model down: the model
+    stays ready and every request to it fails with "Stub process '<instance>' is
+    not healthy". Only a new server brings the model back, so a dead stub
+    restarts the server: SIGTERM (in-flight requests finish), then a fresh start,
+    at most `max_restarts` times.
     """
-    backends = prepare_backends(workdir)
-    command = server_command(config, backends)
+    restarts = 0
+    while not stop.is_set():
+        try:
+            server.start()
+            server.wait_ready()
+        except ServerError as error:
+            server.stop()
+            if stop.is_set():
+                break
+            log.error("%s", error)
+            return 1
+        watched = server.stubs()
+        log.info("serving; watching the backend processes of %s", ", ".join(sorted(watched)) or "no Python model")
+        if serving is not None:
+            serving.set()
+        dead: list[str] = []
+        while not dead and not stop.wait(poll_s):
+            if server.returncode is not None:
+                log.error("tritonserver exited with code %s", server.returncode)
+                return 1
+            alive = server.stubs()
+            dead = sorted(name for name, pid in watched.items() if alive.get(name) != pid)
+        if serving is not None:
+            serving.clear()
+        if not dead:
+            break
+        give_up = restarts == max_restarts
+        log.error(
+            "the backend process of model instance %s died; Triton 2.51 neither restarts it nor reports the model "
+            "down, so %s", ", ".join(dead), f"the server stops after {restarts} restarts" if give_up else "the server restarts",
+        )  # fmt: skip
+        server.stop()
+        if give_up:
+            return 1
+        restarts += 1
+    server.stop()
+    return 0
+
+
+def serve(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR) -> int:
+    """Run tritonserver in the foreground, its log on this terminal, under
+    `supervise`. SIGINT and SIGTERM go on to the server, which finishes its
+    in-flight requests and unloads; the parent-death signal covers a killed `make`."""
     print(
         f"tritonserver: HTTP {config.address}:{config.http_port}, gRPC {config.address}:{config.grpc_port}, "
         f"metrics {config.address}:{config.metrics_port}, models from {config.model_repository}",
         flush=True,
     )
     _die_with_parent()
-    os.execve(command[0], command, server_env())
+    server = TritonServer(config, log_path=None, workdir=workdir)
+    stop = threading.Event()
+
+    def forward(signum, frame) -> None:
+        stop.set()
+        if server.returncode is None and server.process is not None:
+            server.process.send_signal(signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    return supervise(server, stop)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,11 +450,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.model_repository.is_dir():
             raise ValueError(f"model repository {args.model_repository} is not a directory")
-        serve(ServerConfig.from_env(model_repository=args.model_repository, log_verbose=args.log_verbose), args.workdir)
+        return serve(ServerConfig.from_env(model_repository=args.model_repository, log_verbose=args.log_verbose), args.workdir)
     except (RuntimeError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ def engine_settings(config: dict) -> EngineSettings:
         "guard_tolerance": float,
         "fail_capture": _boolean,
         "fusion": _boolean,
+        "layout": str,
     }
     unknown = sorted(set(params) - set(parsers))
     if unknown:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 
 import pytest
 
-from opara_core.server import DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
+from opara_core.server import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
 
 
 def server_config(model_repository: Path = DEFAULT_MODEL_REPOSITORY, **overrides) -> ServerConfig:
@@ -21,7 +22,18 @@ def server_config(model_repository: Path = DEFAULT_MODEL_REPOSITORY, **overrides
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory) -> TritonServer:
+def admin_key() -> str:
+    """A known key for the servers' restricted APIs (shared memory, repository
+    index), set in the environment so that the servers started from here, the
+    client package and its subprocesses all use it."""
+    key = f"opara-test-{secrets.token_hex(16)}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ADMIN_KEY_ENV, key)
+        yield key
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, admin_key) -> TritonServer:
     """The repository's model_repository served by a real tritonserver."""
     log_path = tmp_path_factory.mktemp("server") / "tritonserver.log"
     with TritonServer(server_config(), log_path) as running:

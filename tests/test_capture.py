@@ -74,7 +74,7 @@ def test_auto_is_never_slower_than_sequential_and_passes_the_guard():
     assert report.runner == "multi-stream graph", report.summary()
     for bucket in (1, 8):
         timings = report.timings_ms[bucket]
-        assert timings[report.choices[bucket]] <= timings["sequential/1"]
+        assert timings[report.choices[bucket]] <= timings["nchw:sequential/1"]
     assert not report.fallbacks
 
 

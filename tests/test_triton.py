@@ -59,6 +59,7 @@ def test_published_id_ranges_must_match_the_model():
         ({"max_streams": "many"}, "max_streams"),
         ({"buckets": "1,two"}, "buckets"),
         ({"guard": "maybe"}, "guard"),
+        ({"layout": "nhcw"}, "unknown layout"),
         ({"colour": "blue"}, "unknown parameters"),
     ],
 )
@@ -69,8 +70,8 @@ def test_bad_parameters_are_named(parameters, problem):
 
 
 def test_parameters_become_engine_settings():
-    config = {"parameters": {k: {"string_value": v} for k, v in {"policy": "nimble", "max_streams": "4", "buckets": "1, 8", "guard": "off"}.items()}}
-    assert engine_settings(config) == EngineSettings(policy="nimble", max_streams=4, buckets=(1, 8), guard=False)
+    config = {"parameters": {k: {"string_value": v} for k, v in {"policy": "nimble", "max_streams": "4", "buckets": "1, 8", "guard": "off", "layout": "nhwc"}.items()}}
+    assert engine_settings(config) == EngineSettings(policy="nimble", max_streams=4, buckets=(1, 8), guard=False, layout="nhwc")
 
 
 def good_bert(batch: int = 2) -> dict[str, np.ndarray]:

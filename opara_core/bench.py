@@ -1,0 +1,362 @@
+"""Benchmark: eager, torch.compile, the sequential graph and every policy, per model and batch.
+
+`python -m opara_core.bench --models googlenet,inception_v3 --batch 1,8,32 --json out.json`
+
+Every variant is timed the same way: CUDA events around one call (for graphs:
+copying a rotating input into the static input, then the replay), after
+warm-up, over many calls and several repetitions; the table shows medians and
+p99. The baseline for the parallel graphs is the sequential CUDA graph of the
+same traced (and fused) graph, so the kernels are the same and only the
+schedule differs. The critical-path floor is the longest path through the DAG
+weighted by each operator's kernel time measured alone (profiled), the bound no
+schedule can beat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import zoo
+from .build import AutoCapture, BuildReport, EngineSettings, build_runner, candidates, trace_on, traced_graphs
+from .capture import CaptureError, LanePool, plan_capture
+from .graph import OpGraph
+from .plan import plan_graph
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("opara", "nimble", "asap", "wavefront")
+TARGET_SECONDS = 0.4  # of timed calls per variant and repetition
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    p99_ms: float
+    calls: int
+
+
+@dataclass
+class Row:
+    """One model at one batch size."""
+
+    model: str
+    batch: int
+    timings: dict[str, Timing] = field(default_factory=dict)
+    streams: dict[str, int] = field(default_factory=dict)
+    peak_mb: dict[str, float] = field(default_factory=dict)
+    auto_choice: str = ""
+    critical_path_ms: float | None = None
+    sum_of_ops_ms: float | None = None
+    kernels: int = 0
+    plan_capture_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def time_calls(call: Callable[[int], Any], calls: int | None = None, repeats: int = 5, warmup: int = 5) -> Timing:
+    """Median and p99 of single calls timed with CUDA events; `call(i)` runs call i."""
+    stream = torch.cuda.current_stream()
+    for i in range(warmup):
+        call(i)
+    torch.cuda.synchronize()
+    if calls is None:
+        start = time.perf_counter()
+        for i in range(3):
+            call(i)
+        torch.cuda.synchronize()
+        per_call = (time.perf_counter() - start) / 3
+        calls = int(min(max(TARGET_SECONDS / max(per_call, 1e-6), 20), 500))
+    samples = []
+    for _ in range(repeats):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+        for i, (begin, end) in enumerate(events):
+            begin.record(stream)
+            call(i)
+            end.record(stream)
+        torch.cuda.synchronize()
+        samples += [begin.elapsed_time(end) for begin, end in events]
+    samples.sort()
+    return Timing(statistics.median(samples), samples[min(len(samples) - 1, int(0.99 * len(samples)))], len(samples))
+
+
+def rotating_inputs(entry: zoo.ZooModel, batch: int, device: torch.device, count: int = 4) -> list[tuple[torch.Tensor, ...]]:
+    return [tuple(t.to(device) for t in entry.example_inputs(batch, seed=100 + k)) for k in range(count)]
+
+
+def graph_call(cuda_graph, static_in: Sequence[torch.Tensor], inputs) -> Callable[[int], None]:
+    def call(i: int) -> None:
+        for static, x in zip(static_in, inputs[i % len(inputs)]):
+            static.copy_(x, non_blocking=True)
+        cuda_graph.replay()
+
+    return call
+
+
+def capture_measured(capture, static_in, pool) -> tuple[Any, float]:
+    """Capture into `pool` (a fresh one) and report the MB the graph holds:
+    every segment of its private pool, intermediates and outputs."""
+    cuda_graph, outputs = capture(static_in, pool)
+    torch.cuda.synchronize()
+    held = sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool))
+    return (cuda_graph, outputs), held / 2**20
+
+
+def bench_model(name: str, batches: Sequence[int], compile_: bool, max_streams: int, fusion: bool, progress, layout: str = "auto") -> list[Row]:
+    """Every variant of one model at each batch size (see the module docstring).
+
+    Policy columns use the NCHW graph (NHWC with --layout nhwc); `auto` chooses
+    among the layouts `--layout` allows, as serving does.
+    """
+    device = torch.device("cuda")
+    entry = zoo.get(name)
+    torch.backends.cudnn.benchmark = True
+    module = entry.build().to(device).eval()  # eager and torch.compile
+    unfused = trace_on(module, entry, device)
+    report = BuildReport()
+    graphs = traced_graphs(entry.build().to(device).eval(), entry, device, EngineSettings(fusion=fusion, layout=layout), report)
+    primary = "nhwc" if layout == "nhwc" else "nchw"
+    graph = graphs[primary]
+    fused_note = "; ".join(f"{k}: {v}" for k, v in report.fusion.items()) or "fusion off"
+    floors = [f for f in (_critical_path(g, entry, device) for g in graphs.values()) if f is not None]
+    rows = []
+    for batch in batches:
+        row = Row(name, batch, kernels=len(graph.dag))
+        row.notes.append(fused_note)
+        inputs = rotating_inputs(entry, batch, device)
+        with torch.inference_mode():
+            row.timings["eager"] = time_calls(lambda i: module(*inputs[i % len(inputs)]))
+        progress.update()
+        if compile_:
+            row.timings["compile"] = _time_compiled(module, inputs, row)
+        progress.update()
+        lane_pool = LanePool(device)
+        static_in = [x.clone() for x in inputs[0]]
+        variants = [("sequential (unfused)", unfused, "sequential", None), ("sequential", graph, "sequential", None)]
+        variants += [(policy, graph, policy, max_streams) for policy in POLICIES]
+        if "nhwc" in graphs and primary != "nhwc":
+            variants.append(("sequential nhwc", graphs["nhwc"], "sequential", None))
+        with torch.inference_mode():
+            for label, g, policy, lanes in variants:
+                plan = plan_graph(g, policy, lanes)
+                try:
+                    # a pool per graph: a pool dies with the last graph that used it
+                    pool = torch.cuda.graph_pool_handle()
+                    (cuda_graph, _), peak = capture_measured(plan_capture(g, plan, lane_pool), static_in, pool)
+                except CaptureError as error:
+                    row.notes.append(f"{label}: {error}")
+                    progress.update()
+                    continue
+                row.timings[label] = time_calls(graph_call(cuda_graph, static_in, inputs))
+                row.streams[label] = plan.num_streams
+                row.peak_mb[label] = peak
+                del cuda_graph
+                progress.update()
+            auto_report = BuildReport()
+            auto = AutoCapture(candidates(graphs, EngineSettings(max_streams=max_streams)), lane_pool, auto_report)
+            (cuda_graph, _), peak = capture_measured(auto, static_in, torch.cuda.graph_pool_handle())
+            row.timings["auto"] = time_calls(graph_call(cuda_graph, static_in, inputs))
+            row.auto_choice = auto_report.choices[batch]
+            row.peak_mb["auto"] = peak
+            del cuda_graph
+            progress.update()
+        if floors:
+            row.critical_path_ms, row.sum_of_ops_ms = min(floors)
+        rows.append(row)
+    rows[0].plan_capture_s = _plan_capture_seconds(entry, device, max_streams, fusion, layout)
+    return rows
+
+
+def _critical_path(graph: OpGraph, entry: zoo.ZooModel, device: torch.device) -> tuple[float, float] | None:
+    """(critical path, sum of all ops) in ms from per-op kernel times measured alone."""
+    try:
+        from .profile import apply_profile, profile_graph
+    except ImportError:
+        return None
+    example = tuple(t.to(device) for t in entry.example_inputs(1, seed=5))
+    measured = apply_profile(graph, profile_graph(graph, example, device))
+    return measured.dag.critical_path_us / 1000, sum(measured.dag.costs) / 1000
+
+
+def _time_compiled(module: torch.nn.Module, inputs, row: Row) -> Timing | None:
+    """torch.compile(mode="reduce-overhead"): Inductor kernels replayed from CUDA graphs."""
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(module, mode="reduce-overhead")
+        with torch.inference_mode():
+            start = time.perf_counter()
+            for x in inputs:
+                compiled(*x)
+            torch.cuda.synchronize()
+            row.notes.append(f"torch.compile warm-up {time.perf_counter() - start:.0f} s")
+            return time_calls(lambda i: compiled(*inputs[i % len(inputs)]))
+    except Exception as error:  # noqa: BLE001 - a failing baseline is reported, not fatal
+        row.notes.append(f"torch.compile failed: {type(error).__name__}: {str(error)[:200]}")
+        return None
+
+
+def _plan_capture_seconds(entry: zoo.ZooModel, device: torch.device, max_streams: int, fusion: bool, layout: str) -> float:
+    """Plan + capture of all default buckets with `auto`, as serving builds it
+    (tracing excluded; fusion and its checks included)."""
+    settings = EngineSettings(max_streams=max_streams, guard=False, fusion=fusion, layout=layout)
+    _, report = build_runner(entry.build(), entry, device, max(settings.buckets), settings)
+    return sum(v for k, v in report.seconds.items() if not k.startswith("trace"))
+
+
+# ---- report ------------------------------------------------------------------------
+
+COLUMNS = ("eager", "compile", "sequential (unfused)", "sequential", *POLICIES, "sequential nhwc", "auto")
+
+
+def table(rows: Sequence[Row]) -> str:
+    head = ["model", "batch", *COLUMNS, "floor", "best/seq", "auto pick", "peak MB seq/auto", "plan+capture s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row.model, str(row.batch)]
+        for column in COLUMNS:
+            t = row.timings.get(column)
+            cells.append("-" if t is None else f"{t.median_ms:.3f} (p99 {t.p99_ms:.3f})")
+        cells.append("-" if row.critical_path_ms is None else f"{row.critical_path_ms:.3f}")
+        seq = row.timings.get("sequential")
+        best = min((row.timings[c].median_ms for c in (*POLICIES, "auto") if c in row.timings), default=None)
+        cells.append("-" if seq is None or best is None else f"{seq.median_ms / best:.2f}x")
+        cells.append(row.auto_choice or "-")
+        cells.append(f"{row.peak_mb.get('sequential', 0):.0f}/{row.peak_mb.get('auto', 0):.0f}")
+        cells.append("-" if row.plan_capture_s is None else f"{row.plan_capture_s:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_speedups(rows: Sequence[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.model}\nb{r.batch}" for r in rows]
+    columns = [c for c in ("compile", "opara", "nimble", "asap", "wavefront", "auto")]
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 4.5))
+    width = 0.8 / len(columns)
+    for k, column in enumerate(columns):
+        values = []
+        for r in rows:
+            seq, t = r.timings.get("sequential"), r.timings.get(column)
+            values.append(seq.median_ms / t.median_ms if seq and t else 0)
+        ax.bar([i + k * width for i in range(len(rows))], values, width, label=column)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], labels, fontsize=7)
+    ax.set_ylabel("speedup over the sequential CUDA graph")
+    ax.legend(fontsize=7, ncols=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_timeline(name: str, batch: int, path: Path, max_streams: int, fusion: bool) -> str:
+    """Profile replays of the auto graph and draw its kernels per CUDA stream."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    device = torch.device("cuda")
+    entry = zoo.get(name)
+    module = entry.build().to(device).eval()
+    settings = EngineSettings(max_streams=max_streams, buckets=(batch,), guard=False, fusion=fusion)
+    runner, report = build_runner(module, entry, device, batch, settings)
+    graph_, _, _ = runner._graphs[batch]
+    for _ in range(3):
+        graph_.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph_.replay()
+        torch.cuda.synchronize()
+    trace_path = path.with_suffix(".trace.json")
+    prof.export_chrome_trace(str(trace_path))
+    device_work = ("kernel", "gpu_memcpy", "gpu_memset")
+    last = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("cat") in device_work]
+    if not last:
+        return "no kernels in the trace"
+    start = min(e["ts"] for e in last)
+    streams = sorted({e["args"].get("stream", e.get("tid")) for e in last})
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(streams) + 1.5))
+    for e in last:
+        row = streams.index(e["args"].get("stream", e.get("tid")))
+        ax.barh(row, e["dur"], left=e["ts"] - start, height=0.8)
+    ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams], fontsize=7)
+    ax.set_xlabel("µs since the replay's first kernel")
+    ax.set_title(f"{name} batch {batch}: {report.choices.get(batch, '?')} graph replay, kernels per stream")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return report.choices.get(batch, "?")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m opara_core.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(zoo.names()))
+    parser.add_argument("--batch", default="1,8,32")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--max-streams", type=int, default=8)
+    parser.add_argument("--compile-models", default=None, help="models to time with torch.compile (default: all; it is slow to compile)")
+    parser.add_argument("--no-fusion", action="store_true")
+    parser.add_argument("--layout", choices=("auto", "nchw", "nhwc"), default="auto", help="layouts auto may choose (policy columns: NCHW unless nhwc)")
+    parser.add_argument("--plot", type=Path, help="PNG of speedups over the sequential graph")
+    parser.add_argument("--timeline", type=Path, help="PNG of the first model's stream timeline at batch 1")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if not torch.cuda.is_available():
+        print("error: the benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    try:
+        models = [zoo.get(m).name for m in args.models.split(",")]
+        batches = [int(b) for b in args.batch.split(",")]
+    except (KeyError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    rows: list[Row] = []
+    steps = len(models) * len(batches) * (2 + 3 + len(POLICIES) + 1)
+    with tqdm(total=steps, desc="bench", file=sys.stderr) as progress:
+        for name in models:
+            progress.set_postfix_str(name)
+            compile_ = args.compile_models is None or name in args.compile_models.split(",")
+            rows += bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout)
+            if args.json:
+                _write_json(args.json, rows)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
+          f"fp32 (cuDNN TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'}), times in ms: median (p99)")
+    print(table(rows))
+    for row in rows:
+        for note in row.notes:
+            print(f"note {row.model} b{row.batch}: {note}")
+    if args.plot:
+        plot_speedups(rows, args.plot)
+    if args.timeline:
+        choice = plot_timeline(models[0], 1, args.timeline, args.max_streams, not args.no_fusion)
+        print(f"timeline: {models[0]} batch 1, {choice}")
+    return 0
+
+
+def _write_json(path: Path, rows: Sequence[Row]) -> None:
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+    }
+    path.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
