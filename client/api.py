@@ -43,6 +43,10 @@ UNAVAILABLE = "unavailable"  # nobody answered: retrying may help
 TIMEOUT = "timeout"  # no answer in time: the request may have run
 REJECTED = "rejected"  # the server answered with an error: retrying cannot help
 
+# The server's restricted APIs (shared memory, repository index) need the key the
+# server was started with (opara_core.server reads the same variable).
+ADMIN_KEY_ENV = "OPARA_ADMIN_KEY"
+
 # Statistics components, in the order Triton's pipeline runs them.
 STAT_COMPONENTS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
 
@@ -61,6 +65,8 @@ def classify(error: BaseException) -> str:
         return error.kind
     if isinstance(error, InferenceServerException):
         status = str(error.status() or "")
+        if "is restricted" in str(error.message()):  # gRPC says UNAVAILABLE, yet a retry cannot help
+            return REJECTED
         if status in ("StatusCode.UNAVAILABLE", "503"):
             return UNAVAILABLE
         if status == "StatusCode.DEADLINE_EXCEEDED":
@@ -81,7 +87,18 @@ def describe(error: BaseException) -> str:
         text = error.strerror
     else:
         text = str(error) or type(error).__name__
+    if "is restricted" in str(text):
+        text = f"{text} (set {ADMIN_KEY_ENV} to the server's key)"
     return " ".join(str(text).split())
+
+
+def admin_headers(protocol: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The header carrying OPARA_ADMIN_KEY for Triton's restricted APIs (none
+    when the variable is unset); gRPC prefixes Triton's protocol name."""
+    key = (os.environ if env is None else env).get(ADMIN_KEY_ENV)
+    if not key:
+        return {}
+    return {"admin-key" if protocol == "http" else "triton-grpc-protocol-admin-key": key}
 
 
 @dataclass(frozen=True)
@@ -270,6 +287,7 @@ class Client:
             self._raw = module.InferenceServerClient(self.url, connection_timeout=network, network_timeout=network)
             self._kw = {}
         self._json = {"as_json": True} if protocol == "grpc" else {}
+        self._admin = {**self._kw, "headers": admin_headers(protocol)}  # for the restricted APIs
 
     def _call(self, fn: Callable[[], Any], retry: RetryPolicy | None = None) -> Any:
         try:
@@ -301,7 +319,7 @@ class Client:
         return model_info(self.model_metadata(model), self.model_config(model))
 
     def ready_models(self) -> list[str]:
-        index = normalize_index(self._call(lambda: self._raw.get_model_repository_index(**self._json, **self._kw)))
+        index = normalize_index(self._call(lambda: self._raw.get_model_repository_index(**self._json, **self._admin)))
         return sorted({m["name"] for m in index if m.get("state") == "READY"})
 
     def statistics(self, model: str) -> dict[str, tuple[int, int]]:
@@ -310,14 +328,14 @@ class Client:
 
     def shm_regions(self) -> list[str]:
         return normalize_shm_status(
-            self._call(lambda: self._raw.get_system_shared_memory_status(**self._json, **self._kw))
+            self._call(lambda: self._raw.get_system_shared_memory_status(**self._json, **self._admin))
         )
 
     def register_shm(self, name: str, key: str, byte_size: int) -> None:
-        self._call(lambda: self._raw.register_system_shared_memory(name, key, byte_size, **self._kw))
+        self._call(lambda: self._raw.register_system_shared_memory(name, key, byte_size, **self._admin))
 
     def unregister_shm(self, name: str) -> None:
-        self._call(lambda: self._raw.unregister_system_shared_memory(name, **self._kw))
+        self._call(lambda: self._raw.unregister_system_shared_memory(name, **self._admin))
 
     def request(
         self, model: str, arrays: dict[str, np.ndarray], shm: "SharedMemoryRegions | None" = None
@@ -365,6 +383,7 @@ class AsyncClient:
             )
             self._kw = {}
         self._json = {"as_json": True} if protocol == "grpc" else {}
+        self._admin = {**self._kw, "headers": admin_headers(protocol)}  # for the restricted APIs
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         try:
@@ -401,7 +420,7 @@ class AsyncClient:
 
     async def shm_regions(self) -> list[str]:
         return normalize_shm_status(
-            await self._call(lambda: self._raw.get_system_shared_memory_status(**self._json, **self._kw))
+            await self._call(lambda: self._raw.get_system_shared_memory_status(**self._json, **self._admin))
         )
 
     def request(self, model: str, arrays: dict[str, np.ndarray]) -> InferRequest:

@@ -110,7 +110,9 @@ def capture_measured(capture, static_in, pool) -> tuple[Any, float]:
     return (cuda_graph, outputs), held / 2**20
 
 
-def bench_model(name: str, batches: Sequence[int], compile_: bool, max_streams: int, fusion: bool, progress, layout: str = "auto") -> list[Row]:
+def bench_model(
+    name: str, batches: Sequence[int], compile_: bool, max_streams: int, fusion: bool, progress, layout: str = "auto", plan_capture: bool = True
+) -> list[Row]:
     """Every variant of one model at each batch size (see the module docstring).
 
     Policy columns use the NCHW graph (NHWC with --layout nhwc); `auto` chooses
@@ -171,7 +173,8 @@ def bench_model(name: str, batches: Sequence[int], compile_: bool, max_streams: 
         if floors:
             row.critical_path_ms, row.sum_of_ops_ms = min(floors)
         rows.append(row)
-    rows[0].plan_capture_s = _plan_capture_seconds(entry, device, max_streams, fusion, layout)
+    if plan_capture:
+        rows[0].plan_capture_s = _plan_capture_seconds(entry, device, max_streams, fusion, layout)
     return rows
 
 
@@ -308,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-streams", type=int, default=8)
     parser.add_argument("--compile-models", default=None, help="models to time with torch.compile (default: all; it is slow to compile)")
     parser.add_argument("--no-fusion", action="store_true")
+    parser.add_argument("--no-plan-capture", action="store_true", help="skip timing the serving build of all buckets")
     parser.add_argument("--layout", choices=("auto", "nchw", "nhwc"), default="auto", help="layouts auto may choose (policy columns: NCHW unless nhwc)")
     parser.add_argument("--plot", type=Path, help="PNG of speedups over the sequential graph")
     parser.add_argument("--timeline", type=Path, help="PNG of the first model's stream timeline at batch 1")
@@ -330,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in models:
             progress.set_postfix_str(name)
             compile_ = args.compile_models is None or name in args.compile_models.split(",")
-            rows += bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout)
+            rows += bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture)
             if args.json:
                 _write_json(args.json, rows)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "

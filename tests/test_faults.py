@@ -30,7 +30,7 @@ from serving import assert_close, eager, example, infer
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 import opara_core.server as launcher
-from opara_core.server import REPO_ROOT, TritonServer, supervise
+from opara_core.server import REPO_ROOT, TritonServer, shm_prefix, supervise
 
 pytestmark = pytest.mark.server
 
@@ -180,6 +180,8 @@ def test_sigterm_lets_in_flight_requests_finish(supervised):
     assert supervised.result == [0] and server.returncode is not None
     with socket.socket() as late:
         assert late.connect_ex((host, int(port))) != 0, "the server still accepts connections"
+    # the stub killed before the restart left its shared-memory region; stopping removed it
+    assert not list(Path("/dev/shm").glob(f"{shm_prefix(server.config)}*"))
 
 
 # --- a degraded server: a broken model, a tiny shared-memory limit ---------------------------
