@@ -111,7 +111,7 @@ def capture_measured(capture, static_in, pool) -> tuple[Any, float]:
 
 
 def bench_model(
-    name: str, batches: Sequence[int], compile_: bool, max_streams: int, fusion: bool, progress, layout: str = "auto", plan_capture: bool = True
+    name: str, batches: Sequence[int], compile_: bool, max_streams: int, fusion: bool, progress, layout: str = "auto", time_build: bool = True
 ) -> list[Row]:
     """Every variant of one model at each batch size (see the module docstring).
 
@@ -173,7 +173,7 @@ def bench_model(
         if floors:
             row.critical_path_ms, row.sum_of_ops_ms = min(floors)
         rows.append(row)
-    if plan_capture:
+    if time_build:
         rows[0].plan_capture_s = _plan_capture_seconds(entry, device, max_streams, fusion, layout)
     return rows
 
