@@ -104,10 +104,11 @@ class GraphRunner:
         pool = torch.cuda.graph_pool_handle()
         # Smallest first: batch 1 is where latency matters most, and a capture
         # function that learns (build.AutoCapture) sees it first.
-        for bucket in self.buckets:
-            static_in = [spec.random(bucket).to(device) for spec in inputs]
-            graph, static_out = capture(static_in, pool)
-            self._graphs[bucket] = (graph, static_in, list(static_out))
+        with torch.inference_mode():  # no autograd state in the graphs or their outputs
+            for bucket in self.buckets:
+                static_in = [spec.random(bucket).to(device) for spec in inputs]
+                graph, static_out = capture(static_in, pool)
+                self._graphs[bucket] = (graph, static_in, list(static_out))
         self._lock = threading.Lock()
         self.info = RunnerInfo("cuda-graph", str(device), self.buckets)
         self.batches: Counter[int] = Counter()  # bucket -> replays
