@@ -60,7 +60,8 @@ def input_data(model: str, path: Path, count: int = 4) -> Path:
 
 
 def output_bytes(model: str) -> int:
-    return sum(int(np.prod(s.shape)) * 4 for s in zoo.get(model).outputs)
+    zoo_name = "googlenet" if model == DLPACK_VARIANT else model
+    return sum(int(np.prod(s.shape)) * 4 for s in zoo.get(zoo_name).outputs)
 
 
 def run_perf_analyzer(binary: str, url: str, model: str, concurrency: int, shm: str, data: Path, requests: int, out: Path) -> dict:
@@ -73,8 +74,8 @@ def run_perf_analyzer(binary: str, url: str, model: str, concurrency: int, shm: 
     ]  # fmt: skip
     if shm == "system":
         command += ["--shared-memory=system", f"--output-shared-memory-size={max(output_bytes(model), 4096)}"]
-    if os.environ.get("OPARA_ADMIN_KEY"):
-        command += ["-H", f"admin-key:{os.environ['OPARA_ADMIN_KEY']}"]
+    if os.environ.get("OPARA_ADMIN_KEY"):  # the shared-memory API is restricted
+        command += ["-H", f"triton-grpc-protocol-admin-key:{os.environ['OPARA_ADMIN_KEY']}"]
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0 or not out.exists():
