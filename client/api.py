@@ -20,11 +20,9 @@ import importlib.util
 import itertools
 import logging
 import os
-import sys
 import time
 import types
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np

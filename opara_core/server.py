@@ -147,7 +147,8 @@ class ServerConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "ServerConfig":
-        """Ports from HTTP_PORT, GRPC_PORT and METRICS_PORT (defaults 8000-8002)."""
+        """Ports from HTTP_PORT, GRPC_PORT and METRICS_PORT (defaults 8000-8002),
+        the admin key from OPARA_ADMIN_KEY."""
         env = os.environ if env is None else env
         ports = {}
         for key, var in (("http_port", "HTTP_PORT"), ("grpc_port", "GRPC_PORT"), ("metrics_port", "METRICS_PORT")):
@@ -156,7 +157,7 @@ class ServerConfig:
                     ports[key] = int(env[var])
                 except ValueError:
                     raise ValueError(f"{var} must be a port number, got {env[var]!r}") from None
-        return cls(**{**ports, **overrides})
+        return cls(**{**ports, "admin_key": env.get(ADMIN_KEY_ENV) or None, **overrides})
 
 
 def shm_prefix(config: ServerConfig) -> str:

@@ -47,6 +47,14 @@ def test_a_batch_equals_its_rows_sent_alone(http_client, grpc_client, model):
     assert_close(batched, singles)
 
 
+def infer_or_error(client, model: str, arrays: list[np.ndarray]):
+    """The output, or the error the server answered with."""
+    try:
+        return infer(client, model, arrays)
+    except InferenceServerException as error:
+        return error
+
+
 def _with_bad_id(model: str, position: int, value: int, seed: int) -> list[np.ndarray]:
     """Valid inputs except one id in the first integer input."""
     arrays = example(model, batch=1, seed=seed)
@@ -72,14 +80,8 @@ def test_out_of_range_ids_are_rejected_per_request_while_others_succeed(grpc_cli
     bad = _with_bad_id(model, position, value, seed=23)
     goods = [example(model, batch=1, seed=30 + i) for i in range(4)]
 
-    def send(arrays):
-        try:
-            return infer(grpc_client, model, arrays)
-        except InferenceServerException as error:
-            return error
-
     with ThreadPoolExecutor(6) as pool:
-        results = list(pool.map(send, [goods[0], bad, goods[1], bad, goods[2], goods[3]]))
+        results = list(pool.map(lambda a: infer_or_error(grpc_client, model, a), [goods[0], bad, goods[1], bad, goods[2], goods[3]]))
     errors = [results[1], results[3]]
     for error in errors:
         assert isinstance(error, InferenceServerException)
@@ -98,14 +100,8 @@ def test_an_error_for_one_request_in_a_batch_leaves_the_batch_intact(grpc_client
     model = "deepfm"
     requests = [_with_bad_id(model, 3, 100000, seed=40 + i) if i % 3 == 0 else example(model, 1, seed=40 + i) for i in range(24)]
 
-    def send(arrays):
-        try:
-            return infer(grpc_client, model, arrays)
-        except InferenceServerException as error:
-            return error
-
     with ThreadPoolExecutor(12) as pool:
-        results = list(pool.map(send, requests))
+        results = list(pool.map(lambda a: infer_or_error(grpc_client, model, a), requests))
     for i, (arrays, result) in enumerate(zip(requests, results)):
         if i % 3 == 0:
             assert isinstance(result, InferenceServerException) and "position 3" in result.message()

@@ -1,0 +1,281 @@
+"""Soak a running server: a concurrency sweep for a fixed time per level, with
+no failed request, no wrong answer and flat server memory as the bar.
+
+    python scripts/soak.py --url 127.0.0.1:8001 --model deepfm --duration 60 --concurrency 1,8,64 --json out/soak.json
+
+The load is the project's client (`client.bench`: closed-loop workers sending
+valid random inputs). Alongside it a checker sends fixed seeded inputs and
+compares every answer with the eager model (the oracle): Triton batches the
+checker's rows together with the load's, which is where a mix-up would show.
+Memory is sampled with the server idle, after a warm-up at the highest
+concurrency (the baseline) and after every level: the proportional set size
+(PSS) of the tritonserver process and of the model's backend processes, and
+their GPU memory where nvidia-smi exists. PSS, not RSS, because the Python
+backend maps its shared-memory pool again each time the pool grows and RSS
+counts every page once per mapping (RSS is recorded too). The run passes when
+nothing failed, nothing was wrong and no PSS or GPU sample grew more than
+--memory-tolerance over its baseline. Prints a table, writes JSON, exits 1 on
+a failed run. The server must run on this machine for memory to be measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from client import bench
+from client.api import Client, describe, result_arrays
+from client.cli import concurrency_list
+from opara_core import zoo
+from opara_core.server import stub_processes
+
+log = logging.getLogger("soak")
+
+
+# --- memory ------------------------------------------------------------------------------
+
+
+def find_server(port: int) -> int | None:
+    """The pid of the tritonserver on this machine listening on `port`
+    (matched on its --http-port / --grpc-port argument)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if args and args[0].endswith("tritonserver") and any(a in (f"--http-port={port}", f"--grpc-port={port}") for a in args):
+            return int(entry.name)
+    return None
+
+
+def resident(pid: int) -> dict[str, int]:
+    """{"pss": bytes, "rss": bytes} of a process (/proc/PID/smaps_rollup)."""
+    found = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        key = line.split(":", 1)[0]
+        if key in ("Pss", "Rss"):
+            found[key.lower()] = int(line.split()[1]) * 1024
+    return found
+
+
+def gpu_bytes(pids: list[int]) -> int | None:
+    """GPU memory used by `pids` (nvidia-smi), or None without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, check=True, timeout=30,
+    ).stdout  # fmt: skip
+    used = {int(pid): int(mib) for pid, mib in (line.split(",") for line in out.strip().splitlines() if line.strip())}
+    return sum(used.get(pid, 0) for pid in pids) * 2**20
+
+
+class Memory:
+    """Samples of the server's and the model's processes."""
+
+    def __init__(self, server_pid: int, model: str):
+        self.server_pid = server_pid
+        pattern = re.compile(rf"{re.escape(model)}_\d+_\d+")
+        self.stubs = {name: pid for name, pid in stub_processes(server_pid).items() if pattern.fullmatch(name)}
+        if not self.stubs:
+            raise RuntimeError(f"no backend process of {model} under tritonserver pid {server_pid}")
+
+    def sample(self) -> dict[str, int]:
+        sample = {}
+        for name, pid in [("tritonserver", self.server_pid), *sorted(self.stubs.items())]:
+            for kind, value in resident(pid).items():
+                sample[f"{name}_{kind}"] = value
+        gpu = gpu_bytes([self.server_pid, *self.stubs.values()])
+        if gpu is not None:
+            sample["gpu"] = gpu
+        return sample
+
+
+def growth(baseline: dict[str, int], samples: list[dict[str, int]]) -> dict[str, float]:
+    """Largest relative growth over the baseline of each judged quantity (PSS, GPU)."""
+    judged = [key for key in baseline if key.endswith("_pss") or key == "gpu"]
+    return {key: max(s[key] for s in samples) / baseline[key] - 1 if baseline[key] else 0.0 for key in judged}
+
+
+# --- answers -----------------------------------------------------------------------------
+
+
+class Checker(threading.Thread):
+    """Sends fixed inputs in a loop and compares each answer with the oracle."""
+
+    def __init__(self, url: str, protocol: str, model: str, tolerance: float, interval_s: float = 0.1, cases: int = 6):
+        super().__init__(daemon=True)
+        entry = zoo.get(model)
+        module = entry.build()
+        self.url, self.protocol, self.model, self.tolerance, self.interval_s = url, protocol, model, tolerance, interval_s
+        self.output = entry.outputs[0].name
+        self.cases = []
+        with torch.inference_mode():
+            for seed in range(cases):
+                tensors = entry.example_inputs(1 + seed % 3, seed=1000 + seed)
+                arrays = {spec.name: t.numpy() for spec, t in zip(entry.inputs, tensors)}
+                self.cases.append((arrays, module(*tensors).numpy()))
+        self.stop = threading.Event()
+        self.idle = threading.Lock()  # held while a request is out: hold it to keep the checker quiet
+        self.sent = self.wrong = self.errors = 0
+        self.messages: list[str] = []
+
+    def run(self) -> None:
+        with Client(self.url, self.protocol) as client:
+            requests = [(client.request(self.model, arrays), expected) for arrays, expected in self.cases]
+            while not self.stop.is_set():
+                request, expected = requests[self.sent % len(requests)]
+                self.sent += 1
+                try:
+                    with self.idle:
+                        got = result_arrays(request, client.infer(request), [self.output])[self.output]
+                except Exception as error:  # noqa: BLE001 - counted and reported
+                    self.errors += 1
+                    self.messages.append(describe(error))
+                    continue
+                scale = max(float(np.abs(expected).max()), 1e-12)
+                if got.shape != expected.shape or float(np.abs(got - expected).max()) > self.tolerance * scale:
+                    self.wrong += 1
+                    self.messages.append(f"wrong answer for case {(self.sent - 1) % len(requests)}")
+                self.stop.wait(self.interval_s)
+
+
+# --- the run -----------------------------------------------------------------------------
+
+
+def device() -> str:
+    if shutil.which("nvidia-smi"):
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout
+        if names.strip():
+            return ", ".join(sorted(set(names.strip().splitlines())))
+    return f"CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()})"
+
+
+def soak(args: argparse.Namespace) -> dict:
+    port = int(args.url.rpartition(":")[2])
+    server_pid = args.server_pid or find_server(port)
+    memory = Memory(server_pid, args.model) if server_pid else None
+    if memory is None:
+        log.warning("no tritonserver on this machine listens on port %d: memory is not measured", port)
+
+    def level(concurrency: int, seconds: float) -> bench.Row:
+        config = bench.BenchConfig(
+            model=args.model, url=args.url, protocol=args.protocol, concurrency=(concurrency,), duration_s=seconds,
+            warmup=2, progress=False,
+        )  # fmt: skip
+        result = bench.run(config)
+        messages.extend(result.error_messages)
+        return result.rows[0]
+
+    def idle_sample() -> dict[str, int]:
+        """Memory with nothing in flight: the load has ended, the checker waits."""
+        if memory is None:
+            return {}
+        with checker.idle:
+            time.sleep(1.0)
+            return memory.sample()
+
+    messages: list[str] = []
+    checker = Checker(args.url, args.protocol, args.model, args.tolerance)
+    checker.start()
+    try:
+        log.info("warm-up: concurrency %d for %.0f s", max(args.concurrency), args.warmup)
+        level(max(args.concurrency), args.warmup)
+        baseline = idle_sample()
+        rows, samples = [], []
+        for concurrency in args.concurrency:
+            log.info("concurrency %d for %.0f s", concurrency, args.duration)
+            rows.append(asdict(level(concurrency, args.duration)))
+            samples.append(idle_sample())
+            rows[-1]["memory"] = samples[-1]
+    finally:
+        checker.stop.set()
+        checker.join(60)
+    grew = growth(baseline, samples) if memory else {}
+    problems = []
+    errors = sum(row["errors"] for row in rows)
+    if errors:
+        problems.append(f"{errors} failed requests: {messages[:3]}")
+    if checker.wrong or checker.errors or checker.sent == 0:
+        problems.append(f"checker: {checker.sent} sent, {checker.wrong} wrong, {checker.errors} failed: {checker.messages[:3]}")
+    problems += [f"{key} grew {value:.1%} (limit {args.memory_tolerance:.0%})" for key, value in grew.items() if value > args.memory_tolerance]
+    return {
+        "model": args.model,
+        "protocol": args.protocol,
+        "url": args.url,
+        "device": device(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(["python", "scripts/soak.py", *sys.argv[1:]]),
+        "duration_s": args.duration,
+        "warmup_s": args.warmup,
+        "levels": rows,
+        "memory": {"measured": memory is not None, "baseline": baseline, "growth": grew, "tolerance": args.memory_tolerance},
+        "checks": {"sent": checker.sent, "wrong": checker.wrong, "errors": checker.errors, "tolerance": args.tolerance},
+        "errors": errors,
+        "error_messages": messages[:10],
+        "passed": not problems,
+        "problems": problems,
+    }
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['model']} over {result['protocol']} at {result['url']} on {result['device']}, {result['date']}"]
+    header = f"{'concurrency':>11} {'requests':>9} {'errors':>6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}  memory after the level (MiB)"
+    lines.append(header)
+    for row in result["levels"]:
+        memory = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in row["memory"].items() if not k.endswith("_rss")) or "-"
+        p50 = "-" if row["p50_ms"] is None else f"{row['p50_ms']:.1f}"
+        p99 = "-" if row["p99_ms"] is None else f"{row['p99_ms']:.1f}"
+        lines.append(f"{row['concurrency']:>11} {row['requests']:>9} {row['errors']:>6} {p50:>8} {p99:>8} {row['throughput_rps']:>8.1f}  {memory}")
+    baseline = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in result["memory"]["baseline"].items() if not k.endswith("_rss"))
+    baseline = baseline or "not measured"
+    lines.append(f"memory after warm-up (MiB): {baseline}")
+    lines.append("largest growth: " + (", ".join(f"{k} {v:+.2%}" for k, v in result["memory"]["growth"].items()) or "-"))
+    checks = result["checks"]
+    lines.append(f"checked answers: {checks['sent']} sent, {checks['wrong']} wrong, {checks['errors']} failed")
+    lines.append("PASSED" if result["passed"] else "FAILED: " + "; ".join(result["problems"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", required=True, help="HOST:PORT of the server (gRPC or HTTP port, see --protocol)")
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    parser.add_argument("--model", default="deepfm")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds per concurrency level (default 60)")
+    parser.add_argument("--concurrency", type=concurrency_list, default=(1, 2, 4, 8, 16, 32, 64), help="levels, e.g. 1,8,64")
+    parser.add_argument("--warmup", type=float, default=30.0, help="seconds at the highest level before the baseline (default 30)")
+    parser.add_argument("--memory-tolerance", type=float, default=0.02, help="largest growth allowed (default 0.02)")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="answer error allowed, relative to the largest output")
+    parser.add_argument("--server-pid", type=int, default=None, help="tritonserver's pid (default: found by port)")
+    parser.add_argument("--json", type=Path, default=None, help="write the result here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("client").setLevel(logging.WARNING)
+    result = soak(args)
+    print(table(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Load, bounded and on loopback: the short version of scripts/soak.py.
+
+The project's client drives deepfm (the cheapest model on a CPU) at
+concurrency 1, 8 and 64 for a few seconds each over both protocols, while a
+checker compares answers to fixed inputs with the eager model. Nothing may
+fail, no answer may be wrong, and the memory of tritonserver and of deepfm's
+backend process (PSS, see the script) may not grow more than 2% after the warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from opara_core.server import REPO_ROOT
+
+pytestmark = pytest.mark.server
+
+SCRIPT = REPO_ROOT / "scripts" / "soak.py"
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_concurrency_sweep_loses_nothing_and_memory_stays_flat(server, tmp_path, protocol):
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    out = tmp_path / "soak.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--url", url, "--protocol", protocol, "--model", "deepfm",
+         "--duration", "4", "--concurrency", "1,8,64", "--warmup", "6", "--server-pid", str(server.process.pid),
+         "--json", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.exists(), done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [row["concurrency"] for row in result["levels"]] == [1, 8, 64]
+    for row in result["levels"]:
+        assert row["requests"] > 0 and row["errors"] == 0, row
+    assert result["checks"]["sent"] >= 10 and result["checks"]["wrong"] == 0 and result["checks"]["errors"] == 0
+    memory = result["memory"]
+    assert memory["measured"] and {"tritonserver_pss", "deepfm_0_0_pss"} <= set(memory["growth"])
+    assert all(growth <= 0.02 for growth in memory["growth"].values()), memory["growth"]
+    assert result["passed"] and done.returncode == 0, done.stdout[-2000:]
