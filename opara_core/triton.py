@@ -32,6 +32,14 @@ TRITON_DTYPES = {
 }
 
 
+NUMPY_DTYPES = {
+    torch.float32: np.dtype(np.float32),
+    torch.float16: np.dtype(np.float16),
+    torch.int64: np.dtype(np.int64),
+    torch.int32: np.dtype(np.int32),
+}
+
+
 class RequestError(ValueError):
     """A problem with one request: reported to its client as INVALID_ARG."""
 
@@ -126,7 +134,7 @@ def request_arrays(entry: zoo.ZooModel, tensors: dict[str, np.ndarray | None]) -
         array = tensors.get(spec.name)
         if array is None:
             raise RequestError(f"missing input {spec.name!r}")
-        expected_dtype = np.dtype(torch.empty((), dtype=spec.dtype).numpy().dtype)
+        expected_dtype = NUMPY_DTYPES[spec.dtype]
         if array.dtype != expected_dtype:
             raise RequestError(f"input {spec.name!r} has datatype {array.dtype}, expected {expected_dtype}")
         if array.ndim != len(spec.shape) + 1 or tuple(array.shape[1:]) != spec.shape:
