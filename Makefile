@@ -28,13 +28,15 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # perf_analyzer (bundled in tritonclient) against a running server (`make serve`):
-# a concurrency sweep with count-based windows for every ready model, one CSV
-# per model in out/perf/. PERF_URL is the gRPC HOST:PORT; PERF_ARGS adds
-# options of `python -m client.perf run` (e.g. --concurrency 1,2,4,8).
+# a concurrency sweep with count-based windows for every model of
+# MODEL_REPOSITORY (named here, since listing a server's models needs the admin
+# key), one CSV per model in out/perf/. PERF_URL is the gRPC HOST:PORT;
+# PERF_MODELS picks models; PERF_ARGS adds options of `python -m client.perf run`.
 PERF_URL ?= localhost:8001
+PERF_MODELS ?= $(notdir $(patsubst %/config.pbtxt,%,$(wildcard $(MODEL_REPOSITORY)/*/config.pbtxt)))
 PERF_ARGS ?=
 perf: setup
-	$(PY) -m client.perf run --url $(PERF_URL) --out-dir out/perf $(PERF_ARGS)
+	$(PY) -m client.perf run --url $(PERF_URL) --out-dir out/perf $(addprefix --model ,$(PERF_MODELS)) $(PERF_ARGS)
 
 clean:
 	rm -rf .triton .pytest_cache .hypothesis
