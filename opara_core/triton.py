@@ -221,7 +221,6 @@ class OparaModel:
         pb_utils = self._pb
         sizes = [arrays[0].shape[0] for _, arrays in good]
         total = sum(sizes)
-        results: list[list] = [[] for _ in good]
         # Triton's batcher keeps the sum of request batches <= max_batch_size
         staging = self.runner.host_inputs(total)
         for k, buffer in enumerate(staging):
@@ -232,9 +231,9 @@ class OparaModel:
         else:
             outputs = self.runner.run(total)
             tensor = pb_utils.Tensor
-        offset = 0
-        for r, size in enumerate(sizes):
-            results[r] = [tensor(spec.name, out[offset : offset + size]) for spec, out in zip(self.entry.outputs, outputs)]
+        results, offset = [], 0
+        for size in sizes:
+            results.append([tensor(spec.name, out[offset : offset + size]) for spec, out in zip(self.entry.outputs, outputs)])
             offset += size
         return results
 
