@@ -9,7 +9,7 @@ info: multi-stream graph -> sequential graph -> eager. On a CPU: eager.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import logging
 import statistics
 import time
@@ -20,6 +20,7 @@ import torch
 
 from . import runtime, zoo
 from .capture import CaptureError, LanePool, plan_capture
+from .executor import reordered_graph
 from .fusion import FusionReport, fuse_graph
 from .graph import OpGraph, trace
 from .plan import Plan, plan_graph
@@ -55,6 +56,9 @@ class EngineSettings:
     # convolution layout: NHWC (channels_last) wins at larger batches and on some
     # models, NCHW on others; "auto" traces both and times them per bucket
     layout: str = "auto"
+    # cudnn.benchmark: time every convolution algorithm per shape (faster graphs,
+    # slower builds: each new shape in each bucket and layout is autotuned)
+    autotune: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in (*POLICIES, "auto"):
@@ -114,7 +118,7 @@ def build_runner(
     if device.type != "cuda":
         return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
     module = module.to(device).eval()
-    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.benchmark = settings.autotune
     graphs = traced_graphs(module, entry, device, settings, report)
     lane_pool = LanePool(device)
     if graphs and settings.policy != "sequential":
@@ -165,28 +169,25 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
     """
     has_convs = any(isinstance(m, torch.nn.Conv2d) for m in module.modules())
     layouts = {"auto": ("nchw", "nhwc") if has_convs else ("nchw",), "nchw": ("nchw",), "nhwc": ("nhwc",)}[settings.layout]
-    graphs = {}
-    for layout in layouts:
+    start = time.perf_counter()
+    try:
+        graph = trace_on(module, entry, device)
+    except Exception as error:  # noqa: BLE001 - any tracing failure falls back
+        report.fallbacks.append(f"tracing: {error}")
+        return {}
+    report.seconds["trace"] = time.perf_counter() - start
+    if settings.fusion:
         start = time.perf_counter()
+        buckets = sorted({min(settings.buckets), max(settings.buckets)})
+        checks = [tuple(t.to(device) for t in entry.example_inputs(b, seed=7)) for b in buckets]
         try:
-            if layout == "nhwc":  # a copy: the caller's module (the eager fallback) stays as it is
-                module = to_channels_last(copy.deepcopy(module))
-            graph = trace_on(module, entry, device)
-        except Exception as error:  # noqa: BLE001 - any tracing failure falls back
-            report.fallbacks.append(f"tracing ({layout}): {error}")
-            continue
-        report.seconds[f"trace {layout}"] = time.perf_counter() - start
-        if settings.fusion:
-            start = time.perf_counter()
-            buckets = sorted({min(settings.buckets), max(settings.buckets)})
-            checks = [tuple(t.to(device) for t in entry.example_inputs(b, seed=7)) for b in buckets]
-            try:
-                graph, report.fusion[layout] = fuse_graph(graph, device, check_inputs=checks)
-            except Exception as error:  # noqa: BLE001 - the unfused graph is still right
-                report.fallbacks.append(f"fusion ({layout}): {error}")
-            report.seconds[f"fusion {layout}"] = time.perf_counter() - start
-        graphs[layout] = graph
-    return graphs
+            graph, report.fusion["nchw"] = fuse_graph(graph, device, check_inputs=checks)
+        except Exception as error:  # noqa: BLE001 - the unfused graph is still right
+            report.fallbacks.append(f"fusion: {error}")
+        report.seconds["fusion"] = time.perf_counter() - start
+    # NHWC is the same traced and fused graph with channels-last convolution
+    # weights (tracing and fusing it again took as long as the first time)
+    return {layout: graph if layout == "nchw" else channels_last_graph(graph) for layout in layouts}
 
 
 def candidates(graphs: dict[str, OpGraph], settings: EngineSettings) -> list[Candidate]:
@@ -202,13 +203,39 @@ def candidates(graphs: dict[str, OpGraph], settings: EngineSettings) -> list[Can
     return list(found.values())
 
 
-def to_channels_last(module: torch.nn.Module) -> torch.nn.Module:
-    """NHWC weights for every 2-d convolution: cuDNN then runs the whole network
-    in NHWC, the layout its tensor-core kernels prefer."""
-    for layer in module.modules():
-        if isinstance(layer, torch.nn.Conv2d):
-            layer.weight.data = layer.weight.data.contiguous(memory_format=torch.channels_last)
-    return module
+CONVOLUTIONS = (
+    torch.ops.aten.convolution.default,
+    torch.ops.aten.conv2d.default,
+    torch.ops.aten.cudnn_convolution_relu.default,
+    torch.ops.aten.cudnn_convolution_add_relu.default,
+)
+
+
+def channels_last_graph(graph: OpGraph) -> OpGraph:
+    """A copy of `graph` whose 2-d convolution weights are channels-last: cuDNN
+    then runs the whole network in NHWC, the layout its tensor-core kernels
+    prefer. Same nodes and DAG, so plans made for one fit the other; other
+    attributes are shared, not copied."""
+    old = graph.module
+    nodes = old.graph.nodes
+    attributes: dict[str, Any] = {n.target: old.get_submodule(n.target) for n in nodes if n.op == "call_module"}
+    for node in nodes:
+        if node.op == "get_attr":
+            attributes[node.target] = _attribute(old, node.target)
+    for node in nodes:
+        if node.op == "call_function" and node.target in CONVOLUTIONS and isinstance(node.args[1], torch.fx.Node):
+            weight = node.args[1]
+            value = attributes.get(weight.target) if weight.op == "get_attr" else None
+            if isinstance(value, torch.Tensor) and value.dim() == 4:
+                attributes[weight.target] = value.detach().contiguous(memory_format=torch.channels_last)
+    module = torch.fx.GraphModule(attributes, reordered_graph(old.graph, tuple(n.name for n in nodes)))
+    return dataclasses.replace(graph, module=module)
+
+
+def _attribute(module: torch.nn.Module, target: str) -> Any:
+    *path, name = target.split(".")
+    owner = module.get_submodule(".".join(path)) if path else module
+    return getattr(owner, name)
 
 
 def trace_on(module: torch.nn.Module, entry: zoo.ZooModel, device: torch.device) -> OpGraph:
@@ -257,15 +284,21 @@ class AutoCapture:
         best: tuple[float, str, Any] | None = None
         failures = []
         sequential = [k for k in self.candidates if k.endswith(":sequential/1")]
+        seconds = {"capture": 0.0, "timing": 0.0}
         for key in dict.fromkeys([*sequential, *self.shortlist]):
             candidate = self.candidates[key]
+            start = time.perf_counter()
             try:
                 captured = plan_capture(candidate.graph, candidate.plan, self.lane_pool)(static_in, pool)
             except CaptureError as error:
                 log.warning("auto: %s not captured at bucket %d: %s", key, bucket, error)
                 failures.append(f"{key}: {error}")
                 continue
+            finally:
+                seconds["capture"] += time.perf_counter() - start
+            start = time.perf_counter()
             timings[key] = time_replays(captured[0])
+            seconds["timing"] += time.perf_counter() - start
             if best is None or timings[key] < best[0]:
                 best = (timings[key], key, captured)
         if best is None:
@@ -275,6 +308,8 @@ class AutoCapture:
         self.chosen[bucket] = self.candidates[best[1]]
         self.report.choices[bucket] = best[1]
         self.report.timings_ms[bucket] = timings
+        for stage, spent in seconds.items():
+            self.report.seconds[f"{stage} b{bucket}"] = spent
         log.info("auto: bucket %d -> %s (%s)", bucket, best[1], ", ".join(f"{k} {timings[k]:.3f} ms" for k in ranked))
         return best[2]
 
@@ -289,7 +324,7 @@ def time_replays(cuda_graph: torch.cuda.CUDAGraph, seconds: float = 0.02, repeat
         cuda_graph.replay()
     end.record(stream)
     end.synchronize()
-    replays = int(min(max(seconds * 1000 * warmup / max(start.elapsed_time(end), 1e-3), 10), 1000))
+    replays = int(min(max(seconds * 1000 * warmup / max(start.elapsed_time(end), 1e-3), 3), 1000))
     samples = []
     for _ in range(repeats):
         start.record(stream)

@@ -24,7 +24,7 @@ class PlanInterpreter(torch.fx.Interpreter):
 
     def __init__(self, graph: OpGraph, plan: Plan) -> None:
         self.schedule: GraphSchedule = graph_schedule(plan, graph)
-        super().__init__(graph.module, graph=_reordered(graph.module.graph, self.schedule.order))
+        super().__init__(graph.module, graph=reordered_graph(graph.module.graph, self.schedule.order))
         self.executed: list[tuple[str, int]] = []
 
     def run_node(self, n: torch.fx.Node) -> Any:
@@ -38,7 +38,7 @@ def run_plan(graph: OpGraph, plan: Plan, *inputs: Any) -> Any:
         return PlanInterpreter(graph, plan).run(*inputs)
 
 
-def _reordered(graph: torch.fx.Graph, order: tuple[str, ...]) -> torch.fx.Graph:
+def reordered_graph(graph: torch.fx.Graph, order: tuple[str, ...]) -> torch.fx.Graph:
     """A copy of `graph` with its nodes in `order` (same names, same input/output handling)."""
     by_name = {node.name: node for node in graph.nodes}
     copy = torch.fx.Graph(owning_module=graph.owning_module)

@@ -68,6 +68,7 @@ def engine_settings(config: dict) -> EngineSettings:
         "fail_capture": _boolean,
         "fusion": _boolean,
         "layout": str,
+        "autotune": _boolean,
     }
     unknown = sorted(set(params) - set(parsers))
     if unknown:

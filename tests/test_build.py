@@ -1,0 +1,69 @@
+"""Building runners without a GPU: layouts of the traced graph, settings."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from opara_core import zoo
+from opara_core.build import BuildReport, EngineSettings, _attribute, channels_last_graph, trace_on, traced_graphs
+from opara_core.fusion import CONV
+
+CPU = torch.device("cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def googlenet():
+    entry = zoo.get("googlenet")
+    module = entry.build().eval()
+    return entry, module, trace_on(module, entry, CPU)
+
+
+def conv_weights(graph):
+    nodes = [n for n in graph.module.graph.nodes if n.op == "call_function" and n.target is CONV]
+    return [_attribute(graph.module, n.args[1].target) for n in nodes]
+
+
+def test_the_channels_last_graph_has_nhwc_weights_the_same_nodes_and_the_same_outputs():
+    entry, _, graph = googlenet()
+    nhwc = channels_last_graph(graph)
+    assert [n.name for n in nhwc.module.graph.nodes] == [n.name for n in graph.module.graph.nodes]
+    assert nhwc.dag is graph.dag and nhwc.fingerprint == graph.fingerprint
+    weights = conv_weights(nhwc)
+    assert len(weights) == 57
+    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in weights)
+    assert any(not w.is_contiguous() for w in weights)  # (1x1 kernels are both)
+    assert all(w.is_contiguous() for w in conv_weights(graph)), "the original graph must stay NCHW"
+    (x,) = entry.example_inputs(2, seed=3)
+    with torch.inference_mode():
+        want, got = graph.module(x), nhwc.module(x)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_auto_layout_traces_once_and_offers_both_layouts_for_convolutional_models():
+    entry, module, _ = googlenet()
+    report = BuildReport()
+    graphs = traced_graphs(module, entry, CPU, EngineSettings(fusion=False), report)
+    assert sorted(graphs) == ["nchw", "nhwc"]
+    assert [k for k in report.seconds if k.startswith("trace")] == ["trace"]
+    assert not report.fallbacks
+
+
+@pytest.mark.parametrize("layout, expected", [("nchw", ["nchw"]), ("nhwc", ["nhwc"])])
+def test_a_fixed_layout_gives_one_graph(layout, expected):
+    entry, module, _ = googlenet()
+    assert sorted(traced_graphs(module, entry, CPU, EngineSettings(fusion=False, layout=layout), BuildReport())) == expected
+
+
+def test_models_without_convolutions_get_one_layout():
+    entry = zoo.get("deepfm")
+    graphs = traced_graphs(entry.build().eval(), entry, CPU, EngineSettings(fusion=False), BuildReport())
+    assert list(graphs) == ["nchw"]
+
+
+@pytest.mark.parametrize("bad, message", [({"layout": "nhcw"}, "unknown layout"), ({"max_streams": 0}, "max_streams"), ({"policy": "x"}, "unknown policy")])
+def test_bad_settings_are_refused_with_the_reason(bad, message):
+    with pytest.raises(ValueError, match=message):
+        EngineSettings(**bad)
