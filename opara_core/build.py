@@ -80,11 +80,11 @@ class BuildReport:
     timings_ms: dict[int, dict[str, float]] = field(default_factory=dict)  # bucket -> candidate -> median ms
     fallbacks: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
-    fusion: dict[str, FusionReport] = field(default_factory=dict)  # layout -> report
+    fusion: FusionReport | None = None  # of the traced graph (both layouts share it)
 
     def summary(self) -> str:
         lines = [f"runner {self.runner}"]
-        lines += [f"fusion ({layout}): {fused}" for layout, fused in self.fusion.items()]
+        lines += [f"fusion: {self.fusion}"] if self.fusion else []
         for bucket, choice in sorted(self.choices.items()):
             times = ", ".join(f"{k} {v:.3f}" for k, v in sorted(self.timings_ms.get(bucket, {}).items(), key=lambda kv: kv[1]))
             lines.append(f"bucket {bucket}: {choice}" + (f" (median ms: {times})" if times else ""))
@@ -181,7 +181,7 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
         buckets = sorted({min(settings.buckets), max(settings.buckets)})
         checks = [tuple(t.to(device) for t in entry.example_inputs(b, seed=7)) for b in buckets]
         try:
-            graph, report.fusion["nchw"] = fuse_graph(graph, device, check_inputs=checks)
+            graph, report.fusion = fuse_graph(graph, device, check_inputs=checks)
         except Exception as error:  # noqa: BLE001 - the unfused graph is still right
             report.fallbacks.append(f"fusion: {error}")
         report.seconds["fusion"] = time.perf_counter() - start

@@ -193,6 +193,8 @@ class OparaModel:
 
     def execute(self, requests: list) -> list:
         pb_utils = self._pb
+        clock = self.metrics.clock
+        clock.restart()
         responses: list = [None] * len(requests)
         good: list[tuple[int, list[np.ndarray]]] = []
         for i, request in enumerate(requests):
@@ -201,17 +203,20 @@ class OparaModel:
                 good.append((i, request_arrays(self.entry, tensors)))
             except RequestError as error:
                 responses[i] = _error(pb_utils, str(error), pb_utils.TritonError.INVALID_ARG)
+        clock.lap("validate")
         if good:
             try:
                 with torch.inference_mode():
                     outputs = self._run(good)
                 for (i, _), tensors in zip(good, outputs):
                     responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
+                clock.lap("respond")
             except Exception:  # noqa: BLE001 - reported per request, never as a traceback
                 log.exception("inference failed for a batch of %d requests", len(good))
                 for i, _ in good:
                     responses[i] = _error(pb_utils, "inference failed inside the model; see the server log", pb_utils.TritonError.INTERNAL)
-            self.metrics.maybe_flush()
+        self.metrics.requests += len(requests)
+        self.metrics.maybe_flush()
         return responses
 
     def finalize(self) -> None:
@@ -226,17 +231,38 @@ class OparaModel:
         staging = self.runner.host_inputs(total)
         for k, buffer in enumerate(staging):
             np.concatenate([arrays[k] for _, arrays in good], axis=0, out=buffer)
+        self.metrics.clock.lap("stage")
         if self.outputs_on_device:
             outputs = self.runner.run_on_device(total)
             tensor = pb_utils.Tensor.from_dlpack  # syncs with the current stream
         else:
             outputs = self.runner.run(total)
             tensor = pb_utils.Tensor
+        self.metrics.clock.lap("run")
         results, offset = [], 0
         for size in sizes:
             results.append([tensor(spec.name, out[offset : offset + size]) for spec, out in zip(self.entry.outputs, outputs)])
             offset += size
         return results
+
+
+class StageClock:
+    """Seconds spent in each stage of `execute`, summed: `lap(stage)` charges
+    the time since the last lap to `stage`."""
+
+    STAGES = ("validate", "stage", "run", "respond")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.STAGES, 0.0)
+        self._last = time.perf_counter()
+
+    def restart(self) -> None:
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] += now - self._last
+        self._last = now
 
 
 class ServingMetrics:
@@ -245,8 +271,12 @@ class ServingMetrics:
     opara_batches_total{model,runner,bucket}: batches run, per CUDA-graph bucket
     (runner "cuda-graph") or per batch size (runner "eager"); opara_padded_rows_total:
     rows replayed beyond the real batch to fill a bucket; opara_fallbacks_total:
-    fallbacks taken at load (label `stage`: what failed). Every metric update is an
-    IPC round trip to the server, so counts are pushed at most every
+    fallbacks taken at load (label `stage`: what failed);
+    opara_execute_seconds_total{model,stage}: where `execute` spends its time
+    (validate the requests, stage them into the pinned buffers, run: copy in,
+    replay, copy out; respond: split and build the responses), and
+    opara_requests_total{model}: requests seen, to divide them by. Every metric
+    update is an IPC round trip to the server, so counts are pushed at most every
     `FLUSH_SECONDS`, not per request.
     """
 
@@ -271,6 +301,16 @@ class ServingMetrics:
         ]
         for metric in self._fallbacks:
             metric.increment(1)
+        self._seconds_family = pb_utils.MetricFamily(
+            name="opara_execute_seconds_total", description="Seconds spent in execute, by stage", kind=kind
+        )
+        self._seconds = {stage: self._seconds_family.Metric(labels={"model": model, "stage": stage}) for stage in StageClock.STAGES}
+        self._requests_family = pb_utils.MetricFamily(name="opara_requests_total", description="Requests given to execute", kind=kind)
+        self._requests = self._requests_family.Metric(labels={"model": model})
+        self.clock = StageClock()
+        self.requests = 0
+        self._seconds_sent = dict.fromkeys(StageClock.STAGES, 0.0)
+        self._requests_sent = 0
         self._model = model
         self._runner = runner
         self._metrics: dict[int, object] = {}
@@ -295,6 +335,13 @@ class ServingMetrics:
         if self._runner.padded_rows > self._padded_sent:
             self._padded.increment(self._runner.padded_rows - self._padded_sent)
             self._padded_sent = self._runner.padded_rows
+        for stage, spent in self.clock.seconds.items():
+            if spent > self._seconds_sent[stage]:
+                self._seconds[stage].increment(spent - self._seconds_sent[stage])
+                self._seconds_sent[stage] = spent
+        if self.requests > self._requests_sent:
+            self._requests.increment(self.requests - self._requests_sent)
+            self._requests_sent = self.requests
 
 
 def _error(pb_utils, message: str, code):

@@ -24,12 +24,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 from opara_core import zoo
 from opara_core.server import DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
+from opara_core.triton import ServingMetrics, StageClock
 
 DLPACK_VARIANT = "googlenet_dlpack"
 
@@ -99,6 +101,26 @@ def run_perf_analyzer(binary: str, url: str, model: str, concurrency: int, shm: 
     }
 
 
+def execute_counters(metrics_url: str) -> dict[str, dict[str, float]]:
+    """Per model: opara_execute_seconds_total by stage and opara_requests_total."""
+    with urllib.request.urlopen(metrics_url, timeout=30) as response:
+        text = response.read().decode()
+    counters: dict[str, dict[str, float]] = {}
+    for model, stage, value in re.findall(r'^opara_execute_seconds_total\{model="(\w+)",stage="(\w+)"\} (\S+)$', text, re.M):
+        counters.setdefault(model, {})[stage] = float(value)
+    for model, value in re.findall(r'^opara_requests_total\{model="(\w+)"\} (\S+)$', text, re.M):
+        counters.setdefault(model, {})["requests"] = float(value)
+    return counters
+
+
+def execute_split(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Milliseconds per request in each stage of `execute` between two scrapes."""
+    requests = after.get("requests", 0) - before.get("requests", 0)
+    if requests <= 0:
+        return {}
+    return {k: round(1000 * (v - before.get(k, 0)) / requests, 4) for k, v in after.items() if k != "requests"}
+
+
 def replay_medians(log: str) -> dict[str, float]:
     """Bucket-1 replay medians the models logged when they chose their graph."""
     medians = {}
@@ -139,7 +161,11 @@ def main() -> int:
             for shm in args.shared_memory.split(","):
                 for concurrency in (int(c) for c in args.concurrency.split(",")):
                     out = work / f"{model}_{shm}_{concurrency}.csv"
+                    before = execute_counters(server.metrics_url).get(model, {})
                     result = run_perf_analyzer(args.perf_analyzer, server.grpc_url, model, concurrency, shm, data, args.requests, out)
+                    time.sleep(ServingMetrics.FLUSH_SECONDS * 2)
+                    # perf_analyzer's warm-up requests count too: a mean over the whole run
+                    result["execute_ms"] = execute_split(before, execute_counters(server.metrics_url).get(model, {}))
                     rows.append({"model": model, "shared_memory": shm, "concurrency": concurrency, **result})
                     print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -147,8 +173,11 @@ def main() -> int:
     log = log_path.read_text(errors="replace")
     replay = replay_medians(log)
     print()
-    print("| model | shm | conc | infer/s | p50 ms | p99 ms | queue | compute input | compute infer | compute output | bucket-1 replay | outside replay |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| model | shm | conc | infer/s | p50 ms | p99 ms | queue | compute input | compute infer | compute output "
+        "| bucket-1 replay | outside replay | execute: validate / stage / run / respond |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['model']} | {r['shared_memory']} | {r['concurrency']} | error: {r['error'][-120:]!r} |")
@@ -156,10 +185,12 @@ def main() -> int:
         server_ms = r["server_queue_ms"] + r["server_compute_input_ms"] + r["server_compute_infer_ms"] + r["server_compute_output_ms"]
         graph = replay.get("googlenet" if r["model"] == DLPACK_VARIANT else r["model"])
         outside = f"{server_ms - graph:.3f}" if graph else "-"
+        stages = r.get("execute_ms") or {}
+        split = " / ".join(f"{stages[k]:.3f}" for k in StageClock.STAGES if k in stages) or "-"
         print(
             f"| {r['model']} | {r['shared_memory']} | {r['concurrency']} | {r['throughput_rps']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
             f"| {r['server_queue_ms']:.3f} | {r['server_compute_input_ms']:.3f} | {r['server_compute_infer_ms']:.3f} "
-            f"| {r['server_compute_output_ms']:.3f} | {graph if graph else '-'} | {outside} |"
+            f"| {r['server_compute_output_ms']:.3f} | {graph if graph else '-'} | {outside} | {split} |"
         )
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "load_seconds": load_s, "replay_ms": replay}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -130,3 +132,8 @@ def test_custom_metrics_count_batches_next_to_tritons_own(server, http_client):
     ]
     assert counts and sum(counts) >= 4, [line for line in text.splitlines() if "opara" in line]
     assert "opara_padded_rows_total" in text
+    seconds = dict(re.findall(r'^opara_execute_seconds_total\{model="resnet50",stage="(\w+)"\} (\S+)$', text, re.M))
+    assert set(seconds) == {"validate", "stage", "run", "respond"}
+    assert float(seconds["run"]) > 0 and float(seconds["run"]) > float(seconds["validate"])
+    requests = re.search(r'^opara_requests_total\{model="resnet50"\} (\S+)$', text, re.M)
+    assert requests and float(requests.group(1)) >= 4
