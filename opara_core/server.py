@@ -172,16 +172,28 @@ def restricted_api_args(key: str) -> list[str]:
 
 
 def server_command(config: ServerConfig, backends: Path) -> list[str]:
-    """The tritonserver command line: loopback only, model control `none`,
-    administrative APIs behind a key."""
+    """The tritonserver command line of the pytriton wheel's server: loopback
+    only, model control `none`, administrative APIs behind a key."""
     binary = pytriton_root() / "tritonserver" / "bin" / "tritonserver"
+    paths = [f"--backend-directory={backends}", f"--cache-directory={pytriton_root() / 'tritonserver' / 'caches'}"]
+    return [str(binary), *safe_args(config, paths)]
+
+
+def container_command(config: ServerConfig) -> list[str]:
+    """The command line of the NGC image's own tritonserver (on PATH, with its
+    own backends), with the same safe flags as `server_command`."""
+    binary = shutil.which("tritonserver") or "/opt/tritonserver/bin/tritonserver"
+    return [binary, *safe_args(config, [])]
+
+
+def safe_args(config: ServerConfig, paths: list[str]) -> list[str]:
+    """Flags every server gets: model control `none`, the configured address
+    and ports, restricted APIs behind the admin key (a random one if unset)."""
     return [
-        str(binary),
         f"--id={config.server_id}",
         f"--model-repository={Path(config.model_repository).resolve()}",
         "--model-control-mode=none",
-        f"--backend-directory={backends}",
-        f"--cache-directory={pytriton_root() / 'tritonserver' / 'caches'}",
+        *paths,
         f"--http-address={config.address}",
         f"--http-port={config.http_port}",
         f"--grpc-address={config.address}",
@@ -443,6 +455,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     run.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     run.add_argument("--log-verbose", type=int, default=0)
+    container = sub.add_parser(
+        "container",
+        help="exec the image's own tritonserver with the safe flags (the Dockerfile's CMD); "
+        "binds 0.0.0.0 inside the container: publish with -p 127.0.0.1:8000:8000 to keep it local",
+    )
+    container.add_argument("--model-repository", type=Path, default=Path("/models"))
+    container.add_argument("--log-verbose", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -451,6 +470,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.model_repository.is_dir():
             raise ValueError(f"model repository {args.model_repository} is not a directory")
+        if args.command == "container":
+            config = ServerConfig.from_env(model_repository=args.model_repository, log_verbose=args.log_verbose, address="0.0.0.0")
+            command = container_command(config)
+            if not config.admin_key:
+                print(f"note: {ADMIN_KEY_ENV} is unset: the {', '.join(RESTRICTED_APIS)} APIs are closed to everyone", flush=True)
+            os.execv(command[0], command)  # tritonserver becomes the container's main process
         return serve(ServerConfig.from_env(model_repository=args.model_repository, log_verbose=args.log_verbose), args.workdir)
     except (RuntimeError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -8,7 +8,7 @@ import tomllib
 
 import dockerfile
 
-from opara_core.server import REPO_ROOT
+from opara_core.server import ADMIN_KEY_ENV, REPO_ROOT, RESTRICTED_APIS, ServerConfig, container_command
 
 BASE_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
 
@@ -55,5 +55,20 @@ def test_serves_the_model_repository_with_model_control_none():
         by_cmd.setdefault(c.cmd.upper(), []).append(c.value)
     assert ("model_repository", "/models") in by_cmd["COPY"]
     (cmd,) = by_cmd["CMD"]
-    assert cmd[0] == "tritonserver" and "--model-repository=/models" in cmd and "--model-control-mode=none" in cmd
+    assert list(cmd) == ["python3", "-m", "opara_core.server", "container", "--model-repository", "/models"]
     assert {"8000", "8001", "8002"} <= set(by_cmd["EXPOSE"][0])
+
+
+def test_the_containers_server_has_the_safe_flags(monkeypatch, tmp_path):
+    """What the CMD execs: the image's tritonserver, model control none, the
+    restricted APIs behind the admin key, all interfaces inside the container."""
+    monkeypatch.setenv(ADMIN_KEY_ENV, "container-admin-key-0123")
+    config = ServerConfig.from_env(model_repository=tmp_path, address="0.0.0.0")
+    command = container_command(config)
+    assert command[0].endswith("tritonserver")
+    assert f"--model-repository={tmp_path}" in command and "--model-control-mode=none" in command
+    assert "--http-address=0.0.0.0" in command and "--grpc-address=0.0.0.0" in command
+    for api in RESTRICTED_APIS:
+        assert any(f.startswith("--http-restricted-api=") and api in f and f.endswith("=container-admin-key-0123") for f in command)
+        assert any(f.startswith("--grpc-restricted-protocol=") and api in f and f.endswith("=container-admin-key-0123") for f in command)
+    assert not any(f.startswith("--backend-directory") for f in command), "the image's own backends are used"
