@@ -15,6 +15,7 @@ with the latency percentiles and Triton's server-side split, and writes JSON.
 from __future__ import annotations
 
 import argparse
+import base64
 import csv
 import json
 import os
@@ -51,12 +52,14 @@ def make_repository(models: list[str], root: Path) -> Path:
 
 
 def input_data(model: str, path: Path, count: int = 4) -> Path:
-    """perf_analyzer --input-data JSON: `count` seeded random requests."""
+    """perf_analyzer --input-data JSON: `count` seeded random requests, each
+    tensor as base64 of its raw bytes (perf_analyzer 2.60 sent DeepFM's INT64 ids
+    given as JSON numbers shifted by one position; raw bytes leave nothing to parse)."""
     entry = zoo.get(model)
     data = []
     for k in range(count):
         arrays = entry.example_inputs(1, seed=200 + k)
-        data.append({spec.name: array[0].flatten().tolist() for spec, array in zip(entry.inputs, arrays)})
+        data.append({spec.name: {"b64": base64.b64encode(array[0].numpy().tobytes()).decode()} for spec, array in zip(entry.inputs, arrays)})
     path.write_text(json.dumps({"data": data}))
     return path
 
@@ -125,11 +128,36 @@ def replay_medians(log: str) -> dict[str, float]:
     """Bucket-1 replay medians the models logged when they chose their graph."""
     medians = {}
     for model, block in re.findall(r"model (\w+) ready on cuda[^\n]*\n((?:.*\n){1,12})", log):
-        found = re.search(r"bucket 1: ([\w/]+) \(median ms: (.*?)\)", block)
+        found = re.search(r"bucket 1: ([\w:/]+) \(median ms: (.*?)\)", block)
         if found:
-            times = dict(re.findall(r"([\w/]+) ([\d.]+)", found.group(2)))
+            times = dict(re.findall(r"([\w:/]+) ([\d.]+)", found.group(2)))
             medians[model] = float(times.get(found.group(1), "nan"))
     return medians
+
+
+def table(rows: list[dict], replay: dict[str, float]) -> str:
+    """Markdown: perf_analyzer's numbers, Triton's split, the bucket-1 replay and execute's own split."""
+    lines = []
+    lines.append(
+        "| model | shm | conc | infer/s | p50 ms | p99 ms | queue | compute input | compute infer | compute output "
+        "| bucket-1 replay | outside replay | execute: validate / stage / run / respond |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['shared_memory']} | {r['concurrency']} | error: {r['error'][-120:]!r} |")
+            continue
+        server_ms = r["server_queue_ms"] + r["server_compute_input_ms"] + r["server_compute_infer_ms"] + r["server_compute_output_ms"]
+        graph = replay.get("googlenet" if r["model"] == DLPACK_VARIANT else r["model"])
+        outside = f"{server_ms - graph:.3f}" if graph else "-"
+        stages = r.get("execute_ms") or {}
+        split = " / ".join(f"{stages[k]:.3f}" for k in StageClock.STAGES if k in stages) or "-"
+        lines.append(
+            f"| {r['model']} | {r['shared_memory']} | {r['concurrency']} | {r['throughput_rps']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
+            f"| {r['server_queue_ms']:.3f} | {r['server_compute_input_ms']:.3f} | {r['server_compute_infer_ms']:.3f} "
+            f"| {r['server_compute_output_ms']:.3f} | {graph if graph else '-'} | {outside} | {split} |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -141,7 +169,13 @@ def main() -> int:
     parser.add_argument("--perf-analyzer", default=shutil.which("perf_analyzer") or "perf_analyzer")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, help="where the server log goes")
+    parser.add_argument("--report", type=Path, help="no run: print the table of this JSON (replay times from --log if given)")
     args = parser.parse_args()
+    if args.report:
+        stored = json.loads(args.report.read_text())
+        replay = replay_medians(args.log.read_text(errors="replace")) if args.log else stored["meta"].get("replay_ms", {})
+        print(table(stored["rows"], replay))
+        return 0
     models = [zoo.get(m).name for m in args.models.split(",")]
     work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
     repository = make_repository(models, work)
@@ -170,28 +204,9 @@ def main() -> int:
                     print(json.dumps(rows[-1]), flush=True)
     finally:
         server.stop()
-    log = log_path.read_text(errors="replace")
-    replay = replay_medians(log)
+    replay = replay_medians(log_path.read_text(errors="replace"))
     print()
-    print(
-        "| model | shm | conc | infer/s | p50 ms | p99 ms | queue | compute input | compute infer | compute output "
-        "| bucket-1 replay | outside replay | execute: validate / stage / run / respond |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['model']} | {r['shared_memory']} | {r['concurrency']} | error: {r['error'][-120:]!r} |")
-            continue
-        server_ms = r["server_queue_ms"] + r["server_compute_input_ms"] + r["server_compute_infer_ms"] + r["server_compute_output_ms"]
-        graph = replay.get("googlenet" if r["model"] == DLPACK_VARIANT else r["model"])
-        outside = f"{server_ms - graph:.3f}" if graph else "-"
-        stages = r.get("execute_ms") or {}
-        split = " / ".join(f"{stages[k]:.3f}" for k in StageClock.STAGES if k in stages) or "-"
-        print(
-            f"| {r['model']} | {r['shared_memory']} | {r['concurrency']} | {r['throughput_rps']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
-            f"| {r['server_queue_ms']:.3f} | {r['server_compute_input_ms']:.3f} | {r['server_compute_infer_ms']:.3f} "
-            f"| {r['server_compute_output_ms']:.3f} | {graph if graph else '-'} | {outside} | {split} |"
-        )
+    print(table(rows, replay))
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "load_seconds": load_s, "replay_ms": replay}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
