@@ -123,39 +123,6 @@ def build_runner(
     report = BuildReport()
     if device.type != "cuda":
         return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
-    start = time.perf_counter()
-    with exclusive_lock(gpu_lock_path(device)):
-        report.seconds["waiting for the GPU"] = time.perf_counter() - start
-        return _build_on_gpu(module, entry, device, max_batch, settings, report)
-
-
-def gpu_lock_path(device: torch.device) -> Path:
-    """One lock file per physical GPU (by UUID where torch reports it)."""
-    properties = torch.cuda.get_device_properties(device)
-    name = str(getattr(properties, "uuid", "") or f"index{device.index or 0}")
-    return Path(tempfile.gettempdir()) / f"opara_build_{re.sub(r'[^A-Za-z0-9-]', '', name)}.lock"
-
-
-@contextlib.contextmanager
-def exclusive_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive flock on `path` (blocking until it is free).
-
-    Builds take turns on a GPU: Triton loads models in parallel, one backend
-    process each, and `auto` compares replay timings that are only fair on an
-    otherwise idle GPU (measured on an H100: BERT built beside six other models
-    timed its graphs 1.8x slow and kept the sequential graph).
-    """
-    descriptor = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)  # read-only: another user's file works too
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(descriptor)  # releases the lock
-
-
-def _build_on_gpu(
-    module: torch.nn.Module, entry: zoo.ZooModel, device: torch.device, max_batch: int, settings: EngineSettings, report: BuildReport
-) -> tuple[Any, BuildReport]:
     module = module.to(device).eval()
     torch.backends.cudnn.benchmark = settings.autotune
     graphs = traced_graphs(module, entry, device, settings, report)
@@ -197,6 +164,31 @@ def _build_on_gpu(
         log.warning("sequential graph failed, falling back to eager: %s", error)
     report.runner = "eager"
     return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
+
+
+def gpu_lock_path(device: torch.device) -> Path:
+    """One lock file per physical GPU (by UUID where torch reports it)."""
+    properties = torch.cuda.get_device_properties(device)
+    name = str(getattr(properties, "uuid", "") or f"index{device.index or 0}")
+    return Path(tempfile.gettempdir()) / f"opara_build_{re.sub(r'[^A-Za-z0-9-]', '', name)}.lock"
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `path` (blocking until it is free).
+
+    Model builds in one server take turns on a GPU (`triton.OparaModel`):
+    Triton loads models in parallel, one backend process each, and `auto`
+    compares replay timings that are only fair on an otherwise idle GPU
+    (measured on an H100: BERT built beside six other models timed its graphs
+    1.8x slow and kept the sequential graph).
+    """
+    descriptor = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)  # read-only: another user's file works too
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # releases the lock
 
 
 def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: EngineSettings, report: BuildReport) -> dict[str, OpGraph]:

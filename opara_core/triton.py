@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import weights, zoo
-from .build import EngineSettings, build_runner
+from .build import EngineSettings, build_runner, exclusive_lock, gpu_lock_path
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,11 @@ class OparaModel:
             raise pb_utils.TritonModelException(f"model {args['model_name']}: {error}") from None
         self.max_batch = max(int(config.get("max_batch_size", 0)), 1)
         self.device = select_device(args)
-        self.runner, self.report = build_runner(module, self.entry, self.device, self.max_batch, settings)
+        if self.device.type == "cuda":  # builds of the server's models take turns per GPU
+            with exclusive_lock(gpu_lock_path(self.device)):
+                self.runner, self.report = build_runner(module, self.entry, self.device, self.max_batch, settings)
+        else:
+            self.runner, self.report = build_runner(module, self.entry, self.device, self.max_batch, settings)
         # "gpu": hand Triton the graph's output buffers through DLPack; "host"
         # (default): one batched device-to-host copy, then numpy slices
         output_memory = parameters(config).get("output_memory", "host")
