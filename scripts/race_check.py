@@ -114,11 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replays", type=int, default=1000, help="graph: replays per model (default 1000)")
     parser.add_argument("--max-streams", type=int, default=16)
     parser.add_argument("--no-fusion", action="store_true", help="plan the unfused graph")
+    parser.add_argument("--autotune", choices=("on", "off"), default="off",
+                        help="cudnn.benchmark (default off: under compute-sanitizer every algorithm tried is instrumented too)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)
         return 2
+    torch.backends.cudnn.benchmark = args.autotune == "on"
     sanitizer = bool(os.environ.get("TORCH_CUDA_SANITIZER"))
     if args.mode == "eager" and not sanitizer:
         print("note: TORCH_CUDA_SANITIZER is not set: only the outputs are compared", file=sys.stderr)

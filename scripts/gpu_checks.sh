@@ -1,0 +1,39 @@
+#!/bin/bash
+# The GPU checks the open issues still need, as named steps that fit the GPU
+# machine's 10-minute calls: `bash scripts/gpu_checks.sh STEP [STEP ...]`.
+#
+#   tests      every test marked gpu (engine, server on the GPU, fallback metric)
+#   csan       GoogLeNet's eager multi-stream schedule under TORCH_CUDA_SANITIZER
+#   racecheck  GoogLeNet's graphs under compute-sanitizer --tool racecheck (no autotuning)
+#   serving    scripts/serving_bench.py for the models in $MODELS (default nasnet,deepfm)
+#
+# Each step is time-limited, logs to $OUT/<step>.log (OUT defaults to ./out) and
+# appends "step rc seconds" to $OUT/steps.txt, so a step that runs out of time
+# still leaves its log. The serving stack must be importable: numpy<2, the
+# nvidia-pytriton wheel (tritonserver 2.51) and tritonclient on PYTHONPATH,
+# perf_analyzer 2.60 in $PERF_ANALYZER, and OPARA_ADMIN_KEY set.
+set -u
+out=${OUT:-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
+
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    echo "$name rc=$? $((SECONDS - start))s" | tee -a "$out/steps.txt"
+}
+
+for name in "$@"; do
+    case $name in
+    tests) step tests 560 python3 -m pytest -p no:cacheprovider -m gpu -q --durations=10 tests ;;
+    csan) step csan 560 env TORCH_CUDA_SANITIZER=1 python3 scripts/race_check.py eager --model googlenet --runs 2 --json "$out/race_eager.json" ;;
+    racecheck) step racecheck 560 compute-sanitizer --tool racecheck --print-limit 20 \
+        python3 scripts/race_check.py graph --model googlenet --replays 2 --autotune off --json "$out/racecheck.json" ;;
+    serving) step serving 560 python3 scripts/serving_bench.py --models "${MODELS:-nasnet,deepfm}" --concurrency 1,16 \
+        --shared-memory none,system --requests 200 --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
+        --json "$out/serving.json" --log "$out/server.log" ;;
+    *) echo "unknown step $name (tests, csan, racecheck, serving)" >&2; exit 2 ;;
+    esac
+done
