@@ -21,7 +21,7 @@ import numpy as np
 
 from client import bench
 from client.api import PROTOCOLS, UNAVAILABLE, Client, ClientError, parse_url, result_arrays
-from client.cli import Parser, UsageError, concurrency_list, positive_int, run_main
+from client.cli import INTERRUPTED, Parser, UsageError, concurrency_list, positive_int, run_main
 from client.inputs import load_inputs, random_inputs
 
 
@@ -146,9 +146,13 @@ def run_bench(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        result = bench.run(config)
+        result = bench.run(config, stop=INTERRUPTED)
     except ClientError as error:
+        if INTERRUPTED.is_set():  # the interrupt surfaced as a failed call
+            raise KeyboardInterrupt from None
         raise _unreachable(error, args, url) from None
+    if INTERRUPTED.is_set():
+        raise KeyboardInterrupt
     print(bench.format_table(result.rows))
     if args.json:
         bench.write_json(args.json, result)

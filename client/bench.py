@@ -346,10 +346,11 @@ def _model_inputs(control: Client, config: BenchConfig) -> tuple[ModelInfo, dict
     return info, arrays, batch
 
 
-def run(config: BenchConfig) -> BenchResult:
+def run(config: BenchConfig, stop: threading.Event | None = None) -> BenchResult:
     """Measure every concurrency level of `config`; shared-memory regions and
-    clients are released on the way out, whatever happens."""
-    stop = threading.Event()
+    clients are released on the way out, whatever happens. Setting `stop`
+    (the CLI passes its interrupt flag) ends the run after the requests in flight."""
+    stop = threading.Event() if stop is None else stop
     with Client(config.url, config.protocol, config.timeout_s) as control, ExitStack() as stack:
         if not control.live():
             raise ClientError(f"server at {control.url} is not live", UNAVAILABLE)

@@ -11,6 +11,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 from typing import Callable
 
 from client.api import ClientError
@@ -52,7 +53,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+# Set by SIGINT and SIGTERM. A KeyboardInterrupt can be swallowed where it lands
+# (inside a gRPC call it becomes an RPC error), so long loops also check this.
+INTERRUPTED = threading.Event()
+
+
 def _interrupt(signum, frame) -> None:
+    INTERRUPTED.set()
     raise KeyboardInterrupt
 
 
@@ -61,9 +68,13 @@ def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = N
     SIGTERM into the same clean unwinding as Ctrl-C (so `finally` blocks,
     e.g. shared-memory cleanup, always run)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    INTERRUPTED.clear()
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return main(argv)
+        code = main(argv)
+        if INTERRUPTED.is_set():
+            raise KeyboardInterrupt
+        return code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -77,4 +88,5 @@ def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = N
         print(f"error: {error}", file=sys.stderr)
         return EXIT_FAILED
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

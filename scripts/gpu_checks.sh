@@ -6,6 +6,9 @@
 #   csan       GoogLeNet's eager multi-stream schedule under TORCH_CUDA_SANITIZER
 #   racecheck  GoogLeNet's graphs under compute-sanitizer --tool racecheck (no autotuning)
 #   serving    scripts/serving_bench.py for the models in $MODELS (default nasnet,deepfm)
+#   soak       GoogLeNet served by `python -m opara_core.server serve` on ports 18000-18002,
+#              scripts/soak.py over gRPC at 1, 8 and 64 (20 s each): errors, wrong
+#              answers, host and GPU memory growth
 #
 # Each step is time-limited, logs to $OUT/<step>.log (OUT defaults to ./out) and
 # appends "step rc seconds" to $OUT/steps.txt, so a step that runs out of time
@@ -25,6 +28,33 @@ step() {
     echo "$name rc=$? $((SECONDS - start))s" | tee -a "$out/steps.txt"
 }
 
+soak() {
+    local repository
+    repository=$(mktemp -d)
+    cp -r model_repository/googlenet "$repository/"
+    HTTP_PORT=18000 GRPC_PORT=18001 METRICS_PORT=18002 python3 -m opara_core.server serve --model-repository "$repository" \
+        >"$out/soak_server.log" 2>&1 &
+    local server=$!
+    python3 -c "
+import time, urllib.request
+for _ in range(150):
+    try:
+        urllib.request.urlopen('http://127.0.0.1:18000/v2/health/ready', timeout=2); break
+    except Exception:
+        time.sleep(2)
+else:
+    raise SystemExit('server not ready after 300 s')
+" && python3 scripts/soak.py --url 127.0.0.1:18001 --protocol grpc --model googlenet --duration 20 \
+        --concurrency 1,8,64 --warmup 20 --json "$out/soak.json"
+    local rc=$?
+    kill -TERM $server
+    wait $server
+    return $rc
+}
+
+export -f soak
+export out
+
 for name in "$@"; do
     case $name in
     tests) step tests 560 python3 -m pytest -p no:cacheprovider -m gpu -q --durations=10 tests ;;
@@ -34,6 +64,7 @@ for name in "$@"; do
     serving) step serving 560 python3 scripts/serving_bench.py --models "${MODELS:-nasnet,deepfm}" --concurrency 1,16 \
         --shared-memory none,system --requests 200 --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
         --json "$out/serving.json" --log "$out/server.log" ;;
-    *) echo "unknown step $name (tests, csan, racecheck, serving)" >&2; exit 2 ;;
+    soak) step soak 560 bash -c soak ;;
+    *) echo "unknown step $name (tests, csan, racecheck, serving, soak)" >&2; exit 2 ;;
     esac
 done

@@ -255,7 +255,7 @@ def test_bench_over_shared_memory_leaves_nothing_behind(server):
 
 def test_ctrl_c_unregisters_shared_memory(server):
     command = [sys.executable, "-m", "client", "bench", "--model", MODEL, "--url", server.grpc_url, "--concurrency", "2",
-               "--requests", "1000", "--shared-memory", "system", "--no-progress"]  # fmt: skip
+               "--requests", "1000000", "--shared-memory", "system", "--no-progress"]  # fmt: skip
     process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
