@@ -7,7 +7,7 @@
 #   racecheck  GoogLeNet's graphs under compute-sanitizer --tool racecheck (no autotuning)
 #   serving    scripts/serving_bench.py for the models in $MODELS (default nasnet,deepfm)
 #   soak       GoogLeNet served by `python -m opara_core.server serve` on ports 18000-18002,
-#              scripts/soak.py over gRPC at 1, 8 and 64 (20 s each): errors, wrong
+#              scripts/soak.py over gRPC at 1, 8 and 64 (30 s each, 30 s warm-up): errors, wrong
 #              answers, host and GPU memory growth
 #
 # Each step is time-limited, logs to $OUT/<step>.log (OUT defaults to ./out) and
@@ -44,8 +44,8 @@ for _ in range(150):
         time.sleep(2)
 else:
     raise SystemExit('server not ready after 300 s')
-" && python3 scripts/soak.py --url 127.0.0.1:18001 --protocol grpc --model googlenet --duration 20 \
-        --concurrency 1,8,64 --warmup 20 --json "$out/soak.json"
+" && python3 scripts/soak.py --url 127.0.0.1:18001 --protocol grpc --model googlenet --duration 30 \
+        --concurrency 1,8,64 --warmup 30 --json "$out/soak.json"
     local rc=$?
     kill -TERM $server
     wait $server
