@@ -9,25 +9,20 @@ info: multi-stream graph -> sequential graph -> eager. On a CPU: eager.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import logging
-import os
-import re
+import operator
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from . import runtime, zoo
 from .capture import CaptureError, LanePool, plan_capture
 from .executor import reordered_graph
-from .fusion import FusionReport, fuse_graph
+from .fusion import CONV, CONV_ADD_RELU, CONV_RELU, FusionReport, fuse_graph
 from .graph import OpGraph, trace
 from .plan import Plan, plan_graph
 
@@ -60,7 +55,7 @@ class EngineSettings:
     fail_capture: bool = False  # a test switch: every multi-stream capture fails
     fusion: bool = True  # fold, merge and fuse kernels before planning (opara_core.fusion)
     # convolution layout: NHWC (channels_last) wins at larger batches and on some
-    # models, NCHW on others; "auto" traces both and times them per bucket
+    # models, NCHW on others; "auto" times both (one traced graph, NHWC weights) per bucket
     layout: str = "auto"
     # cudnn.benchmark: time every convolution algorithm per shape (faster graphs,
     # slower builds: each new shape in each bucket and layout is autotuned)
@@ -166,31 +161,6 @@ def build_runner(
     return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
 
 
-def gpu_lock_path(device: torch.device) -> Path:
-    """One lock file per physical GPU (by UUID where torch reports it)."""
-    properties = torch.cuda.get_device_properties(device)
-    name = str(getattr(properties, "uuid", "") or f"index{device.index or 0}")
-    return Path(tempfile.gettempdir()) / f"opara_build_{re.sub(r'[^A-Za-z0-9-]', '', name)}.lock"
-
-
-@contextlib.contextmanager
-def exclusive_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive flock on `path` (blocking until it is free).
-
-    Model builds in one server take turns on a GPU (`triton.OparaModel`):
-    Triton loads models in parallel, one backend process each, and `auto`
-    compares replay timings that are only fair on an otherwise idle GPU
-    (measured on an H100: BERT built beside six other models timed its graphs
-    1.8x slow and kept the sequential graph).
-    """
-    descriptor = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)  # read-only: another user's file works too
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(descriptor)  # releases the lock
-
-
 def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: EngineSettings, report: BuildReport) -> dict[str, OpGraph]:
     """The model traced (and fused) in each layout to try; empty if tracing fails.
 
@@ -234,14 +204,6 @@ def candidates(graphs: dict[str, OpGraph], settings: EngineSettings) -> list[Can
     return list(found.values())
 
 
-CONVOLUTIONS = (
-    torch.ops.aten.convolution.default,
-    torch.ops.aten.conv2d.default,
-    torch.ops.aten.cudnn_convolution_relu.default,
-    torch.ops.aten.cudnn_convolution_add_relu.default,
-)
-
-
 def channels_last_graph(graph: OpGraph) -> OpGraph:
     """A copy of `graph` whose 2-d convolution weights are channels-last: cuDNN
     then runs the whole network in NHWC, the layout its tensor-core kernels
@@ -252,21 +214,15 @@ def channels_last_graph(graph: OpGraph) -> OpGraph:
     attributes: dict[str, Any] = {n.target: old.get_submodule(n.target) for n in nodes if n.op == "call_module"}
     for node in nodes:
         if node.op == "get_attr":
-            attributes[node.target] = _attribute(old, node.target)
+            attributes[node.target] = operator.attrgetter(node.target)(old)
     for node in nodes:
-        if node.op == "call_function" and node.target in CONVOLUTIONS and isinstance(node.args[1], torch.fx.Node):
+        if node.op == "call_function" and node.target in (CONV, CONV_RELU, CONV_ADD_RELU) and isinstance(node.args[1], torch.fx.Node):
             weight = node.args[1]
             value = attributes.get(weight.target) if weight.op == "get_attr" else None
             if isinstance(value, torch.Tensor) and value.dim() == 4:
                 attributes[weight.target] = value.detach().contiguous(memory_format=torch.channels_last)
     module = torch.fx.GraphModule(attributes, reordered_graph(old.graph, tuple(n.name for n in nodes)))
     return dataclasses.replace(graph, module=module)
-
-
-def _attribute(module: torch.nn.Module, target: str) -> Any:
-    *path, name = target.split(".")
-    owner = module.get_submodule(".".join(path)) if path else module
-    return getattr(owner, name)
 
 
 def trace_on(module: torch.nn.Module, entry: zoo.ZooModel, device: torch.device) -> OpGraph:

@@ -53,6 +53,12 @@ def reuse_memory_across_lanes(enabled: bool = True) -> bool:
     return True
 
 
+def pool_mb(pool: Any) -> float:
+    """MB of segments a private graph memory pool holds (intermediates and outputs)."""
+    torch.cuda.synchronize()
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool)) / 2**20
+
+
 class CaptureError(RuntimeError):
     """A plan could not be captured; the runtime falls back and logs why."""
 

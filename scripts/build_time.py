@@ -24,7 +24,7 @@ import torch
 
 from opara_core import zoo
 from opara_core.build import BuildReport, EngineSettings, build_runner, traced_graphs
-from opara_core.capture import LanePool, plan_capture
+from opara_core.capture import LanePool, plan_capture, pool_mb
 from opara_core.plan import plan_graph
 
 
@@ -45,8 +45,7 @@ def capture_variants(entry: zoo.ZooModel, settings: EngineSettings) -> list[dict
             cuda_graph, _ = plan_capture(graph, plan, lane_pool, warmup=warmup, reuse_memory=reuse)(static_in, pool)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - start
-            held = sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool))
-            results.append({"warmup": warmup, "reuse": reuse, "seconds": round(seconds, 3), "pool_mb": held / 2**20, "streams": plan.num_streams})
+            results.append({"warmup": warmup, "reuse": reuse, "seconds": round(seconds, 3), "pool_mb": pool_mb(pool), "streams": plan.num_streams})
             print(json.dumps(results[-1]), flush=True)
             del cuda_graph
     return results

@@ -32,7 +32,7 @@ import numpy as np
 
 from opara_core import zoo
 from opara_core.server import DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
-from opara_core.triton import ServingMetrics, StageClock
+from opara_core.triton import StageClock
 
 DLPACK_VARIANT = "googlenet_dlpack"
 
@@ -197,8 +197,9 @@ def main() -> int:
                     out = work / f"{model}_{shm}_{concurrency}.csv"
                     before = execute_counters(server.metrics_url).get(model, {})
                     result = run_perf_analyzer(args.perf_analyzer, server.grpc_url, model, concurrency, shm, data, args.requests, out)
-                    time.sleep(ServingMetrics.FLUSH_SECONDS * 2)
-                    # perf_analyzer's warm-up requests count too: a mean over the whole run
+                    # a mean over the whole run, perf_analyzer's warm-up included; the model
+                    # pushes its counts on a later execute (at most every 0.5 s), so the last
+                    # moments of a run land in the next run of the same model
                     result["execute_ms"] = execute_split(before, execute_counters(server.metrics_url).get(model, {}))
                     rows.append({"model": model, "shared_memory": shm, "concurrency": concurrency, **result})
                     print(json.dumps(rows[-1]), flush=True)

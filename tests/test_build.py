@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import functools
-import multiprocessing
-import time
+import operator
 
 import pytest
 import torch
 
 from opara_core import zoo
-from opara_core.build import BuildReport, EngineSettings, _attribute, channels_last_graph, exclusive_lock, trace_on, traced_graphs
+from opara_core.build import BuildReport, EngineSettings, channels_last_graph, trace_on, traced_graphs
 from opara_core.fusion import CONV
 
 CPU = torch.device("cpu")
@@ -25,7 +24,7 @@ def googlenet():
 
 def conv_weights(graph):
     nodes = [n for n in graph.module.graph.nodes if n.op == "call_function" and n.target is CONV]
-    return [_attribute(graph.module, n.args[1].target) for n in nodes]
+    return [operator.attrgetter(n.args[1].target)(graph.module) for n in nodes]
 
 
 def test_the_channels_last_graph_has_nhwc_weights_the_same_nodes_and_the_same_outputs():
@@ -70,24 +69,3 @@ def test_bad_settings_are_refused_with_the_reason(bad, message):
     with pytest.raises(ValueError, match=message):
         EngineSettings(**bad)
 
-
-def _hold(path, seconds, ready):
-    with exclusive_lock(path):
-        ready.set()
-        time.sleep(seconds)
-
-
-def test_builds_take_turns_on_a_gpu_across_processes(tmp_path):
-    """The lock that serializes builds of several model processes on one GPU."""
-    path = tmp_path / "gpu.lock"
-    context = multiprocessing.get_context("spawn")
-    ready = context.Event()
-    holder = context.Process(target=_hold, args=(path, 1.5, ready))
-    holder.start()
-    assert ready.wait(60)
-    start = time.perf_counter()
-    with exclusive_lock(path):
-        waited = time.perf_counter() - start
-    holder.join(30)
-    assert holder.exitcode == 0
-    assert waited >= 1.0, waited

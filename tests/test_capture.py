@@ -9,7 +9,7 @@ import torch
 
 from opara_core import runtime, zoo
 from opara_core.build import EngineSettings, build_runner, trace_on
-from opara_core.capture import CaptureError, LanePool, plan_capture
+from opara_core.capture import CaptureError, LanePool, plan_capture, pool_mb
 from opara_core.plan import plan_graph
 
 pytestmark = pytest.mark.gpu
@@ -94,12 +94,6 @@ def test_lanes_beyond_the_stream_pool_are_refused_not_aliased():
     lane_pool = LanePool(torch.device("cuda"))
     with pytest.raises(CaptureError, match="alias"):
         lane_pool.lanes([0] * 40)
-
-
-def pool_mb(pool) -> float:
-    """MB of segments held by one private graph pool."""
-    torch.cuda.synchronize()
-    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool)) / 2**20
 
 
 @pytest.mark.parametrize("model", ["googlenet", "inception_v3"])

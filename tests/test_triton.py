@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import re
+import time
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import pytest
 from opara_core import zoo
 from opara_core.build import EngineSettings
 from opara_core.server import DEFAULT_MODEL_REPOSITORY
-from opara_core.triton import RequestError, check_config, check_ranges, engine_settings, request_arrays
+from opara_core.triton import RequestError, check_config, check_ranges, engine_settings, exclusive_lock, request_arrays
 
 
 def config_of(model: str) -> dict:
@@ -103,3 +105,25 @@ def test_a_good_request_comes_back_in_model_order():
     tensors = good_bert()
     arrays = request_arrays(zoo.get("bert"), dict(reversed(list(tensors.items()))))
     assert [a is tensors[s.name] for a, s in zip(arrays, zoo.get("bert").inputs)] == [True, True]
+
+
+def _hold(path, seconds, ready):
+    with exclusive_lock(path):
+        ready.set()
+        time.sleep(seconds)
+
+
+def test_builds_take_turns_on_a_gpu_across_processes(tmp_path):
+    """The lock that serializes builds of several model processes on one GPU."""
+    path = tmp_path / "gpu.lock"
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    holder = context.Process(target=_hold, args=(path, 1.5, ready))
+    holder.start()
+    assert ready.wait(60)
+    start = time.perf_counter()
+    with exclusive_lock(path):
+        waited = time.perf_counter() - start
+    holder.join(30)
+    assert holder.exitcode == 0
+    assert waited >= 1.0, waited
