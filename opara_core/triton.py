@@ -208,7 +208,7 @@ class OparaModel:
         good: list[tuple[int, list[np.ndarray]]] = []
         for i, request in enumerate(requests):
             try:
-                tensors = {t.name(): t.as_numpy() for t in request.inputs()}
+                tensors = {t.name(): input_array(t) for t in request.inputs()}
                 good.append((i, request_arrays(self.entry, tensors)))
             except RequestError as error:
                 responses[i] = _error(pb_utils, str(error), pb_utils.TritonError.INVALID_ARG)
@@ -241,18 +241,31 @@ class OparaModel:
         for k, buffer in enumerate(staging):
             np.concatenate([arrays[k] for _, arrays in good], axis=0, out=buffer)
         self.metrics.clock.lap("stage")
+        # outputs leave through DLPack, never pb_utils.Tensor(name, ndarray): see input_array
         if self.outputs_on_device:
-            outputs = self.runner.run_on_device(total)
-            tensor = pb_utils.Tensor.from_dlpack  # syncs with the current stream
+            outputs = self.runner.run_on_device(total)  # from_dlpack syncs with the current stream
         else:
-            outputs = self.runner.run(total)
-            tensor = pb_utils.Tensor
+            outputs = [torch.from_numpy(out) for out in self.runner.run(total)]
+        tensor = pb_utils.Tensor.from_dlpack
         self.metrics.clock.lap("run")
         results, offset = [], 0
         for size in sizes:
             results.append([tensor(spec.name, out[offset : offset + size]) for spec, out in zip(self.entry.outputs, outputs)])
             offset += size
         return results
+
+
+def input_array(tensor) -> np.ndarray:
+    """A request's input as numpy, read through DLPack and torch.
+
+    The Python backend's own numpy bridge (`as_numpy`, `Tensor(name, ndarray)`)
+    is compiled against numpy 1 and misreads numpy 2 arrays: with numpy 2 in the
+    stub's environment, Triton 24.10 answered every request with outputs of the
+    right shape and zero bytes (gRPC) or HTTP 500 "output tensor shape does not
+    match size of output". torch reads and writes DLPack on any numpy.
+    """
+    array = torch.from_dlpack(tensor.to_dlpack())
+    return (array if array.device.type == "cpu" else array.cpu()).numpy()
 
 
 class StageClock:

@@ -1,13 +1,16 @@
 #!/bin/bash
 # The GPU checks the open issues still need, as named steps that fit the GPU
-# machine's 10-minute calls: `bash scripts/gpu_checks.sh STEP [STEP ...]`.
+# machine's 10-minute calls: `bash scripts/gpu_checks.sh STEP[:SECONDS] [...]`
+# (SECONDS: the step's time limit, default 560; e.g. `csan:150 racecheck:420`).
 #
-#   tests      every test marked gpu (engine, server on the GPU, fallback metric)
-#   csan       GoogLeNet's eager multi-stream schedule under TORCH_CUDA_SANITIZER
+#   tests      every test marked gpu (engine, fallback metric)
+#   servertests tests/test_models.py and tests/test_faults.py with the server on the GPU (every
+#              model over HTTP and gRPC against the eager oracle, faults); ~400 s on an H100
+#   csan       every model's eager multi-stream schedule under PyTorch's CUDA sanitizer
 #   racecheck  GoogLeNet's graphs under compute-sanitizer --tool racecheck (no autotuning)
 #   serving    scripts/serving_bench.py for the models in $MODELS (default nasnet,deepfm)
 #   soak       GoogLeNet served by `python -m opara_core.server serve` on ports 18000-18002,
-#              scripts/soak.py over gRPC at 1, 8 and 64 (30 s each, 30 s warm-up): errors, wrong
+#              scripts/soak.py over gRPC at 1, 8 and 64 ($SOAK_SECONDS each, default 30, and as long a warm-up): errors, wrong
 #              answers, host and GPU memory growth
 #
 # Each step is time-limited, logs to $OUT/<step>.log (OUT defaults to ./out) and
@@ -44,8 +47,8 @@ for _ in range(150):
         time.sleep(2)
 else:
     raise SystemExit('server not ready after 300 s')
-" && python3 scripts/soak.py --url 127.0.0.1:18001 --protocol grpc --model googlenet --duration 30 \
-        --concurrency 1,8,64 --warmup 30 --json "$out/soak.json"
+" && python3 scripts/soak.py --url 127.0.0.1:18001 --protocol grpc --model googlenet --duration "${SOAK_SECONDS:-30}" \
+        --concurrency 1,8,64 --warmup "${SOAK_SECONDS:-30}" --json "$out/soak.json"
     local rc=$?
     kill -TERM $server
     wait $server
@@ -55,16 +58,21 @@ else:
 export -f soak
 export out
 
-for name in "$@"; do
+for spec in "$@"; do
+    name=${spec%%:*}
+    limit=560
+    [[ $spec == *:* ]] && limit=${spec#*:}
     case $name in
-    tests) step tests 560 python3 -m pytest -p no:cacheprovider -m gpu -q --durations=10 tests ;;
-    csan) step csan 560 env TORCH_CUDA_SANITIZER=1 python3 scripts/race_check.py eager --model googlenet --runs 2 --json "$out/race_eager.json" ;;
-    racecheck) step racecheck 560 compute-sanitizer --tool racecheck --print-limit 20 \
+    tests) step tests "$limit" python3 -m pytest -p no:cacheprovider -m gpu -q --durations=10 tests ;;
+    servertests) step servertests "$limit" python3 -m pytest -p no:cacheprovider -m "gpu or server" -q -rfE --durations=10 \
+        tests/test_models.py tests/test_faults.py ;;
+    csan) step csan "$limit" python3 scripts/race_check.py eager --sanitizer --runs 2 --json "$out/race_eager.json" ;;
+    racecheck) step racecheck "$limit" compute-sanitizer --tool racecheck --print-limit 20 \
         python3 scripts/race_check.py graph --model googlenet --replays 2 --autotune off --json "$out/racecheck.json" ;;
-    serving) step serving 560 python3 scripts/serving_bench.py --models "${MODELS:-nasnet,deepfm}" --concurrency 1,16 \
+    serving) step serving "$limit" python3 scripts/serving_bench.py --models "${MODELS:-nasnet,deepfm}" --concurrency 1,16 \
         --shared-memory none,system --requests 200 --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
         --json "$out/serving.json" --log "$out/server.log" ;;
-    soak) step soak 560 bash -c soak ;;
-    *) echo "unknown step $name (tests, csan, racecheck, serving, soak)" >&2; exit 2 ;;
+    soak) step soak "$limit" bash -c soak ;;
+    *) echo "unknown step $name (tests, servertests, csan, racecheck, serving, soak)" >&2; exit 2 ;;
     esac
 done

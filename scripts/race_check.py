@@ -1,6 +1,6 @@
 """Race checks of the multi-stream path on a GPU (one model per run).
 
-    TORCH_CUDA_SANITIZER=1 python scripts/race_check.py eager --model googlenet
+    python scripts/race_check.py eager --model googlenet --sanitizer
     compute-sanitizer --tool racecheck python scripts/race_check.py graph --model googlenet --replays 5
     python scripts/race_check.py graph --model googlenet --replays 1000
 
@@ -10,10 +10,12 @@ it with the sequential plan of the same traced graph, input by input:
 
 eager  runs the plan eagerly on its CUDA streams, the exact schedule that is
        later captured (StreamInterpreter: the plan's lanes, events for its
-       waits). Under TORCH_CUDA_SANITIZER=1, PyTorch's CUDA sanitizer follows
+       waits). With --sanitizer, PyTorch's CUDA sanitizer (CSAN) follows
        every kernel's reads and writes per stream and raises on any access to
        a tensor that no event orders: a missing wait or a freed buffer reused
-       too early.
+       too early. It is switched on after tracing: TORCH_CUDA_SANITIZER=1
+       from the start aborts the process inside torch.export (torch 2.11: the
+       sanitizer's allocation hook raises through C++ during export's trace).
 graph  captures both plans into CUDA graphs and replays them on fresh random
        inputs; outputs must be bitwise equal (same kernels, same inputs). Run
        it under `compute-sanitizer --tool racecheck` (shared-memory hazards in
@@ -43,14 +45,25 @@ from opara_core.fusion import fuse_graph
 from opara_core.plan import plan_graph
 
 
+STARTED = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """A timestamped line on stderr: under a sanitizer, a run that hits its time
+    limit still shows how far it got."""
+    print(f"[{time.perf_counter() - STARTED:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+
 def traced(model: str, device: torch.device, fusion: bool):
     """The model's kernel graph as build_runner makes it (traced, then fused)."""
     entry = zoo.get(model)
     module = entry.build().to(device).eval()
     graph = trace_on(module, entry, device)
+    progress(f"{model}: traced")
     if fusion:
         checks = [tuple(t.to(device) for t in entry.example_inputs(1, seed=7))]
         graph, _ = fuse_graph(graph, device, check_inputs=checks)
+        progress(f"{model}: fused")
     return entry, graph
 
 
@@ -58,9 +71,8 @@ def random_inputs(entry: zoo.ZooModel, generator: torch.Generator, device: torch
     return tuple(spec.random(1, generator).to(device) for spec in entry.inputs)
 
 
-def check_eager(model: str, runs: int, max_streams: int, fusion: bool) -> dict:
+def check_eager(entry: zoo.ZooModel, graph, runs: int, max_streams: int) -> dict:
     device = torch.device("cuda")
-    entry, graph = traced(model, device, fusion)
     parallel = plan_graph(graph, "opara", max_streams)
     sequential = plan_graph(graph, "sequential")
     pool = LanePool(device)
@@ -69,29 +81,30 @@ def check_eager(model: str, runs: int, max_streams: int, fusion: bool) -> dict:
     generator = torch.Generator().manual_seed(0)
     mismatches = 0
     with torch.inference_mode():
-        for _ in range(runs):
+        for run in range(runs):
             inputs = random_inputs(entry, generator, device)
             got = [t.clone() for t in _outputs(run_on_lanes(lanes, inputs))]
             want = _outputs(run_on_lanes(one_lane, inputs))
             torch.cuda.synchronize()
             mismatches += not all(torch.equal(a, b) for a, b in zip(got, want))
+            progress(f"{entry.name}: eager run {run + 1} of {runs} compared")
     return {"streams": parallel.num_streams, "runs": runs, "mismatches": mismatches}
 
 
-def check_graph(model: str, replays: int, max_streams: int, fusion: bool) -> dict:
+def check_graph(entry: zoo.ZooModel, graph, replays: int, max_streams: int) -> dict:
     device = torch.device("cuda")
-    entry, graph = traced(model, device, fusion)
     pool = LanePool(device)
     runners = {}
     for policy, budget in (("opara", max_streams), ("sequential", None)):
         plan = plan_graph(graph, policy, budget)
         with torch.inference_mode():
             runners[policy] = runtime.GraphRunner(plan_capture(graph, plan, pool), entry.inputs, entry.outputs, device, 1, (1,))
+        progress(f"{entry.name}: {policy} plan captured")
         if policy == "opara":
             streams = plan.num_streams
     generator = torch.Generator().manual_seed(0)
     mismatches = 0
-    for _ in range(replays):
+    for replay in range(replays):
         inputs = random_inputs(entry, generator, torch.device("cpu"))
         outputs = {}
         for policy, runner in runners.items():
@@ -99,6 +112,8 @@ def check_graph(model: str, replays: int, max_streams: int, fusion: bool) -> dic
                 buffer[...] = x.numpy()
             outputs[policy] = [o.copy() for o in runner.run(1)]
         mismatches += not all((a == b).all() for a, b in zip(outputs["opara"], outputs["sequential"]))
+        if replay < 10 or (replay + 1) % 100 == 0:
+            progress(f"{entry.name}: replay {replay + 1} of {replays} compared")
     return {"streams": streams, "replays": replays, "mismatches": mismatches}
 
 
@@ -116,33 +131,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fusion", action="store_true", help="plan the unfused graph")
     parser.add_argument("--autotune", choices=("on", "off"), default="off",
                         help="cudnn.benchmark (default off: under compute-sanitizer every algorithm tried is instrumented too)")
+    parser.add_argument("--sanitizer", action="store_true", help="eager: run under PyTorch's CUDA sanitizer (CSAN)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.sanitizer and args.mode != "eager":
+        parser.error("--sanitizer checks eager runs only (CSAN does not see inside graph replays)")
+    if os.environ.get("TORCH_CUDA_SANITIZER"):
+        print("error: TORCH_CUDA_SANITIZER=1 aborts inside torch.export; use --sanitizer", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: needs a CUDA device", file=sys.stderr)
         return 2
     torch.backends.cudnn.benchmark = args.autotune == "on"
-    sanitizer = bool(os.environ.get("TORCH_CUDA_SANITIZER"))
-    if args.mode == "eager" and not sanitizer:
-        print("note: TORCH_CUDA_SANITIZER is not set: only the outputs are compared", file=sys.stderr)
-    results, failed = [], False
-    for model in args.model or zoo.names():
+    if args.mode == "eager" and not args.sanitizer:
+        print("note: no --sanitizer: only the outputs are compared", file=sys.stderr)
+    results, graphs = [], {}
+    for model in args.model or zoo.names():  # all traced before the sanitizer starts watching
+        try:
+            graphs[model] = traced(model, torch.device("cuda"), not args.no_fusion)
+        except Exception as error:  # noqa: BLE001 - one model's failure is its result
+            results.append({"model": model, "error": f"trace: {type(error).__name__}: {error}"})
+    if args.sanitizer:
+        import torch.cuda._sanitizer as csan  # importing it installs its allocation hooks
+
+        csan.enable_cuda_sanitizer()
+        progress("CUDA sanitizer on")
+    for model, (entry, graph) in graphs.items():
         start = time.perf_counter()
         try:
             if args.mode == "eager":
-                result = check_eager(model, args.runs, args.max_streams, not args.no_fusion)
+                result = check_eager(entry, graph, args.runs, args.max_streams)
             else:
-                result = check_graph(model, args.replays, args.max_streams, not args.no_fusion)
+                result = check_graph(entry, graph, args.replays, args.max_streams)
             result["error"] = None
         except Exception as error:  # noqa: BLE001 - the sanitizer reports races as exceptions
             result = {"error": f"{type(error).__name__}: {error}"}
         result.update(model=model, seconds=round(time.perf_counter() - start, 1))
-        failed |= bool(result["error"] or result.get("mismatches"))
         results.append(result)
         print(json.dumps(result), flush=True)
+    failed = any(r["error"] or r.get("mismatches") for r in results)
     summary = {
         "mode": args.mode,
-        "torch_cuda_sanitizer": sanitizer,
+        "torch_cuda_sanitizer": args.sanitizer,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -37,14 +37,20 @@ from opara_core.triton import StageClock
 DLPACK_VARIANT = "googlenet_dlpack"
 
 
-def make_repository(models: list[str], root: Path) -> Path:
-    """A copy of the selected models, plus the DLPack-output variant of googlenet."""
+def make_repository(models: list[str], root: Path, instances: int = 1) -> Path:
+    """A copy of the selected models, plus the DLPack-output variant of googlenet,
+    each with `instances` model instances (stub processes, each with its own graphs)."""
     repository = root / "models"
     for name in models:
         shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, repository / name)
+        config = repository / name / "config.pbtxt"
+        text, found = re.subn(r"instance_group \[ \{ count: \d+ \} \]", f"instance_group [ {{ count: {instances} }} ]", config.read_text())
+        if found != 1:
+            raise SystemExit(f"{config}: no single `instance_group [ {{ count: N }} ]` line to set the instance count in")
+        config.write_text(text)
     if "googlenet" in models:
         variant = repository / DLPACK_VARIANT
-        shutil.copytree(DEFAULT_MODEL_REPOSITORY / "googlenet", variant)
+        shutil.copytree(repository / "googlenet", variant)
         config = (variant / "config.pbtxt").read_text().replace('name: "googlenet"', f'name: "{DLPACK_VARIANT}"')
         config += 'parameters { key: "output_memory" value: { string_value: "gpu" } }\n'
         (variant / "config.pbtxt").write_text(config)
@@ -165,6 +171,7 @@ def main() -> int:
     parser.add_argument("--models", default=",".join(zoo.names()))
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--shared-memory", default="none,system")
+    parser.add_argument("--instances", type=int, default=1, help="model instances per model (instance_group count)")
     parser.add_argument("--requests", type=int, default=1000, help="requests per measurement window")
     parser.add_argument("--perf-analyzer", default=shutil.which("perf_analyzer") or "perf_analyzer")
     parser.add_argument("--json", type=Path)
@@ -178,7 +185,7 @@ def main() -> int:
         return 0
     models = [zoo.get(m).name for m in args.models.split(",")]
     work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
-    repository = make_repository(models, work)
+    repository = make_repository(models, work, args.instances)
     served = models + ([DLPACK_VARIANT] if "googlenet" in models else [])
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     log_path = args.log or work / "server.log"
@@ -209,7 +216,7 @@ def main() -> int:
     print()
     print(table(rows, replay))
     if args.json:
-        meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "load_seconds": load_s, "replay_ms": replay}
+        meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "instances": args.instances, "load_seconds": load_s, "replay_ms": replay}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
 

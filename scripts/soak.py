@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=concurrency_list, default=(1, 2, 4, 8, 16, 32, 64), help="levels, e.g. 1,8,64")
     parser.add_argument("--warmup", type=float, default=30.0, help="seconds at the highest level before the baseline (default 30)")
     parser.add_argument("--memory-tolerance", type=float, default=0.02, help="largest growth allowed (default 0.02)")
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="answer error allowed, relative to the largest output")
+    parser.add_argument("--tolerance", type=float, default=zoo.oracle_tolerance(),
+                        help="answer error allowed, relative to the largest output (default: 5e-2 with a GPU (TF32 convolutions), else 1e-4)")
     parser.add_argument("--server-pid", type=int, default=None, help="tritonserver's pid (default: found by port)")
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
     args = parser.parse_args(argv)

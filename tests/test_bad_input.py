@@ -256,8 +256,9 @@ def test_a_batch_dimension_beyond_32_bits_never_reads_past_the_data_sent(server,
 # --- NaN and infinity: served as given --------------------------------------------------------
 
 
-def assert_same_with_nan(actual: np.ndarray, expected: np.ndarray, tolerance: float = 1e-4) -> None:
+def assert_same_with_nan(actual: np.ndarray, expected: np.ndarray) -> None:
     """assert_close where NaN and ±Inf must sit at the same places."""
+    tolerance = zoo.oracle_tolerance()
     finite = expected[np.isfinite(expected)]
     scale = max(float(np.abs(finite).max()) if finite.size else 0.0, 1e-12)
     np.testing.assert_allclose(actual, expected, rtol=0, atol=tolerance * scale, equal_nan=True)
