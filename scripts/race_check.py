@@ -1,4 +1,4 @@
-"""Race checks of the multi-stream path on a GPU (one model per run).
+"""Race checks of the multi-stream path on a GPU.
 
     python scripts/race_check.py eager --model googlenet --sanitizer
     compute-sanitizer --tool racecheck python scripts/race_check.py graph --model googlenet --replays 5
@@ -16,18 +16,23 @@ eager  runs the plan eagerly on its CUDA streams, the exact schedule that is
        too early. It is switched on after tracing: TORCH_CUDA_SANITIZER=1
        from the start aborts the process inside torch.export (torch 2.11: the
        sanitizer's allocation hook raises through C++ during export's trace).
+       A control run per model, the plan stripped of its cross-lane waits,
+       must be flagged; if it is not, the sanitizer saw nothing and the
+       check fails.
 graph  captures both plans into CUDA graphs and replays them on fresh random
        inputs; outputs must be bitwise equal (same kernels, same inputs). Run
        it under `compute-sanitizer --tool racecheck` (shared-memory hazards in
        the kernels) or `--tool memcheck`, with few replays: the tools slow
        every kernel down a hundredfold.
 
-Prints one line per model, writes JSON with --json, exits 1 on a race or a mismatch.
+Prints one line per model, writes JSON with --json, exits 1 on a race, a mismatch
+or an unflagged control.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -71,7 +76,11 @@ def random_inputs(entry: zoo.ZooModel, generator: torch.Generator, device: torch
     return tuple(spec.random(1, generator).to(device) for spec in entry.inputs)
 
 
-def check_eager(entry: zoo.ZooModel, graph, runs: int, max_streams: int) -> dict:
+def check_eager(entry: zoo.ZooModel, graph, runs: int, max_streams: int, control: bool = False) -> dict:
+    """`runs` random inputs through the multi-stream and the sequential plan on
+    their lanes. With `control` (under the sanitizer) one more run of the
+    multi-stream plan without its cross-lane waits, which the sanitizer must flag:
+    proof that it sees the lanes at all."""
     device = torch.device("cuda")
     parallel = plan_graph(graph, "opara", max_streams)
     sequential = plan_graph(graph, "sequential")
@@ -88,7 +97,25 @@ def check_eager(entry: zoo.ZooModel, graph, runs: int, max_streams: int) -> dict
             torch.cuda.synchronize()
             mismatches += not all(torch.equal(a, b) for a, b in zip(got, want))
             progress(f"{entry.name}: eager run {run + 1} of {runs} compared")
-    return {"streams": parallel.num_streams, "runs": runs, "mismatches": mismatches}
+    result = {"streams": parallel.num_streams, "runs": runs, "mismatches": mismatches}
+    if control and parallel.waits:
+        result["control_flagged"] = control_flagged(graph, dataclasses.replace(parallel, waits=()), pool, entry, generator)
+        progress(f"{entry.name}: control without waits {'flagged' if result['control_flagged'] else 'NOT flagged'}")
+    return result
+
+
+def control_flagged(graph, unordered, pool: LanePool, entry: zoo.ZooModel, generator: torch.Generator) -> bool:
+    """Whether the sanitizer raises on a run of a plan stripped of its waits."""
+    from torch.cuda._sanitizer import CUDASanitizerErrors
+
+    lanes = StreamInterpreter(graph, unordered, pool.lanes(unordered.priorities[: unordered.num_streams]))
+    try:
+        with torch.inference_mode():
+            run_on_lanes(lanes, random_inputs(entry, generator, torch.device("cuda")))
+            torch.cuda.synchronize()
+    except CUDASanitizerErrors:
+        return True
+    return False
 
 
 def check_graph(entry: zoo.ZooModel, graph, replays: int, max_streams: int) -> dict:
@@ -160,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         try:
             if args.mode == "eager":
-                result = check_eager(entry, graph, args.runs, args.max_streams)
+                result = check_eager(entry, graph, args.runs, args.max_streams, control=args.sanitizer)
             else:
                 result = check_graph(entry, graph, args.replays, args.max_streams)
             result["error"] = None
@@ -169,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update(model=model, seconds=round(time.perf_counter() - start, 1))
         results.append(result)
         print(json.dumps(result), flush=True)
-    failed = any(r["error"] or r.get("mismatches") for r in results)
+    failed = any(r["error"] or r.get("mismatches") or r.get("control_flagged") is False for r in results)
     summary = {
         "mode": args.mode,
         "torch_cuda_sanitizer": args.sanitizer,
