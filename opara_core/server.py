@@ -98,9 +98,11 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for tritonserver and the Python stubs it spawns.
 
     The stubs inherit it: PATH decides which Python environment the embedded
-    interpreter adopts (this venv, with torch and numpy<2), PYTHONPATH adds the
-    venv's site-packages and the repository, LD_LIBRARY_PATH finds the wheel's
-    bundled libraries and this Python's libpython.
+    interpreter adopts (this venv's); LD_LIBRARY_PATH finds the wheel's bundled
+    libraries and this Python's libpython. PYTHONPATH reaches tritonserver, but
+    the r24.10 stub's interpreter ignores it (its sys.path: the standard library,
+    the adopted venv's site-packages, the model's directory, the backend's), so
+    a package for the stubs belongs in the venv itself.
     """
     env = dict(os.environ if base is None else base)
     site_packages = sysconfig.get_paths()["purelib"]
@@ -110,8 +112,6 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     ]
     env["LD_LIBRARY_PATH"] = _join_paths(libs, env.get("LD_LIBRARY_PATH"))
     env["PATH"] = _join_paths([str(Path(sys.executable).parent)], env.get("PATH"))
-    # a PYTHONPATH the caller set comes first, so it can override a package of
-    # the venv for the server alone (e.g. numpy<2 beside a numpy 2 venv)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), site_packages, str(REPO_ROOT)) if p)
     return env
 

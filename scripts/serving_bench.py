@@ -59,8 +59,7 @@ def make_repository(models: list[str], root: Path, instances: int = 1) -> Path:
 
 def input_data(model: str, path: Path, count: int = 4) -> Path:
     """perf_analyzer --input-data JSON: `count` seeded random requests, each
-    tensor as base64 of its raw bytes (perf_analyzer 2.60 sent DeepFM's INT64 ids
-    given as JSON numbers shifted by one position; raw bytes leave nothing to parse)."""
+    tensor as base64 of its raw bytes, which leaves perf_analyzer nothing to parse."""
     entry = zoo.get(model)
     data = []
     for k in range(count):

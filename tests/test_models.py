@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import re
-
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from serving import assert_close, eager, example, infer
 from test_server import readme_models
 from tritonclient.utils import InferenceServerException
 
 from opara_core import zoo
-from opara_core.server import DEFAULT_MODEL_REPOSITORY
+from opara_core.server import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, free_port
 
 pytestmark = pytest.mark.server
 
@@ -137,3 +146,85 @@ def test_custom_metrics_count_batches_next_to_tritons_own(server, http_client):
     assert float(seconds["run"]) > 0 and float(seconds["run"]) > float(seconds["validate"])
     requests = re.search(r'^opara_requests_total\{model="resnet50"\} (\S+)$', text, re.M)
     assert requests and float(requests.group(1)) >= 4
+
+
+# --- the stub's numpy ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def numpy2_python(tmp_path_factory) -> Path:
+    """A venv with numpy 2, then this venv's packages (torch, the Triton wheel, ...)
+    behind it. A server launched with its Python gets stubs that adopt it: the
+    r24.10 stub's embedded interpreter takes its environment from PATH and ignores
+    PYTHONPATH, so that is how a machine whose Python has numpy 2 runs the models."""
+    venv = tmp_path_factory.mktemp("numpy2") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "numpy>=2,<3"], check=True, timeout=600)
+    site = subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip()
+    Path(site, "zz_project_venv.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    return python
+
+
+def stub_numpy_paths(server_pid: int) -> set[str]:
+    """Where the numpy extension loaded by each Python stub of a server lives."""
+    paths = set()
+    for child in Path("/proc").glob("[0-9]*"):
+        try:
+            stub = child.joinpath("cmdline").read_bytes().split(b"\0")[0].endswith(b"triton_python_backend_stub")
+            if stub and _parent(child) == server_pid:
+                paths |= {line.split()[-1] for line in child.joinpath("maps").read_text().splitlines() if "_multiarray_umath" in line}
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+    return paths
+
+
+def test_a_stub_with_numpy_2_answers_in_full(numpy2_python, tmp_path):
+    """With numpy 2 in the stub, Triton 24.10's numpy bridge sends outputs of the
+    right shape and zero bytes (found on the GPU machine); the adapter's DLPack
+    path must give full, correct answers over both protocols."""
+    shutil.copytree(DEFAULT_MODEL_REPOSITORY / "deepfm", tmp_path / "models" / "deepfm")
+    ports = {"HTTP_PORT": free_port(), "GRPC_PORT": free_port(), "METRICS_PORT": free_port()}
+    env = {**os.environ, **{k: str(v) for k, v in ports.items()}}
+    with open(tmp_path / "server.log", "w") as log:
+        launcher = subprocess.Popen(
+            [numpy2_python, "-m", "opara_core.server", "serve", "--model-repository", tmp_path / "models", "--workdir", tmp_path / "work"],
+            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        http = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP_PORT']}")
+        deadline = time.monotonic() + 300
+        while not _ready(http):
+            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            time.sleep(1)
+        server_pid = next(int(p.name) for p in Path("/proc").glob("[0-9]*") if _parent(p) == launcher.pid and _name(p) == "tritonserver")
+        loaded = stub_numpy_paths(server_pid)
+        assert loaded and all(str(numpy2_python.parent.parent) in path for path in loaded), loaded
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['GRPC_PORT']}")
+        arrays = example("deepfm", batch=3, seed=51)
+        for client in (http, grpc):
+            assert_close(infer(client, "deepfm", arrays), eager("deepfm", arrays))
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(60)
+
+
+def _ready(client) -> bool:
+    try:
+        return client.is_server_ready()
+    except Exception:  # noqa: BLE001 - not listening yet
+        return False
+
+
+def _parent(proc: Path) -> int | None:
+    try:
+        return int(proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _name(proc: Path) -> str:
+    try:
+        return proc.joinpath("comm").read_text().strip()
+    except OSError:
+        return ""
