@@ -262,7 +262,9 @@ def input_array(tensor) -> np.ndarray:
     is compiled against numpy 1 and misreads numpy 2 arrays: with numpy 2 in the
     stub's environment, Triton 24.10 answered every request with outputs of the
     right shape and zero bytes (gRPC) or HTTP 500 "output tensor shape does not
-    match size of output". torch reads and writes DLPack on any numpy.
+    match size of output". torch reads and writes DLPack on any numpy. (numpy's
+    own DLPack, `np.from_dlpack(tensor)` or an ndarray given to `from_dlpack`,
+    kills the r24.10 stub: "PyCapsule_GetPointer called with incorrect name".)
     """
     array = torch.from_dlpack(tensor.to_dlpack())
     return (array if array.device.type == "cpu" else array.cpu()).numpy()
