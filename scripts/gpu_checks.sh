@@ -15,9 +15,10 @@
 #
 # Each step is time-limited, logs to $OUT/<step>.log (OUT defaults to ./out) and
 # appends "step rc seconds" to $OUT/steps.txt, so a step that runs out of time
-# still leaves its log. The serving stack must be importable: numpy<2, the
-# nvidia-pytriton wheel (tritonserver 2.51) and tritonclient on PYTHONPATH,
-# perf_analyzer 2.60 in $PERF_ANALYZER, and OPARA_ADMIN_KEY set.
+# still leaves its log. The serving stack must be importable: the nvidia-pytriton
+# wheel (tritonserver 2.51) and tritonclient on PYTHONPATH, perf_analyzer 2.60 in
+# $PERF_ANALYZER, and OPARA_ADMIN_KEY set: on the GPU machine, carry .gpuenv
+# (scripts/make_gpuenv.sh makes it here) and `source .gpuenv/setup_env.sh` first.
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
