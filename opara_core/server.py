@@ -99,20 +99,18 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
     The stubs inherit it: PATH decides which Python environment the embedded
     interpreter adopts (this venv's); LD_LIBRARY_PATH finds the wheel's bundled
-    libraries and this Python's libpython. PYTHONPATH reaches tritonserver, but
-    the r24.10 stub's interpreter ignores it (its sys.path: the standard library,
-    the adopted venv's site-packages, the model's directory, the backend's), so
-    a package for the stubs belongs in the venv itself.
+    libraries and this Python's libpython. PYTHONPATH is left as it is: the
+    r24.10 stub's interpreter ignores it (its sys.path: the working directory,
+    the standard library, the adopted venv's site-packages, the model's
+    directory, the backend's), so a package for the stubs belongs in the venv.
     """
     env = dict(os.environ if base is None else base)
-    site_packages = sysconfig.get_paths()["purelib"]
     libs = [
         str(pytriton_root().parent / "nvidia_pytriton.libs"),
         sysconfig.get_config_var("LIBDIR") or "",
     ]
     env["LD_LIBRARY_PATH"] = _join_paths(libs, env.get("LD_LIBRARY_PATH"))
     env["PATH"] = _join_paths([str(Path(sys.executable).parent)], env.get("PATH"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), site_packages, str(REPO_ROOT)) if p)
     return env
 
 
