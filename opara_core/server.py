@@ -355,6 +355,21 @@ def stub_processes(server_pid: int) -> dict[str, int]:
     return stubs
 
 
+def find_server(port: int) -> int | None:
+    """The pid of the tritonserver on this machine listening on `port`
+    (matched on its --http-port / --grpc-port argument)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if args and args[0].endswith("tritonserver") and any(a in (f"--http-port={port}", f"--grpc-port={port}") for a in args):
+            return int(entry.name)
+    return None
+
+
 def _die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent dies, so a killed
     `make serve` or test run never leaves an orphaned server holding ports."""

@@ -246,11 +246,10 @@ class OparaModel:
             outputs = self.runner.run_on_device(total)  # from_dlpack syncs with the current stream
         else:
             outputs = [torch.from_numpy(out) for out in self.runner.run(total)]
-        tensor = pb_utils.Tensor.from_dlpack
         self.metrics.clock.lap("run")
         results, offset = [], 0
         for size in sizes:
-            results.append([tensor(spec.name, out[offset : offset + size]) for spec, out in zip(self.entry.outputs, outputs)])
+            results.append([pb_utils.Tensor.from_dlpack(spec.name, out[offset : offset + size]) for spec, out in zip(self.entry.outputs, outputs)])
             offset += size
         return results
 

@@ -42,27 +42,12 @@ from client import bench
 from client.api import Client, describe, result_arrays
 from client.cli import concurrency_list
 from opara_core import zoo
-from opara_core.server import stub_processes
+from opara_core.server import find_server, stub_processes
 
 log = logging.getLogger("soak")
 
 
 # --- memory ------------------------------------------------------------------------------
-
-
-def find_server(port: int) -> int | None:
-    """The pid of the tritonserver on this machine listening on `port`
-    (matched on its --http-port / --grpc-port argument)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if args and args[0].endswith("tritonserver") and any(a in (f"--http-port={port}", f"--grpc-port={port}") for a in args):
-            return int(entry.name)
-    return None
 
 
 def resident(pid: int) -> dict[str, int]:

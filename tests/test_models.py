@@ -22,7 +22,7 @@ from test_server import readme_models
 from tritonclient.utils import InferenceServerException
 
 from opara_core import zoo
-from opara_core.server import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, free_port
+from opara_core.server import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, find_server, free_port, stub_processes
 
 pytestmark = pytest.mark.server
 
@@ -168,15 +168,12 @@ def numpy2_python(tmp_path_factory) -> Path:
 
 def stub_numpy_paths(server_pid: int) -> set[str]:
     """Where the numpy extension loaded by each Python stub of a server lives."""
-    paths = set()
-    for child in Path("/proc").glob("[0-9]*"):
-        try:
-            stub = child.joinpath("cmdline").read_bytes().split(b"\0")[0].endswith(b"triton_python_backend_stub")
-            if stub and _parent(child) == server_pid:
-                paths |= {line.split()[-1] for line in child.joinpath("maps").read_text().splitlines() if "_multiarray_umath" in line}
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile, or not ours to read
-    return paths
+    return {
+        line.split()[-1]
+        for pid in stub_processes(server_pid).values()
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+        if "_multiarray_umath" in line
+    }
 
 
 def test_a_stub_with_numpy_2_answers_in_full(numpy2_python, tmp_path):
@@ -197,8 +194,7 @@ def test_a_stub_with_numpy_2_answers_in_full(numpy2_python, tmp_path):
         while not _ready(http):
             assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
             time.sleep(1)
-        server_pid = next(int(p.name) for p in Path("/proc").glob("[0-9]*") if _parent(p) == launcher.pid and _name(p) == "tritonserver")
-        loaded = stub_numpy_paths(server_pid)
+        loaded = stub_numpy_paths(find_server(ports["HTTP_PORT"]))
         assert loaded and all(str(numpy2_python.parent.parent) in path for path in loaded), loaded
         grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['GRPC_PORT']}")
         arrays = example("deepfm", batch=3, seed=51)
@@ -214,17 +210,3 @@ def _ready(client) -> bool:
         return client.is_server_ready()
     except Exception:  # noqa: BLE001 - not listening yet
         return False
-
-
-def _parent(proc: Path) -> int | None:
-    try:
-        return int(proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _name(proc: Path) -> str:
-    try:
-        return proc.joinpath("comm").read_text().strip()
-    except OSError:
-        return ""
