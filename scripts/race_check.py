@@ -114,6 +114,7 @@ def control_flagged(graph, unordered, pool: LanePool, entry: zoo.ZooModel, gener
             run_on_lanes(lanes, random_inputs(entry, generator, torch.device("cuda")))
             torch.cuda.synchronize()
     except CUDASanitizerErrors:
+        torch.cuda.synchronize()  # the run stopped midway: let its lanes drain before the next model
         return True
     return False
 
