@@ -262,20 +262,23 @@ def _measured_loop(worker: _Worker, tally: _Tally) -> None:
         tally.record(time.perf_counter_ns() - start, error)
 
 
-def _warmup_loop(worker: _Worker, count: int, stop: threading.Event) -> None:
+def _warmup_loop(worker: _Worker, count: int, stop: threading.Event) -> int:
+    """Send `count` requests; how many succeeded."""
+    succeeded = 0
     for _ in range(count):
         if stop.is_set():
-            return
-        worker.send()
+            break
+        succeeded += worker.send() is None
+    return succeeded
 
 
-def _on_workers(target, workers: list[_Worker], args: tuple, stop: threading.Event) -> None:
-    """Run target(worker, *args) on every worker's thread and wait for all.
-    On Ctrl-C, stop handing out requests, let in-flight ones finish, re-raise."""
+def _on_workers(target, workers: list[_Worker], args: tuple, stop: threading.Event) -> list:
+    """Run target(worker, *args) on every worker's thread, wait for all, return
+    their results. On Ctrl-C, stop handing out requests, let in-flight ones
+    finish, re-raise."""
     futures = [worker.submit(target, *args) for worker in workers]
     try:
-        for future in futures:
-            future.result()
+        return [future.result() for future in futures]
     except BaseException:
         stop.set()
         wait(futures)
@@ -304,7 +307,11 @@ def _measure(
     config: BenchConfig, control: Client, workers: list[_Worker], stop: threading.Event
 ) -> tuple[Row, Counter]:
     c = len(workers)
-    _on_workers(_warmup_loop, workers, (config.warmup, stop), stop)
+    # The warm-up's last requests can still be missing from the statistics
+    # when their responses arrive; `before` waits for them so that none of
+    # them (a new batch size's first, slow run, say) counts as measured.
+    initial = _statistics(control, config.model)
+    warmed = sum(_on_workers(_warmup_loop, workers, (config.warmup, stop), stop))
     with tqdm(
         total=config.requests,
         desc=f"concurrency {c}",
@@ -315,7 +322,7 @@ def _measure(
     ) as bar:
         deadline = None if config.duration_s is None else time.monotonic() + config.duration_s
         tally = _Tally(config.requests, deadline, stop, bar)
-        before = _statistics(control, config.model)
+        before = _statistics(control, config.model, initial, warmed)
         start = time.perf_counter_ns()
         _on_workers(_measured_loop, workers, (tally,), stop)
         elapsed_s = (time.perf_counter_ns() - start) / 1e9

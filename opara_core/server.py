@@ -228,10 +228,13 @@ class TritonServer:
     hold the port cannot fool us).
     """
 
-    def __init__(self, config: ServerConfig, log_path: Path | None, workdir: Path = DEFAULT_WORKDIR):
+    def __init__(
+        self, config: ServerConfig, log_path: Path | None, workdir: Path = DEFAULT_WORKDIR, wrapper: tuple[str, ...] = ()
+    ):
         self.config = config
         self.log_path = None if log_path is None else Path(log_path)  # None: this process's stdout
         self.workdir = workdir
+        self.wrapper = wrapper  # a command that execs its arguments, e.g. ("prlimit", "--fsize=N", "--")
         self.process: subprocess.Popen | None = None
 
     @property
@@ -248,19 +251,17 @@ class TritonServer:
 
     def start(self) -> "TritonServer":
         backends = prepare_backends(self.workdir)
-        command = server_command(self.config, backends)
+        command = [*_parent_death_wrapper(), *self.wrapper, *server_command(self.config, backends)]
+        # No preexec_fn: with one, Python forks with the at-fork handlers of
+        # every library loaded here; gRPC's handlers restart its poller in the child,
+        # which then can die on a closed epoll fd before it execs (seen in CI).
         if self.log_path is None:
-            self.process = subprocess.Popen(command, env=server_env(), stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            self.process = subprocess.Popen(command, env=server_env(), stdin=subprocess.DEVNULL)
         else:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "ab") as log_file:  # a restart appends
                 self.process = subprocess.Popen(
-                    command,
-                    env=server_env(),
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    preexec_fn=_die_with_parent,
+                    command, env=server_env(), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
                 )
         log.info("started tritonserver pid %d (%s)", self.process.pid, self.config.server_id)
         return self
@@ -370,9 +371,19 @@ def find_server(port: int) -> int | None:
     return None
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies, so a killed
+def _parent_death_wrapper() -> tuple[str, ...]:
+    """util-linux's setpriv, which asks Linux to SIGTERM the server when the
+    thread that started it dies (the setting survives exec), so a killed
     `make serve` or test run never leaves an orphaned server holding ports."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        log.warning("setpriv (util-linux) not found: tritonserver will outlive a killed parent")
+        return ()
+    return (setpriv, "--pdeathsig", "TERM", "--")
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies."""
     pr_set_pdeathsig = 1
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import re
-import resource
 import signal
 import socket
 import threading
@@ -29,7 +28,6 @@ from conftest import server_config
 from serving import assert_close, eager, example, infer
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-import opara_core.server as launcher
 from opara_core.server import REPO_ROOT, TritonServer, shm_prefix, supervise
 
 pytestmark = pytest.mark.server
@@ -59,7 +57,7 @@ def wait_for(condition, timeout_s: float, what: str, server: TritonServer | None
         except Exception:  # noqa: BLE001 - not there yet
             pass
         if server is not None and server.returncode is not None:
-            pytest.fail(f"server exited while waiting for {what}:\n{server.log_tail()}")
+            pytest.fail(f"server exited (code {server.returncode}) while waiting for {what}:\n{server.log_tail()}")
         time.sleep(0.25)
     pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}" + (f":\n{server.log_tail()}" if server else ""))
 
@@ -200,17 +198,12 @@ def degraded(tmp_path_factory, admin_key):
     repository = make_repository(root / "models", {"googlenet": "googlenet"})
     make_repository(repository, {"deepfm_broken": "deepfm"}, {"policy": "no_such_policy"})
 
-    def limited() -> None:
-        die_with_parent()
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
-        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
-
-    die_with_parent = launcher._die_with_parent
+    # prlimit caps the size of every file the server writes; the shell makes a
+    # write past the cap fail (EFBIG) instead of killing the server (SIGXFSZ)
+    wrapper = ("prlimit", f"--fsize={FILE_LIMIT}", "--", "sh", "-c", 'trap "" XFSZ; exec "$0" "$@"')
     config = server_config(repository, exit_timeout_s=5, extra_args=("--exit-on-error=false",))
-    server = TritonServer(config, root / "server.log")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(launcher, "_die_with_parent", limited)
-        server.start()
+    server = TritonServer(config, root / "server.log", wrapper=wrapper)
+    server.start()
     try:
         client = httpclient.InferenceServerClient(server.http_url)
         wait_for(lambda: client.is_model_ready("googlenet"), 300, "googlenet", server)

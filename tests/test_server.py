@@ -7,6 +7,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -181,3 +182,49 @@ def test_make_serve_runs_in_the_foreground_and_stops_on_sigterm(tmp_path):
     assert "Successfully unloaded" in log or "successfully unloaded" in log.lower(), log[-2000:]
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", ports["HTTP_PORT"])) != 0, "server still running after SIGTERM"
+
+
+PARENT = """
+import sys, time
+from pathlib import Path
+from opara_core.server import ServerConfig, TritonServer
+ports = [int(p) for p in sys.argv[2:5]]
+server = TritonServer(ServerConfig(Path(sys.argv[1]), *ports), Path(sys.argv[5]))
+server.start()
+server.wait_ready(120)
+print(server.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's reaper may be slow or absent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_parent_takes_its_server_down(tmp_path):
+    """The launcher starts tritonserver under `setpriv --pdeathsig`, so a test
+    run or `make serve` killed with SIGKILL leaves no server holding ports."""
+    (tmp_path / "models").mkdir()
+    ports = [str(free_port()) for _ in range(3)]
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tmp_path / "models"), *ports, str(tmp_path / "server.log")],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        pid = int(parent.stdout.readline() or 0)
+        assert pid > 0, (tmp_path / "server.log").read_text()
+        parent.kill()
+        parent.wait(30)
+        deadline = time.monotonic() + 60
+        while running(pid) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert not running(pid), "tritonserver outlived its killed parent"
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", int(ports[0]))) != 0
+    finally:
+        parent.kill()
+        parent.wait()
