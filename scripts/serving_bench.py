@@ -37,9 +37,12 @@ from opara_core.triton import StageClock
 DLPACK_VARIANT = "googlenet_dlpack"
 
 
-def make_repository(models: list[str], root: Path, instances: int = 1) -> Path:
+def make_repository(models: list[str], root: Path, instances: int = 1, batching: str = "preferred") -> Path:
     """A copy of the selected models, plus the DLPack-output variant of googlenet,
-    each with `instances` model instances (stub processes, each with its own graphs)."""
+    each with `instances` model instances (stub processes, each with its own
+    graphs). batching "greedy" drops the preferred batch sizes, so that Triton
+    sends every queued request (up to max_batch_size) instead of the largest
+    preferred size it can form (7 queued: 4 now, 3 later)."""
     repository = root / "models"
     for name in models:
         shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, repository / name)
@@ -47,6 +50,10 @@ def make_repository(models: list[str], root: Path, instances: int = 1) -> Path:
         text, found = re.subn(r"instance_group \[ \{ count: \d+ \} \]", f"instance_group [ {{ count: {instances} }} ]", config.read_text())
         if found != 1:
             raise SystemExit(f"{config}: no single `instance_group [ {{ count: N }} ]` line to set the instance count in")
+        if batching == "greedy":
+            text, found = re.subn(r"\n  preferred_batch_size: \[[\d, ]+\]", "", text)
+            if found != 1:
+                raise SystemExit(f"{config}: no single `preferred_batch_size` line to drop")
         config.write_text(text)
     if "googlenet" in models:
         variant = repository / DLPACK_VARIANT
@@ -121,6 +128,20 @@ def execute_counters(metrics_url: str) -> dict[str, dict[str, float]]:
     return counters
 
 
+def batch_counts(http_url: str, model: str) -> tuple[int, int]:
+    """Triton's (inference_count, execution_count) of the model: requests
+    (rows, at batch 1) and the batches they were run in."""
+    with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/stats", timeout=30) as response:
+        stats = json.load(response)["model_stats"]
+    return sum(int(m.get("inference_count", 0)) for m in stats), sum(int(m.get("execution_count", 0)) for m in stats)
+
+
+def mean_batch(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    """Rows per execution between two `batch_counts` snapshots."""
+    executions = after[1] - before[1]
+    return round((after[0] - before[0]) / executions, 2) if executions > 0 else None
+
+
 def execute_split(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Milliseconds per request in each stage of `execute` between two scrapes."""
     requests = after.get("requests", 0) - before.get("requests", 0)
@@ -145,9 +166,9 @@ def table(rows: list[dict], replay: dict[str, float]) -> str:
     lines = []
     lines.append(
         "| model | shm | conc | infer/s | p50 ms | p99 ms | queue | compute input | compute infer | compute output "
-        "| bucket-1 replay | outside replay | execute: validate / stage / run / respond |"
+        "| bucket-1 replay | outside replay | mean batch | execute: validate / stage / run / respond |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['shared_memory']} | {r['concurrency']} | error: {r['error'][-120:]!r} |")
@@ -160,7 +181,7 @@ def table(rows: list[dict], replay: dict[str, float]) -> str:
         lines.append(
             f"| {r['model']} | {r['shared_memory']} | {r['concurrency']} | {r['throughput_rps']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
             f"| {r['server_queue_ms']:.3f} | {r['server_compute_input_ms']:.3f} | {r['server_compute_infer_ms']:.3f} "
-            f"| {r['server_compute_output_ms']:.3f} | {graph if graph else '-'} | {outside} | {split} |"
+            f"| {r['server_compute_output_ms']:.3f} | {graph if graph else '-'} | {outside} | {r.get('mean_batch') or '-'} | {split} |"
         )
     return "\n".join(lines)
 
@@ -171,6 +192,10 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--shared-memory", default="none,system")
     parser.add_argument("--instances", type=int, default=1, help="model instances per model (instance_group count)")
+    parser.add_argument(
+        "--batching", choices=("preferred", "greedy"), default="preferred",
+        help="preferred: the configs' preferred batch sizes (the graph buckets); greedy: none, every queued request goes",
+    )  # fmt: skip
     parser.add_argument("--requests", type=int, default=1000, help="requests per measurement window")
     parser.add_argument("--perf-analyzer", default=shutil.which("perf_analyzer") or "perf_analyzer")
     parser.add_argument("--json", type=Path)
@@ -184,7 +209,7 @@ def main() -> int:
         return 0
     models = [zoo.get(m).name for m in args.models.split(",")]
     work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
-    repository = make_repository(models, work, args.instances)
+    repository = make_repository(models, work, args.instances, args.batching)
     served = models + ([DLPACK_VARIANT] if "googlenet" in models else [])
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     log_path = args.log or work / "server.log"
@@ -202,7 +227,9 @@ def main() -> int:
                 for concurrency in (int(c) for c in args.concurrency.split(",")):
                     out = work / f"{model}_{shm}_{concurrency}.csv"
                     before = execute_counters(server.metrics_url).get(model, {})
+                    counts = batch_counts(server.http_url, model)
                     result = run_perf_analyzer(args.perf_analyzer, server.grpc_url, model, concurrency, shm, data, args.requests, out)
+                    result["mean_batch"] = mean_batch(counts, batch_counts(server.http_url, model))
                     # a mean over the whole run, perf_analyzer's warm-up included; the model
                     # pushes its counts on a later execute (at most every 0.5 s), so the last
                     # moments of a run land in the next run of the same model
@@ -215,7 +242,7 @@ def main() -> int:
     print()
     print(table(rows, replay))
     if args.json:
-        meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "instances": args.instances, "load_seconds": load_s, "replay_ms": replay}
+        meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "instances": args.instances, "batching": args.batching, "load_seconds": load_s, "replay_ms": replay}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
 
