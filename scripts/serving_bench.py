@@ -20,6 +20,7 @@ import csv
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from opara_core import zoo
-from opara_core.server import DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
+from opara_core.server import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
 from opara_core.triton import StageClock
 
 DLPACK_VARIANT = "googlenet_dlpack"
@@ -81,7 +82,9 @@ def output_bytes(model: str) -> int:
     return sum(int(np.prod(s.shape)) * 4 for s in zoo.get(zoo_name).outputs)
 
 
-def run_perf_analyzer(binary: str, url: str, model: str, concurrency: int, shm: str, data: Path, requests: int, out: Path) -> dict:
+def run_perf_analyzer(
+    binary: str, url: str, model: str, concurrency: int, shm: str, data: Path, requests: int, out: Path, admin_key: str
+) -> dict:
     command = [
         binary, "-m", model, "-i", "grpc", "-u", url, "-b", "1",
         f"--concurrency-range={concurrency}:{concurrency}",
@@ -91,8 +94,7 @@ def run_perf_analyzer(binary: str, url: str, model: str, concurrency: int, shm: 
     ]  # fmt: skip
     if shm == "system":
         command += ["--shared-memory=system", f"--output-shared-memory-size={max(output_bytes(model), 4096)}"]
-    if os.environ.get("OPARA_ADMIN_KEY"):  # the shared-memory API is restricted
-        command += ["-H", f"triton-grpc-protocol-admin-key:{os.environ['OPARA_ADMIN_KEY']}"]
+        command += ["-H", f"triton-grpc-protocol-admin-key:{admin_key}"]  # the shared-memory API is restricted
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0 or not out.exists():
@@ -211,7 +213,11 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
     repository = make_repository(models, work, args.instances, args.batching)
     served = models + ([DLPACK_VARIANT] if "googlenet" in models else [])
-    config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    # the server is ours: its admin key (for the shared-memory API) is OPARA_ADMIN_KEY or a new one
+    config = ServerConfig(
+        model_repository=repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+        admin_key=os.environ.get(ADMIN_KEY_ENV) or secrets.token_hex(32),
+    )  # fmt: skip
     log_path = args.log or work / "server.log"
     rows = []
     started = time.perf_counter()
@@ -228,7 +234,9 @@ def main() -> int:
                     out = work / f"{model}_{shm}_{concurrency}.csv"
                     before = execute_counters(server.metrics_url).get(model, {})
                     counts = batch_counts(server.http_url, model)
-                    result = run_perf_analyzer(args.perf_analyzer, server.grpc_url, model, concurrency, shm, data, args.requests, out)
+                    result = run_perf_analyzer(
+                        args.perf_analyzer, server.grpc_url, model, concurrency, shm, data, args.requests, out, config.admin_key
+                    )
                     result["mean_batch"] = mean_batch(counts, batch_counts(server.http_url, model))
                     # a mean over the whole run, perf_analyzer's warm-up included; the model
                     # pushes its counts on a later execute (at most every 0.5 s), so the last

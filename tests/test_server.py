@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from serving import assert_close, eager, example, infer
 from tritonclient.utils import InferenceServerException
 
-from opara_core.server import REPO_ROOT, ServerConfig, free_port, server_command
+from opara_core.server import REPO_ROOT, ServerConfig, free_port, server_command, spawn
 
 pytestmark = pytest.mark.server
 
@@ -228,3 +231,31 @@ def test_a_killed_parent_takes_its_server_down(tmp_path):
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_spawning_beside_busy_grpc_clients_never_kills_the_child(tmp_path):
+    """gRPC's at-fork handlers killed servers the launcher had just forked
+    (their log: only gRPC's epoll error). `spawn` must start children safely
+    while gRPC clients in this process are busy: /bin/true, 300 times."""
+    stop = threading.Event()
+
+    def call_nobody(client) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                client.is_server_live(client_timeout=0.01)
+
+    clients = [grpcclient.InferenceServerClient(f"127.0.0.1:{free_port()}") for _ in range(4)]
+    threads = [threading.Thread(target=call_nobody, args=(c,), daemon=True) for c in clients]
+    for thread in threads:
+        thread.start()
+    try:
+        with open(tmp_path / "children.log", "wb") as log_file:
+            codes = [spawn(["/bin/true"], dict(os.environ), log_file).wait(30) for _ in range(300)]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+        for client in clients:
+            client.close()
+    failed = sum(code != 0 for code in codes)
+    assert failed == 0, f"{failed} of 300 children died: {(tmp_path / 'children.log').read_text()[-500:]}"
