@@ -17,4 +17,4 @@ EXPOSE 8000 8001 8002
 # logging and trace APIs behind OPARA_ADMIN_KEY (closed to everyone when unset);
 # it binds 0.0.0.0 inside the container: `docker run -p 127.0.0.1:8000:8000 ...`
 # keeps it on the host's loopback.
-CMD ["python3", "-m", "opara_core.server", "container", "--model-repository", "/models"]
+CMD ["python3", "-m", "opara_core.serving.launcher", "container", "--model-repository", "/models"]

@@ -13,7 +13,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Idempotent: reinstalls only when pyproject.toml changes.
 setup: $(STAMP)
 	@dpkg -s libb64-0d >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libb64-0d; }
-	@$(PY) -m opara_core.server prepare >/dev/null
+	@$(PY) -m opara_core.serving.launcher prepare >/dev/null
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 
 # Foreground server on 127.0.0.1; ports from HTTP_PORT, GRPC_PORT, METRICS_PORT.
 serve: setup
-	exec $(PY) -m opara_core.server serve --model-repository $(MODEL_REPOSITORY)
+	exec $(PY) -m opara_core.serving.launcher serve --model-repository $(MODEL_REPOSITORY)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -42,7 +42,7 @@ TIMEOUT = "timeout"  # no answer in time: the request may have run
 REJECTED = "rejected"  # the server answered with an error: retrying cannot help
 
 # The server's restricted APIs (shared memory, repository index) need the key the
-# server was started with (opara_core.server reads the same variable).
+# server was started with (opara_core.serving.launcher reads the same variable).
 ADMIN_KEY_ENV = "OPARA_ADMIN_KEY"
 
 # Statistics components, in the order Triton's pipeline runs them.

@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from opara_core import order as orders
-from opara_core import policies
-from opara_core.dag import Dag
-from opara_core.plan import Plan, make_plan, plan_graph
+from opara_core.planning import order as orders
+from opara_core.planning import policies
+from opara_core.planning.dag import Dag
+from opara_core.planning.plan import Plan, make_plan
 
 log = logging.getLogger("opara_core")
 
@@ -83,7 +83,8 @@ def _plan(args: argparse.Namespace) -> int:
         plan = make_plan(dag, args.policy, args.max_streams, args.order)
         print(json.dumps(plan.contract_json()))
     else:
-        from opara_core.graph import trace_zoo  # imports torch: only for models
+        from opara_core.engine.interpreter import plan_graph  # imports torch: only for models
+        from opara_core.engine.trace import trace_zoo
 
         graph = trace_zoo(args.model, batch=args.batch)
         dag = graph.dag

@@ -26,11 +26,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import zoo
-from .build import AutoCapture, BuildReport, EngineSettings, build_runner, candidates, trace_on, traced_graphs
-from .capture import CaptureError, LanePool, plan_capture, pool_mb
-from .graph import OpGraph
-from .plan import plan_graph
+from opara_core import zoo
+from opara_core.engine.build import AutoCapture, BuildReport, EngineSettings, build_runner, candidates, trace_on, traced_graphs
+from opara_core.engine.capture import CaptureError, LanePool, plan_capture, pool_mb
+from opara_core.engine.trace import OpGraph
+from opara_core.engine.interpreter import plan_graph
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def bench_model(
 def _critical_path(graph: OpGraph, entry: zoo.ZooModel, device: torch.device) -> tuple[float, float] | None:
     """(critical path, sum of all ops) in ms from per-op kernel times measured alone."""
     try:
-        from .profile import apply_profile, profile_graph
+        from opara_core.engine.profile import apply_profile, profile_graph
     except ImportError:
         return None
     example = tuple(t.to(device) for t in entry.example_inputs(1, seed=5))

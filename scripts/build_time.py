@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from opara_core import zoo
-from opara_core.build import BuildReport, EngineSettings, build_runner, traced_graphs
-from opara_core.capture import LanePool, plan_capture, pool_mb
-from opara_core.plan import plan_graph
+from opara_core.engine.build import BuildReport, EngineSettings, build_runner, traced_graphs
+from opara_core.engine.capture import LanePool, plan_capture, pool_mb
+from opara_core.engine.interpreter import plan_graph
 
 
 def capture_variants(entry: zoo.ZooModel, settings: EngineSettings) -> list[dict]:

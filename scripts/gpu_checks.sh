@@ -9,7 +9,7 @@
 #   csan       every model's eager multi-stream schedule under PyTorch's CUDA sanitizer
 #   racecheck  GoogLeNet's graphs under compute-sanitizer --tool racecheck (no autotuning)
 #   serving    scripts/serving_bench.py for the models in $MODELS (default nasnet,deepfm)
-#   soak       GoogLeNet served by `python -m opara_core.server serve` on ports 18000-18002,
+#   soak       GoogLeNet served by `python -m opara_core.serving.launcher serve` on ports 18000-18002,
 #              scripts/soak.py over gRPC at 1, 8 and 64 ($SOAK_SECONDS each, default 30, and as long a warm-up): errors, wrong
 #              answers, host and GPU memory growth
 #
@@ -36,7 +36,7 @@ soak() {
     local repository
     repository=$(mktemp -d)
     cp -r model_repository/googlenet "$repository/"
-    HTTP_PORT=18000 GRPC_PORT=18001 METRICS_PORT=18002 python3 -m opara_core.server serve --model-repository "$repository" \
+    HTTP_PORT=18000 GRPC_PORT=18001 METRICS_PORT=18002 python3 -m opara_core.serving.launcher serve --model-repository "$repository" \
         >"$out/soak_server.log" 2>&1 &
     local server=$!
     python3 -c "

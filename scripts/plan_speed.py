@@ -18,9 +18,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from opara_core import policies
-from opara_core.dag import Dag
-from opara_core.plan import make_plan
+from opara_core.planning import policies
+from opara_core.planning.dag import Dag
+from opara_core.planning.plan import make_plan
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
         data = json.loads(Path(args.dag).read_text())
         source_name = args.dag
     else:
-        from opara_core.graph import trace_zoo
+        from opara_core.engine.trace import trace_zoo
 
         start = time.perf_counter()
         data = trace_zoo(args.model).dag.to_json()

@@ -43,11 +43,12 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_flatten
 
-from opara_core import runtime, zoo
-from opara_core.build import trace_on
-from opara_core.capture import LanePool, StreamInterpreter, plan_capture, run_on_lanes
-from opara_core.fusion import fuse_graph
-from opara_core.plan import plan_graph
+from opara_core import zoo
+from opara_core.engine import runtime
+from opara_core.engine.build import trace_on
+from opara_core.engine.capture import LanePool, StreamInterpreter, plan_capture, run_on_lanes
+from opara_core.engine.fusion import fuse_graph
+from opara_core.engine.interpreter import plan_graph
 
 
 STARTED = time.perf_counter()

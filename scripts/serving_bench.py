@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from opara_core import zoo
-from opara_core.server import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
-from opara_core.triton import StageClock
+from opara_core.serving.launcher import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
+from opara_core.serving.triton_backend import StageClock
 
 DLPACK_VARIANT = "googlenet_dlpack"
 

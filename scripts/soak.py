@@ -42,7 +42,7 @@ from client import bench
 from client.api import Client, describe, result_arrays
 from client.cli import concurrency_list
 from opara_core import zoo
-from opara_core.server import find_server, stub_processes
+from opara_core.serving.launcher import find_server, stub_processes
 
 log = logging.getLogger("soak")
 

@@ -11,8 +11,8 @@ import itertools
 
 from hypothesis import strategies as st
 
-from opara_core.dag import KINDS, Dag, OpNode
-from opara_core.plan import Plan, violations
+from opara_core.planning.dag import KINDS, Dag, OpNode
+from opara_core.planning.plan import Plan, violations
 
 # The example of the Opara paper's appendix: 13 operators, 5 streams under Alg. 1.
 APPENDIX_EDGES = [
@@ -28,7 +28,7 @@ def appendix_dag() -> Dag:
 @functools.lru_cache(maxsize=None)
 def traced(name: str):
     """The zoo model `name`, traced once per session (batch 1 costs)."""
-    from opara_core.graph import trace_zoo
+    from opara_core.engine.trace import trace_zoo
 
     return trace_zoo(name)
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from opara_core import zoo
-from opara_core.build import BuildReport, EngineSettings, channels_last_graph, trace_on, traced_graphs
-from opara_core.fusion import CONV
+from opara_core.engine.build import BuildReport, EngineSettings, channels_last_graph, trace_on, traced_graphs
+from opara_core.engine.fusion import CONV
 
 CPU = torch.device("cpu")
 

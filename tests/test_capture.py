@@ -7,10 +7,11 @@ import functools
 import pytest
 import torch
 
-from opara_core import runtime, zoo
-from opara_core.build import EngineSettings, build_runner, trace_on
-from opara_core.capture import CaptureError, LanePool, plan_capture, pool_mb
-from opara_core.plan import plan_graph
+from opara_core import zoo
+from opara_core.engine import runtime
+from opara_core.engine.build import EngineSettings, build_runner, trace_on
+from opara_core.engine.capture import CaptureError, LanePool, plan_capture, pool_mb
+from opara_core.engine.interpreter import plan_graph
 
 pytestmark = pytest.mark.gpu
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from engine_helpers import APPENDIX_EDGES, min_waits_by_brute_force
 
-from opara_core import policies
-from opara_core.dag import Dag
-from opara_core.plan import Plan, violations
+from opara_core.planning import policies
+from opara_core.planning.dag import Dag
+from opara_core.planning.plan import Plan, violations
 
 # The appendix example with mixed kinds, and a small DAG for the exact Nimble checks.
 APPENDIX = {

@@ -23,7 +23,7 @@ from client import bench, perf
 from client.__main__ import main as client_main
 from client.api import SHM_PREFIX, AsyncClient, Client, SharedMemoryRegions, result_arrays
 from client.inputs import random_inputs
-from opara_core.server import REPO_ROOT, free_port
+from opara_core.serving.launcher import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.server
 

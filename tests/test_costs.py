@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from opara_core import costs
-from opara_core.graph import trace
+from opara_core.engine import costs
+from opara_core.engine.trace import trace
 
 
 def test_roofline_estimate_and_class():

@@ -8,7 +8,7 @@ import tomllib
 
 import dockerfile
 
-from opara_core.server import ADMIN_KEY_ENV, REPO_ROOT, RESTRICTED_APIS, ServerConfig, container_command
+from opara_core.serving.launcher import ADMIN_KEY_ENV, REPO_ROOT, RESTRICTED_APIS, ServerConfig, container_command
 
 BASE_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
 
@@ -55,7 +55,7 @@ def test_serves_the_model_repository_with_model_control_none():
         by_cmd.setdefault(c.cmd.upper(), []).append(c.value)
     assert ("model_repository", "/models") in by_cmd["COPY"]
     (cmd,) = by_cmd["CMD"]
-    assert list(cmd) == ["python3", "-m", "opara_core.server", "container", "--model-repository", "/models"]
+    assert list(cmd) == ["python3", "-m", "opara_core.serving.launcher", "container", "--model-repository", "/models"]
     assert {"8000", "8001", "8002"} <= set(by_cmd["EXPOSE"][0])
 
 

@@ -28,7 +28,7 @@ from conftest import server_config
 from serving import assert_close, eager, example, infer
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from opara_core.server import REPO_ROOT, TritonServer, shm_prefix, supervise
+from opara_core.serving.launcher import REPO_ROOT, TritonServer, shm_prefix, supervise
 
 pytestmark = pytest.mark.server
 
@@ -110,7 +110,7 @@ def test_a_killed_backend_process_fails_fast_then_the_server_restarts(supervised
     quickly with a clear error (or a refused connection while the server
     restarts); afterwards the model answers correctly again."""
     server = supervised.server
-    caplog.set_level(logging.INFO, logger="opara_core.server")
+    caplog.set_level(logging.INFO, logger="opara_core.serving.launcher")
     old = server.stubs()["deepfm_0_0"]
     os.kill(old, signal.SIGKILL)
     arrays = example("deepfm", 2, seed=3)

@@ -13,11 +13,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
-from opara_core import fusion, zoo
-from opara_core.build import EngineSettings
-from opara_core.executor import run_plan
-from opara_core.graph import from_graph_module, is_free, trace
-from opara_core.plan import plan_graph
+from opara_core import zoo
+from opara_core.engine import fusion
+from opara_core.engine.build import EngineSettings
+from opara_core.engine.interpreter import run_plan
+from opara_core.engine.trace import from_graph_module, is_free, trace
+from opara_core.engine.interpreter import plan_graph
 
 aten = torch.ops.aten
 TOLERANCE = 1e-4  # relative to the largest output magnitude
@@ -311,7 +312,7 @@ def test_unknown_passes_are_refused(patterns):
 
 
 def test_the_engine_settings_switch_fusion():
-    from opara_core.triton import engine_settings
+    from opara_core.serving.triton_backend import engine_settings
 
     assert EngineSettings().fusion is True
     assert engine_settings({"parameters": {"fusion": {"string_value": "off"}}}).fusion is False
@@ -385,7 +386,7 @@ def test_fused_zoo_graphs_plan_and_run_like_eager(name, expected):
 
 
 def _cuda_graph(name):
-    from opara_core.build import trace_on
+    from opara_core.engine.build import trace_on
 
     device = torch.device("cuda")
     module = zoo.get(name).build().to(device)
@@ -394,7 +395,7 @@ def _cuda_graph(name):
 
 @pytest.mark.gpu
 def test_cuda_fusion_of_googlenet_equals_eager_and_captures(strict_fp32):
-    from opara_core.capture import LanePool, plan_capture
+    from opara_core.engine.capture import LanePool, plan_capture
 
     device = torch.device("cuda")
     module, graph = _cuda_graph("googlenet")
@@ -436,7 +437,7 @@ def test_cuda_conv_add_relu_on_resnet50_equals_eager(strict_fp32):
 
 @pytest.mark.gpu
 def test_build_runner_fuses_and_passes_the_guard(strict_fp32):
-    from opara_core.build import build_runner
+    from opara_core.engine.build import build_runner
 
     device = torch.device("cuda")
     module = zoo.get("googlenet").build().to(device)

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from opara_core.server import REPO_ROOT
+from opara_core.serving.launcher import REPO_ROOT
 
 pytestmark = pytest.mark.server
 

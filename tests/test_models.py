@@ -22,7 +22,7 @@ from test_server import readme_models
 from tritonclient.utils import InferenceServerException
 
 from opara_core import zoo
-from opara_core.server import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, find_server, free_port, stub_processes
+from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, find_server, free_port, stub_processes
 
 pytestmark = pytest.mark.server
 
@@ -185,7 +185,7 @@ def test_a_stub_with_numpy_2_answers_in_full(numpy2_python, tmp_path):
     env = {**os.environ, **{k: str(v) for k, v in ports.items()}}
     with open(tmp_path / "server.log", "w") as log:
         launcher = subprocess.Popen(
-            [numpy2_python, "-m", "opara_core.server", "serve", "--model-repository", tmp_path / "models", "--workdir", tmp_path / "work"],
+            [numpy2_python, "-m", "opara_core.serving.launcher", "serve", "--model-repository", tmp_path / "models", "--workdir", tmp_path / "work"],
             cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:

@@ -6,8 +6,8 @@ import pytest
 from engine_helpers import appendix_dag, dags
 from hypothesis import given, settings
 
-from opara_core import order as orders
-from opara_core.dag import Dag, OpNode
+from opara_core.planning import order as orders
+from opara_core.planning.dag import Dag, OpNode
 
 
 def _fan_out(children: list[OpNode]) -> Dag:
@@ -27,13 +27,13 @@ def test_topological_is_the_node_list():
 def test_opara_alternates_compute_and_memory_starting_with_compute():
     children = [OpNode("m1", "memory"), OpNode("m2", "memory"), OpNode("c1", "compute"), OpNode("c2", "compute")]
     dag = _fan_out(children)
-    assert _names(dag, orders.opara(dag)) == ["src", "m1", "c1", "m2", "c2"]
+    assert _names(dag, orders.resource_aware(dag)) == ["src", "m1", "c1", "m2", "c2"]
 
 
 def test_opara_flag_flips_every_step_even_when_one_list_is_empty():
     # After src (compute, taken alone), the flag says "memory" next.
     dag = _fan_out([OpNode("c1", "compute"), OpNode("m1", "memory")])
-    assert _names(dag, orders.opara(dag)) == ["src", "m1", "c1"]
+    assert _names(dag, orders.resource_aware(dag)) == ["src", "m1", "c1"]
 
 
 def test_opara_launches_the_least_resource_demand_first():
@@ -43,12 +43,12 @@ def test_opara_launches_the_least_resource_demand_first():
         OpNode("mid", "compute", threads=256, shared_memory=8 * 1024),
     ]
     dag = _fan_out(children)
-    assert _names(dag, orders.opara(dag))[1:] == ["small", "mid", "big_smem"]
+    assert _names(dag, orders.resource_aware(dag))[1:] == ["small", "mid", "big_smem"]
 
 
 def test_without_a_profile_the_cheaper_operator_goes_first():
     dag = _fan_out([OpNode("slow", "compute", cost=9), OpNode("fast", "compute", cost=1)])
-    assert _names(dag, orders.opara(dag))[1:] == ["fast", "slow"]
+    assert _names(dag, orders.resource_aware(dag))[1:] == ["fast", "slow"]
 
 
 def test_resource_demand_is_the_mean_of_known_fractions():

@@ -1,25 +1,20 @@
-"""Plans as data: JSON round-trip, summary, waits, validation, and the full-graph schedule."""
+"""Plans as data: JSON round-trip, summary, waits and validation."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-import torch
 from engine_helpers import appendix_dag
-from torch import nn
 
-from opara_core import policies
-from opara_core.dag import Dag, OpNode
-from opara_core.graph import trace
-from opara_core.plan import (
+from opara_core.planning import policies
+from opara_core.planning.dag import Dag, OpNode
+from opara_core.planning.plan import (
     CONTRACT_KEYS,
     Plan,
     compute_waits,
     estimate_makespan,
-    graph_schedule,
     make_plan,
-    plan_graph,
     violations,
 )
 
@@ -110,61 +105,3 @@ def test_a_launch_order_can_be_chosen_and_keeps_the_lanes():
 def test_budget_below_one_is_rejected():
     with pytest.raises(ValueError, match="max_streams"):
         make_plan(appendix_dag(), "opara", max_streams=0)
-
-
-class _Branches(nn.Module):
-    """Two conv branches joined by cat, then views (free) and two outputs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Conv2d(3, 4, 3, padding=1)
-        self.b = nn.Conv2d(3, 4, 1)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y = torch.cat([torch.relu(self.a(x)), self.b(x)], 1).flatten(1)
-        return y.sum(-1), y.t()
-
-
-@pytest.fixture(scope="module")
-def branches():
-    torch.manual_seed(0)
-    return trace(_Branches(), (torch.randn(2, 3, 8, 8),), name="branches")
-
-
-def test_graph_schedule_covers_every_node_inputs_first(branches):
-    plan = plan_graph(branches, "opara")
-    schedule = graph_schedule(plan, branches)
-    nodes = {n.name: n for n in branches.module.graph.nodes}
-    assert sorted(schedule.order) == sorted(nodes)
-    pos = {name: i for i, name in enumerate(schedule.order)}
-    for name, node in nodes.items():
-        assert all(pos[i.name] < pos[name] for i in node.all_input_nodes), name
-    assert schedule.order[-1] == "output"
-    kernels = [name for name in schedule.order if name in plan.stream]
-    assert kernels == list(plan.order)
-
-
-def test_free_nodes_take_their_producers_stream(branches):
-    plan = plan_graph(branches, "opara")
-    schedule = graph_schedule(plan, branches)
-    for node in branches.module.graph.nodes:
-        if node.name in plan.stream:
-            assert schedule.stream[node.name] == plan.stream[node.name]
-        elif node.op in ("placeholder", "get_attr", "output"):
-            assert schedule.stream[node.name] == 0
-        else:
-            assert schedule.stream[node.name] == schedule.stream[node.all_input_nodes[0].name]
-
-
-def test_plan_graph_carries_the_fingerprint_and_free_count(branches):
-    plan = plan_graph(branches, "nimble")
-    assert plan.fingerprint == branches.fingerprint
-    assert plan.free_ops == len(branches.free_nodes()) > 0
-    assert plan.num_streams == 2  # the two conv branches
-
-
-def test_graph_schedule_rejects_an_order_that_breaks_an_edge(branches):
-    plan = plan_graph(branches, "sequential")
-    broken = Plan.from_json({**plan.to_json(), "order": list(reversed(plan.order))})
-    with pytest.raises(ValueError, match="before one of its inputs"):
-        graph_schedule(broken, branches)

@@ -12,9 +12,9 @@ from engine_helpers import appendix_dag, dags, min_waits_by_brute_force, redunda
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opara_core import policies
-from opara_core.dag import Dag, OpNode
-from opara_core.plan import make_plan, violations
+from opara_core.planning import policies
+from opara_core.planning.dag import Dag, OpNode
+from opara_core.planning.plan import make_plan, violations
 
 SETTINGS = settings(max_examples=60, deadline=None)
 BUDGETS = st.sampled_from([None, 1, 2, 3, 5])
@@ -156,9 +156,9 @@ def test_plans_are_deterministic_within_a_process(policy, dag):
 def test_plans_do_not_depend_on_the_hash_seed():
     script = (
         "import json, random\n"
-        "from opara_core.dag import Dag, OpNode\n"
-        "from opara_core.plan import make_plan\n"
-        "from opara_core import policies\n"
+        "from opara_core.planning.dag import Dag, OpNode\n"
+        "from opara_core.planning.plan import make_plan\n"
+        "from opara_core.planning import policies\n"
         "rng = random.Random(7)\n"
         "out = []\n"
         "for trial in range(6):\n"

@@ -9,10 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from opara_core import order, profile, zoo
-from opara_core.graph import trace
-from opara_core.plan import plan_graph
-from opara_core.profile import KernelCost, Profile, apply_profile, parse_trace
+from opara_core import zoo
+from opara_core.engine import profile
+from opara_core.planning import order
+from opara_core.engine.trace import trace
+from opara_core.engine.interpreter import plan_graph
+from opara_core.engine.profile import KernelCost, Profile, apply_profile, parse_trace
 
 
 def annotation(name, ts, dur):
@@ -217,8 +219,8 @@ def test_apply_profile_puts_measurements_on_the_dag(small):
 
 @pytest.mark.gpu
 def test_profile_of_googlenet_on_the_gpu(tmp_path, monkeypatch):
-    from opara_core.build import trace_on
-    from opara_core.fusion import fuse_graph
+    from opara_core.engine.build import trace_on
+    from opara_core.engine.fusion import fuse_graph
 
     monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
     device = torch.device("cuda")

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from opara_core import runtime, zoo
+from opara_core import zoo
+from opara_core.engine import runtime
 
 MODEL = "googlenet"
 

@@ -19,7 +19,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from client.api import REJECTED, Client, ClientError, admin_headers
-from opara_core.server import ADMIN_KEY_ENV, REPO_ROOT, RESTRICTED_APIS, ServerConfig, server_command
+from opara_core.serving.launcher import ADMIN_KEY_ENV, REPO_ROOT, RESTRICTED_APIS, ServerConfig, server_command
 
 # --- the command line ------------------------------------------------------------------
 

@@ -13,8 +13,8 @@ from conftest import server_config
 from serving import assert_close, example, infer
 
 from opara_core import zoo
-from opara_core.server import REPO_ROOT, TritonServer
-from opara_core.weights import WeightsError, load_module, weights_path
+from opara_core.serving.launcher import REPO_ROOT, TritonServer
+from opara_core.serving.weights import WeightsError, load_module, weights_path
 
 SCRIPT = REPO_ROOT / "scripts" / "export_weights.py"
 

@@ -1,6 +1,6 @@
-"""t5 served through opara_core; all logic lives in opara_core.triton."""
+"""t5 served through opara_core; all logic lives in opara_core.serving.triton_backend."""
 
-from opara_core.triton import OparaModel
+from opara_core.serving.triton_backend import OparaModel
 
 
 class TritonPythonModel(OparaModel):

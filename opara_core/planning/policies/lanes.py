@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from opara_core.dag import Dag
+from opara_core.planning.dag import Dag
 
 
 @dataclass(frozen=True)

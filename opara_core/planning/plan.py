@@ -2,26 +2,21 @@
 
 A `Plan` is what the GPU capture carries out and what the CLI prints. Waits are
 derived the same way for every policy (`compute_waits`), so a policy only decides
-lanes and a launch order. For traced models, `graph_schedule` extends a plan over
-the kernel DAG to every node of the fx graph (free nodes take their producer's
-stream).
+lanes and a launch order. For traced models, `engine.interpreter.graph_schedule`
+extends a plan over the kernel DAG to every node of the fx graph.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from opara_core import order as orders
-from opara_core import policies
-from opara_core.dag import Dag
-
-if TYPE_CHECKING:
-    from opara_core.graph import OpGraph
+from opara_core.planning import order as orders
+from opara_core.planning import policies
+from opara_core.planning.dag import Dag
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +137,7 @@ def make_plan(
 ) -> Plan:
     """Plan `dag` with the policy called `policy`.
 
-    `order` names a launch order from `opara_core.order.ORDERS`; None keeps the
+    `order` names a launch order from `opara_core.planning.order.ORDERS`; None keeps the
     policy's own (Alg. 2 for opara, critical-path first for asap, waves for
     wavefront, topological otherwise). The lanes do not depend on it.
     """
@@ -256,69 +251,3 @@ def estimate_makespan(dag: Dag, stream: Sequence[int], order: Sequence[int]) -> 
         start = max([lane_free[stream[v]], *(finish[p] for p in dag.preds[v])])
         finish[v] = lane_free[stream[v]] = start + cost[v]
     return max(finish, default=0.0)
-
-
-# ---- traced graphs -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GraphSchedule:
-    """A plan extended to every fx node: a lane for each and one order for all.
-
-    Free nodes (no kernel) take the lane of their first input's producer
-    (placeholders and get_attr: lane 0) and come right after their inputs.
-    """
-
-    stream: Mapping[str, int]
-    order: tuple[str, ...]
-
-
-def plan_graph(graph: OpGraph, policy: str, max_streams: int | None = None, order: str | None = None) -> Plan:
-    """Plan a traced model's kernel DAG; the plan carries the model's fingerprint."""
-    free = sum(1 for n in graph.module.graph.nodes if n.meta.get("opara_free"))
-    return make_plan(graph.dag, policy, max_streams, order, fingerprint=graph.fingerprint, free_ops=free)
-
-
-def graph_schedule(plan: Plan, graph: OpGraph) -> GraphSchedule:
-    """Every fx node of `graph` in execution order with its lane, following `plan`."""
-    nodes = list(graph.module.graph.nodes)
-    stream: dict[str, int] = {}
-    for node in nodes:  # graph order is topological, so inputs are resolved first
-        if node.name in plan.stream:
-            stream[node.name] = plan.stream[node.name]
-        else:
-            inputs = node.all_input_nodes
-            stream[node.name] = stream[inputs[0].name] if inputs and node.op != "output" else 0
-    pending = {node: len(node.all_input_nodes) for node in nodes}
-    placed: list[str] = []
-    kernels = plan.stream
-    # Free nodes are placed as soon as their inputs are; the output node comes last.
-
-    def place(node: Any) -> None:
-        """Place `node`, then every free node that this makes ready (transitively)."""
-        todo = deque([node])
-        while todo:
-            node = todo.popleft()
-            placed.append(node.name)
-            for user in node.users:
-                pending[user] -= 1
-                if not pending[user] and user.name not in kernels and user.op != "output":
-                    todo.append(user)
-
-    by_name = {node.name: node for node in nodes}
-    for node in nodes:
-        if not node.all_input_nodes and node.name not in kernels and node.op != "output":
-            place(node)
-    for name in plan.order:
-        node = by_name[name]
-        if pending[node]:
-            raise ValueError(f"plan order runs {name!r} before one of its inputs")
-        place(node)
-    for node in nodes:
-        if node.op == "output":
-            place(node)
-    if len(placed) != len(nodes):
-        done = set(placed)
-        missing = [node.name for node in nodes if node.name not in done]
-        raise ValueError(f"plan does not cover the graph: {missing[:3]} never became ready")
-    return GraphSchedule(stream=MappingProxyType(stream), order=tuple(placed))

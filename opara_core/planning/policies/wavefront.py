@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from opara_core.dag import Dag
-from opara_core.policies.lanes import StreamAssignment, check_budget, renumber
+from opara_core.planning.dag import Dag
+from opara_core.planning.policies.lanes import StreamAssignment, check_budget, renumber
 
 
 def wavefront(dag: Dag, max_streams: int | None = None) -> StreamAssignment:

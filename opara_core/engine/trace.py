@@ -23,8 +23,8 @@ import sympy
 import torch
 from torch.utils._pytree import tree_flatten
 
-from opara_core import costs as cost_model
-from opara_core.dag import Dag, OpNode
+from opara_core.engine import costs as cost_model
+from opara_core.planning.dag import Dag, OpNode
 
 log = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from opara_core import order as orders
-from opara_core.dag import Dag
-from opara_core.policies.lanes import StreamAssignment, check_budget, chains_from_links, fold_chains, renumber
+from opara_core.planning import order as orders
+from opara_core.planning.dag import Dag
+from opara_core.planning.policies.lanes import StreamAssignment, check_budget, chains_from_links, fold_chains, renumber
 
 
 def asap(dag: Dag, max_streams: int | None = None) -> StreamAssignment:

@@ -25,9 +25,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .executor import PlanInterpreter
-from .graph import OpGraph
-from .plan import Plan
+from opara_core.engine.interpreter import PlanInterpreter
+from opara_core.engine.trace import OpGraph
+from opara_core.planning.plan import Plan
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import zoo
+from opara_core import zoo
 
 log = logging.getLogger(__name__)
 

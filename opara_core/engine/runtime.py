@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .zoo import TensorSpec
+from opara_core.zoo import TensorSpec
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from . import weights, zoo
-from .build import EngineSettings, build_runner
+from opara_core.serving import weights
+
+from opara_core import zoo
+from opara_core.engine.build import EngineSettings, build_runner
 
 log = logging.getLogger(__name__)
 

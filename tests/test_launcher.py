@@ -20,7 +20,7 @@ import tritonclient.http as httpclient
 from serving import assert_close, eager, example, infer
 from tritonclient.utils import InferenceServerException
 
-from opara_core.server import REPO_ROOT, ServerConfig, free_port, server_command, spawn
+from opara_core.serving.launcher import REPO_ROOT, ServerConfig, free_port, server_command, spawn
 
 pytestmark = pytest.mark.server
 
@@ -190,7 +190,7 @@ def test_make_serve_runs_in_the_foreground_and_stops_on_sigterm(tmp_path):
 PARENT = """
 import sys, time
 from pathlib import Path
-from opara_core.server import ServerConfig, TritonServer
+from opara_core.serving.launcher import ServerConfig, TritonServer
 ports = [int(p) for p in sys.argv[2:5]]
 server = TritonServer(ServerConfig(Path(sys.argv[1]), *ports), Path(sys.argv[5]))
 server.start()

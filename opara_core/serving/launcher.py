@@ -12,8 +12,8 @@ the model-repository, shared-memory, logging and trace APIs need the key in
 OPARA_ADMIN_KEY (a random key nobody knows when it is unset: those APIs are
 then closed to everyone).
 
-CLI: `python -m opara_core.server prepare` lays out the backend directory;
-`python -m opara_core.server serve [--model-repository DIR]` runs the server in
+CLI: `python -m opara_core.serving.launcher prepare` lays out the backend directory;
+`python -m opara_core.serving.launcher serve [--model-repository DIR]` runs the server in
 the foreground (ports from HTTP_PORT, GRPC_PORT, METRICS_PORT) and restarts it
 if a model's backend process dies.
 """
@@ -44,7 +44,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_WORKDIR = REPO_ROOT / ".triton"
 LOOPBACK = "127.0.0.1"
@@ -480,7 +480,7 @@ def serve(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m opara_core.server", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m opara_core.serving.launcher", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     prepare = sub.add_parser("prepare", help="lay out the Triton backend directory")
     prepare.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from opara_core import zoo
-from opara_core.build import EngineSettings
-from opara_core.server import DEFAULT_MODEL_REPOSITORY
-from opara_core.triton import RequestError, check_config, check_ranges, engine_settings, exclusive_lock, request_arrays
+from opara_core.engine.build import EngineSettings
+from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY
+from opara_core.serving.triton_backend import RequestError, check_config, check_ranges, engine_settings, exclusive_lock, request_arrays
 
 
 def config_of(model: str) -> dict:

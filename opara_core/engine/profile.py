@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from opara_core.dag import Dag
-from opara_core.graph import OpGraph
+from opara_core.planning.dag import Dag
+from opara_core.engine.trace import OpGraph
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-from opara_core.dag import Dag, OpNode
+from opara_core.planning.dag import Dag, OpNode
 
 # Per-block limits used to turn resources into fractions (H100; compute capability 9.0).
 MAX_THREADS_PER_BLOCK = 1024
@@ -42,7 +42,7 @@ def topological(dag: Dag) -> tuple[int, ...]:
     return tuple(range(len(dag)))
 
 
-def opara(dag: Dag) -> tuple[int, ...]:
+def resource_aware(dag: Dag) -> tuple[int, ...]:
     """Opara's Alg. 2: alternate compute- and memory-bound ready operators, least demand first.
 
     Two ready lists; a flag flips on every step and picks the list when both are
@@ -96,7 +96,7 @@ def _list_order(dag: Dag, key: Sequence[tuple]) -> tuple[int, ...]:
 
 ORDERS: dict[str, Callable[[Dag], tuple[int, ...]]] = {
     "topological": topological,
-    "opara": opara,
+    "opara": resource_aware,  # the name plans and the CLI use for Alg. 2
     "critical_path": critical_path,
 }
 

@@ -1,20 +1,20 @@
 """Stream policies: pure functions from a DAG (and its costs) to a lane per operator.
 
 Each policy is `policy(dag, max_streams=None) -> StreamAssignment`; the waits are
-derived generically from the assignment and a launch order (see `opara_core.plan`).
+derived generically from the assignment and a launch order (see `opara_core.planning.plan`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from opara_core.dag import Dag
-from opara_core.policies.asap import asap
-from opara_core.policies.lanes import StreamAssignment
-from opara_core.policies.nimble import nimble
-from opara_core.policies.opara import opara
-from opara_core.policies.sequential import sequential
-from opara_core.policies.wavefront import wavefront
+from opara_core.planning.dag import Dag
+from opara_core.planning.policies.asap import asap
+from opara_core.planning.policies.lanes import StreamAssignment
+from opara_core.planning.policies.nimble import nimble
+from opara_core.planning.policies.opara import opara
+from opara_core.planning.policies.sequential import sequential
+from opara_core.planning.policies.wavefront import wavefront
 
 Policy = Callable[[Dag, "int | None"], StreamAssignment]
 

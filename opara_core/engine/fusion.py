@@ -35,8 +35,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_leaves, tree_map
 
-from opara_core import graph as graphs
-from opara_core.graph import OpGraph
+from opara_core.engine import trace as graphs
+from opara_core.engine.trace import OpGraph
 
 log = logging.getLogger(__name__)
 

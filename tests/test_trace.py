@@ -10,8 +10,9 @@ from engine_helpers import traced
 from torch import nn
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from opara_core import costs, zoo
-from opara_core.graph import _is_view, from_graph_module, is_free, trace
+from opara_core import zoo
+from opara_core.engine import costs
+from opara_core.engine.trace import _is_view, from_graph_module, is_free, trace
 
 aten = torch.ops.aten
 
@@ -125,8 +126,8 @@ def test_in_place_ops_get_hazard_edges():
 
 
 def test_plans_of_a_graph_with_hazards_compute_what_the_graph_computes():
-    from opara_core.executor import run_plan
-    from opara_core.plan import plan_graph
+    from opara_core.engine.interpreter import run_plan
+    from opara_core.engine.interpreter import plan_graph
 
     gm, _ = _hazard_graph()
     op_graph = from_graph_module(gm)

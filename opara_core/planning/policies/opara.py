@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from opara_core import order as orders
-from opara_core.dag import Dag
-from opara_core.policies.lanes import StreamAssignment, check_budget, chains_from_links, fold_chains, renumber
+from opara_core.planning import order as orders
+from opara_core.planning.dag import Dag
+from opara_core.planning.policies.lanes import StreamAssignment, check_budget, chains_from_links, fold_chains, renumber
 
 
 def opara(dag: Dag, max_streams: int | None = None) -> StreamAssignment:
@@ -35,4 +35,4 @@ def opara(dag: Dag, max_streams: int | None = None) -> StreamAssignment:
                 stream[v] = lane
     else:
         stream = fold_chains(dag, chains, range(n), max_streams)
-    return StreamAssignment(stream=renumber(stream), order=orders.opara(dag), order_name="opara")
+    return StreamAssignment(stream=renumber(stream), order=orders.resource_aware(dag), order_name="opara")

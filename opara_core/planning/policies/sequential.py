@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from opara_core.dag import Dag
-from opara_core.policies.lanes import StreamAssignment, check_budget
+from opara_core.planning.dag import Dag
+from opara_core.planning.policies.lanes import StreamAssignment, check_budget
 
 
 def sequential(dag: Dag, max_streams: int | None = None) -> StreamAssignment:

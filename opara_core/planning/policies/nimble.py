@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import networkx as nx
 
-from opara_core.dag import Dag
-from opara_core.policies.lanes import StreamAssignment, check_budget, chains_from_links, fold_chains, renumber
+from opara_core.planning.dag import Dag
+from opara_core.planning.policies.lanes import StreamAssignment, check_budget, chains_from_links, fold_chains, renumber
 
 
 def nimble(dag: Dag, max_streams: int | None = None) -> StreamAssignment:

@@ -19,12 +19,14 @@ from typing import Any, Sequence
 
 import torch
 
-from . import runtime, zoo
-from .capture import CaptureError, LanePool, plan_capture
-from .executor import reordered_graph
-from .fusion import CONV, CONV_ADD_RELU, CONV_RELU, FusionReport, fuse_graph
-from .graph import OpGraph, trace
-from .plan import Plan, plan_graph
+from opara_core import zoo
+from opara_core.engine import runtime
+from opara_core.engine.capture import CaptureError, LanePool, plan_capture
+from opara_core.engine.interpreter import reordered_graph
+from opara_core.engine.fusion import CONV, CONV_ADD_RELU, CONV_RELU, FusionReport, fuse_graph
+from opara_core.engine.trace import OpGraph, trace
+from opara_core.engine.interpreter import plan_graph
+from opara_core.planning.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ class EngineSettings:
     guard: bool = True
     guard_tolerance: float = 1e-4
     fail_capture: bool = False  # a test switch: every multi-stream capture fails
-    fusion: bool = True  # fold, merge and fuse kernels before planning (opara_core.fusion)
+    fusion: bool = True  # fold, merge and fuse kernels before planning (opara_core.engine.fusion)
     # convolution layout: NHWC (channels_last) wins at larger batches and on some
     # models, NCHW on others; "auto" times both (one traced graph, NHWC weights) per bucket
     layout: str = "auto"

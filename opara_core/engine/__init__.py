@@ -1,0 +1,1 @@
+"""The engine: trace, fuse, profile, interpret, capture, replay (torch and CUDA)."""

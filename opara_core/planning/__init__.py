@@ -1,0 +1,1 @@
+"""Planning: DAGs, launch orders, stream policies and plans. Imports no torch."""

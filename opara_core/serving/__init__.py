@@ -1,0 +1,1 @@
+"""Serving: the Triton Python-backend adapter, model weights and the tritonserver launcher."""
