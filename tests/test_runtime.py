@@ -58,12 +58,19 @@ def test_row_blocks_of_several_requests_run_as_one_batch(entry, module):
 
 @pytest.fixture(scope="module")
 def gpu_graphs(entry):
-    """The module captured on one stream at buckets 1, 2, 4 and 8, in one pool."""
+    """The module captured on one stream at buckets 1, 2, 4 and 8, in one pool,
+    in plain fp32 like the eager runs it is compared with (the convolution
+    algorithms are fixed at capture)."""
     device = torch.device("cuda")
     gpu_module = zoo.get(MODEL).build().to(device)
     pool = torch.cuda.graph_pool_handle()
-    with torch.inference_mode():
-        graphs = {b: capture_module(gpu_module, [s.random(b).to(device) for s in entry.inputs], pool) for b in (1, 2, 4, 8)}
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.inference_mode():
+            graphs = {b: capture_module(gpu_module, [s.random(b).to(device) for s in entry.inputs], pool) for b in (1, 2, 4, 8)}
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
     return gpu_module, graphs
 
 

@@ -153,14 +153,15 @@ def build_runner(
     try:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        if graphs:
-            layout, graph = next(iter(graphs.items()))
-            capture = PlanCapture(graph, plan_graph(graph, "sequential"), lane_pool)
-            captured = {b: capture(static_inputs(entry, b, device), pool) for b in sorted(settings.buckets)}
-            reference, choice = graph.module, Candidate(layout, "sequential", 1)
-        else:
-            captured = {b: capture_module(module, static_inputs(entry, b, device), pool) for b in sorted(settings.buckets)}
-            reference, choice = module, "module"
+        with torch.inference_mode():  # no autograd state in the graphs or their outputs
+            if graphs:
+                layout, graph = next(iter(graphs.items()))
+                capture = PlanCapture(graph, plan_graph(graph, "sequential"), lane_pool)
+                captured = {b: capture(static_inputs(entry, b, device), pool) for b in sorted(settings.buckets)}
+                reference, choice = graph.module, Candidate(layout, "sequential", 1)
+            else:
+                captured = {b: capture_module(module, static_inputs(entry, b, device), pool) for b in sorted(settings.buckets)}
+                reference, choice = module, "module"
         runner = runtime.GraphRunner(captured, entry.inputs, entry.outputs, device, max_batch)
         report.choices = dict.fromkeys(runner.buckets, choice)
         if settings.guard:
@@ -185,18 +186,26 @@ def capture_fastest(
     captures: dict[Candidate, PlanCapture], entry: zoo.ZooModel, device: torch.device, buckets: Sequence[int], report: BuildReport
 ) -> dict[int, CapturedGraph]:
     """`auto`: per bucket, capture the candidates, time their replays and keep
-    the fastest, all graphs in one memory pool.
+    the fastest; then capture the chosen ones, every bucket in one memory pool.
 
     Buckets go smallest first (batch 1 is where latency matters most): the
     smallest times every candidate, each larger bucket re-times the sequential
     graphs and the AUTO_KEEP fastest multi-stream candidates of the bucket
     before it. The sequential graph of the same traced graph is always timed,
     so a bucket's choice is never slower than it (within timing noise).
+    Candidates are timed in pools of their own, dropped with them, and the
+    chosen ones captured again at the end: the runner's pool holds only the
+    graphs it replays, not the leftovers of the candidates it dropped.
+
+    Replay the graphs before capturing anything else in the process: on an
+    H100 (torch 2.11), replaying a built runner's graph after further graphs
+    were captured elsewhere in the same process hit an illegal memory access
+    now and then (seen with fresh or reused interpreters, with and without
+    cross-lane memory reuse; cause not found). Serving builds once, then only
+    replays.
     """
-    pool = torch.cuda.graph_pool_handle()
     sequential = [c for c in captures if c.sequential]
     shortlist = [c for c in captures if not c.sequential]
-    chosen: dict[int, CapturedGraph] = {}
     with torch.inference_mode():  # no autograd state in the graphs or their outputs
         for bucket in sorted(set(buckets)):
             static_in = static_inputs(entry, bucket, device)
@@ -206,7 +215,7 @@ def capture_fastest(
             for candidate in [*sequential, *shortlist]:
                 start = time.perf_counter()
                 try:
-                    captured = captures[candidate](static_in, pool)
+                    captured = captures[candidate](static_in, torch.cuda.graph_pool_handle())
                 except CaptureError as error:
                     log.warning("auto: %s not captured at bucket %d: %s", candidate, bucket, error)
                     failures.append(f"{candidate}: {error}")
@@ -216,16 +225,19 @@ def capture_fastest(
                 start = time.perf_counter()
                 timings[candidate] = time_replays(captured)
                 seconds["timing"] += time.perf_counter() - start
-                if bucket not in chosen or timings[candidate] < timings[report.choices[bucket]]:
-                    chosen[bucket], report.choices[bucket] = captured, candidate
-            if bucket not in chosen:
+                del captured
+            if not timings:
                 raise CaptureError(f"no candidate could be captured at bucket {bucket}: {'; '.join(failures)[:1000]}")
             ranked = sorted(timings, key=timings.get)
+            report.choices[bucket], report.timings_ms[bucket] = ranked[0], timings
             shortlist = [c for c in ranked if not c.sequential][:AUTO_KEEP]
-            report.timings_ms[bucket] = timings
             for stage, spent in seconds.items():
                 report.seconds[f"{stage} b{bucket}"] = spent
-            log.info("auto: bucket %d -> %s (%s)", bucket, report.choices[bucket], ", ".join(f"{c} {timings[c]:.3f} ms" for c in ranked))
+            log.info("auto: bucket %d -> %s (%s)", bucket, ranked[0], ", ".join(f"{c} {timings[c]:.3f} ms" for c in ranked))
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        chosen = {bucket: captures[report.choices[bucket]](static_inputs(entry, bucket, device), pool) for bucket in sorted(set(buckets))}
+        report.seconds["capture chosen"] = time.perf_counter() - start
     return chosen
 
 
