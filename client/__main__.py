@@ -21,8 +21,9 @@ import numpy as np
 
 from client import bench
 from client.api import PROTOCOLS, UNAVAILABLE, Client, ClientError, parse_url, result_arrays
-from client.cli import INTERRUPTED, Parser, UsageError, concurrency_list, positive_int, run_main
+from client.cli import INTERRUPTED, UsageError, run_main
 from client.inputs import load_inputs, random_inputs
+from opara_core.cli_helpers import Parser, positive_int, positive_int_list
 
 
 def _parser() -> Parser:
@@ -53,7 +54,7 @@ def _parser() -> Parser:
 
     run = sub.add_parser("bench", help="closed-loop latency and throughput at each concurrency")
     common(run)
-    run.add_argument("--concurrency", type=concurrency_list, required=True, help="levels, e.g. 1,2,4")
+    run.add_argument("--concurrency", type=positive_int_list, required=True, help="levels, e.g. 1,2,4")
     amount = run.add_mutually_exclusive_group(required=True)
     amount.add_argument("--requests", type=positive_int, help="measured requests per concurrency level")
     amount.add_argument("--duration", type=float, metavar="S", help="measured seconds per concurrency level")

@@ -32,9 +32,10 @@ import numpy as np
 
 from client.api import PROTOCOLS, UNAVAILABLE, Client, ClientError, parse_url
 from client.bench import read_json
-from client.cli import Parser, UsageError, concurrency_list, positive_int, run_main
+from client.cli import UsageError, run_main
 from client.inputs import InputError, ModelInfo, random_inputs
 from client.plots import plot_latency_vs_throughput
+from opara_core.cli_helpers import Parser, positive_int, positive_int_list
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ def _parser() -> Parser:
     run.add_argument("--model", action="append", help="model to measure (repeatable); default: every ready model")
     run.add_argument("--protocol", choices=PROTOCOLS, default="grpc")
     run.add_argument("--url", help="HOST:PORT (default localhost:8001 for grpc, localhost:8000 for http)")
-    run.add_argument("--concurrency", type=concurrency_list, default=(1, 2, 4), help="levels, e.g. 1,2,4")
+    run.add_argument("--concurrency", type=positive_int_list, default=(1, 2, 4), help="levels, e.g. 1,2,4")
     run.add_argument("--batch", type=positive_int, default=1)
     run.add_argument("--request-count", type=positive_int, default=50, help="requests per measurement window")
     run.add_argument("--stability-percentage", type=positive_int, default=20, help="(perf_analyzer default: 10)")

@@ -16,8 +16,9 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
+from opara_core.cli_helpers import Parser, fail, positive_int
 from opara_core.planning import order as orders
 from opara_core.planning import policies
 from opara_core.planning.dag import Dag
@@ -26,35 +27,17 @@ from opara_core.planning.plan import Plan, make_plan
 log = logging.getLogger("opara_core")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (no usage dump) and exits 2."""
-
-    def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"error: {message}\n")
-        raise SystemExit(2)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _parser() -> _Parser:
-    parser = _Parser(prog="python -m opara_core", description="Plan multi-stream schedules for PyTorch models.")
+def _parser() -> Parser:
+    parser = Parser(prog="python -m opara_core", description="Plan multi-stream schedules for PyTorch models.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plan = commands.add_parser("plan", help="plan a DAG file or a zoo model", description="Plan a DAG file or a zoo model.")
     source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument("--dag", metavar="DAG.json", help="a DAG file ('-' for stdin); prints the plan as JSON")
     source.add_argument("--model", metavar="NAME", help="a zoo model; prints a summary")
     plan.add_argument("--policy", required=True, choices=policies.names())
-    plan.add_argument("--max-streams", type=_positive_int, metavar="K", help="at most K streams (default: no limit)")
+    plan.add_argument("--max-streams", type=positive_int, metavar="K", help="at most K streams (default: no limit)")
     plan.add_argument("--order", choices=list(orders.ORDERS), help="launch order (default: the policy's own)")
-    plan.add_argument("--batch", type=_positive_int, default=1, metavar="B", help="batch size for --model costs (default 1)")
+    plan.add_argument("--batch", type=positive_int, default=1, metavar="B", help="batch size for --model costs (default 1)")
     plan.add_argument("--draw", metavar="FILE.png", help="render the DAG coloured by stream")
     plan.add_argument("--out", metavar="PLAN.json", help="also write the full plan as JSON")
     return parser
@@ -69,12 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _plan(args)
     except Exception as e:  # one line, no traceback, whatever went wrong
-        text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        lines = str(text).strip().splitlines() or [type(e).__name__]
-        known = isinstance(e, (ValueError, KeyError, OSError))
-        sys.stderr.write(f"error: {lines[0] if known else type(e).__name__ + ': ' + lines[0]}\n")
         log.debug("details", exc_info=True)
-        return 1
+        return fail(e)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -6,7 +6,6 @@ on a shared CPU, and every test here shares that budget.
 
 from __future__ import annotations
 
-import asyncio
 import csv
 import json
 import os
@@ -21,7 +20,7 @@ import pytest
 
 from client import bench, perf
 from client.__main__ import main as client_main
-from client.api import SHM_PREFIX, AsyncClient, Client, SharedMemoryRegions, result_arrays
+from client.api import SHM_PREFIX, Client, SharedMemoryRegions, result_arrays
 from client.inputs import random_inputs
 from opara_core.serving.launcher import REPO_ROOT, free_port
 
@@ -187,7 +186,7 @@ def test_unreachable_server_is_one_error_line():
     assert done.stderr.startswith("error: cannot reach the server") and done.stderr.count("\n") == 1
 
 
-# --- infer, asyncio ------------------------------------------------------------------------
+# --- infer ------------------------------------------------------------------------
 
 
 def test_infer_command_sends_real_data_and_prints_top5(server, tmp_path):
@@ -206,24 +205,6 @@ def test_infer_command_sends_real_data_and_prints_top5(server, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "logits: float32 [2, 1000]" in done.stdout
     assert done.stdout.count("top-5:") == 2
-
-
-def test_async_client_over_both_protocols(server):
-    async def one(protocol: str) -> np.ndarray:
-        async with AsyncClient(url_of(server, protocol), protocol) as client:
-            assert await client.live() and await client.ready() and await client.model_ready(MODEL)
-            info = await client.model_info(MODEL)
-            request = client.request(MODEL, random_inputs(info, 1, seed=7))
-            logits = (await client.infer(request)).as_numpy("logits")
-            assert (await client.statistics(MODEL))["success"][0] > 0
-            return logits
-
-    async def both():
-        return await asyncio.gather(one("grpc"), one("http"))
-
-    over_grpc, over_http = asyncio.run(both())
-    assert over_grpc.shape == (1, 1000)
-    np.testing.assert_array_equal(over_grpc, over_http)
 
 
 # --- system shared memory ------------------------------------------------------------------

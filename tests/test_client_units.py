@@ -298,24 +298,6 @@ def test_retry_backs_off_on_an_unavailable_server_only(monkeypatch):
         api.NO_RETRY.call(fn)
 
 
-def test_async_retry_uses_the_same_policy(monkeypatch):
-    import asyncio
-
-    async def no_sleep(_):
-        return None
-
-    monkeypatch.setattr(api.asyncio, "sleep", no_sleep)
-    attempts = []
-
-    async def fn():
-        attempts.append(1)
-        if len(attempts) < 3:
-            raise InferenceServerException("down", status="StatusCode.UNAVAILABLE")
-        return 42
-
-    assert asyncio.run(api.RetryPolicy(attempts=3).acall(fn)) == 42 and len(attempts) == 3
-
-
 def test_parse_url():
     assert api.parse_url("localhost", "grpc") == "localhost:8001"
     assert api.parse_url("localhost", "http") == "localhost:8000"
