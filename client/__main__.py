@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 
 from client import bench
-from client.api import PROTOCOLS, UNAVAILABLE, Client, ClientError, parse_url, result_arrays
-from client.cli import INTERRUPTED, UsageError, run_main
+from client.api import PROTOCOLS, Client, ClientError, result_arrays
+from client.cli import INTERRUPTED, UsageError, run_main, server_url, unreachable
 from client.inputs import load_inputs, random_inputs
-from opara_core.cli_helpers import Parser, positive_int, positive_int_list
+from opara_core.cli_helpers import Parser, config_from_args, positive_int, positive_int_list
 
 
 def _parser() -> Parser:
@@ -69,22 +69,8 @@ def _parser() -> Parser:
     return parser
 
 
-def _url(args: argparse.Namespace) -> str:
-    url = args.url or f"localhost:{8001 if args.protocol == 'grpc' else 8000}"
-    try:
-        return parse_url(url, args.protocol)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-
-
-def _unreachable(error: ClientError, args: argparse.Namespace, url: str) -> ClientError:
-    if error.kind == UNAVAILABLE:
-        return ClientError(f"cannot reach the server at {url} over {args.protocol}: {error}", UNAVAILABLE)
-    return error
-
-
 def infer(args: argparse.Namespace) -> int:
-    url = _url(args)
+    url = server_url(args.url, args.protocol)
     with Client(url, args.protocol, args.timeout) as client:
         try:
             info = client.model_info(args.model)
@@ -94,7 +80,7 @@ def infer(args: argparse.Namespace) -> int:
             result = client.infer(request)
             elapsed_ms = (time.perf_counter() - start) * 1000
         except ClientError as error:
-            raise _unreachable(error, args, url) from None
+            raise unreachable(error, url, args.protocol) from None
         outputs = result_arrays(request, result, [t.name for t in info.outputs])
     shapes = ", ".join(f"{name} {list(a.shape)}" for name, a in arrays.items())
     print(f"{args.model} over {args.protocol} at {url}: {elapsed_ms:.1f} ms; inputs {shapes}")
@@ -121,18 +107,13 @@ def summarize_output(name: str, array: np.ndarray, batching: bool) -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    url = _url(args)
+    url = server_url(args.url, args.protocol)
     try:
-        config = bench.BenchConfig(
-            model=args.model,
+        config = config_from_args(
+            bench.BenchConfig,
+            args,
             url=url,
-            protocol=args.protocol,
-            concurrency=args.concurrency,
-            requests=args.requests,
             duration_s=args.duration,
-            batch=args.batch,
-            shared_memory=args.shared_memory,
-            warmup=args.warmup,
             timeout_s=args.timeout,
             input_files=tuple(args.input),
             progress=not args.no_progress,
@@ -151,7 +132,7 @@ def run_bench(args: argparse.Namespace) -> int:
     except ClientError as error:
         if INTERRUPTED.is_set():  # the interrupt surfaced as a failed call
             raise KeyboardInterrupt from None
-        raise _unreachable(error, args, url) from None
+        raise unreachable(error, url, args.protocol) from None
     if INTERRUPTED.is_set():
         raise KeyboardInterrupt
     print(bench.format_table(result.rows))

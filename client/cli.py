@@ -14,12 +14,27 @@ import sys
 import threading
 from typing import Callable
 
-from client.api import ClientError
+from client.api import DEFAULT_PORTS, UNAVAILABLE, ClientError, parse_url
 from client.inputs import InputError
 from opara_core.cli_helpers import EXIT_INTERRUPTED, EXIT_USAGE, fail
 
 class UsageError(ValueError):
     """Arguments that parse but do not make sense together."""
+
+
+def server_url(url: str | None, protocol: str) -> str:
+    """--url as HOST:PORT, localhost and the protocol's port by default."""
+    try:
+        return parse_url(url or f"localhost:{DEFAULT_PORTS[protocol]}", protocol)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def unreachable(error: ClientError, url: str, protocol: str) -> ClientError:
+    """The error, saying where the server was looked for when nobody answered."""
+    if error.kind == UNAVAILABLE:
+        return ClientError(f"cannot reach the server at {url} over {protocol}: {error}", UNAVAILABLE)
+    return error
 
 
 # Set by SIGINT and SIGTERM. A KeyboardInterrupt can be swallowed where it lands

@@ -9,8 +9,11 @@ only, so that the plan CLI and the client import it without torch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn, TypeVar
+
+T = TypeVar("T")
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -58,3 +61,11 @@ def fail(error: BaseException, code: int = EXIT_FAILED, **kw) -> int:
     """Print `error_line(error)` on stderr and return `code`, for `except` blocks."""
     print(error_line(error, **kw), file=sys.stderr)
     return code
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
+    """A config dataclass from the parsed arguments of the same names, plus
+    `overrides` for those whose option is named or shaped differently."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    given = {name: value for name, value in vars(args).items() if name in names}
+    return cls(**{**given, **overrides})

@@ -3,9 +3,12 @@ percentiles, writers, retry classification, perf_analyzer plumbing, plots."""
 
 from __future__ import annotations
 
+import base64
 import csv
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -380,11 +383,17 @@ def test_perf_analyzer_command_uses_count_windows_and_one_level(tmp_path):
     for expected in ("-m m", "-u localhost:9001", "-i grpc", "-b 2", "--concurrency-range=4:4", "--measurement-mode=count_windows",
                      "--measurement-request-count=20", f"--input-data={tmp_path / 'data'}", "--percentile=50"):  # fmt: skip
         assert expected in text
-    assert "--shared-memory" not in text
+    assert "--shared-memory" not in text and "-H" not in command
     shm = perf.perf_analyzer_command(
-        perf.PerfConfig(model="m", url="h:1", shared_memory="system"), 1, tmp_path, tmp_path / "o.csv", 4000
+        perf.PerfConfig(model="m", url="h:1", shared_memory="system", admin_key="k" * 20), 1, tmp_path, tmp_path / "o.csv", 4000
     )
     assert "--shared-memory=system" in shm and "--output-shared-memory-size=4000" in shm
+    # over gRPC perf_analyzer sends -H as metadata, which Triton reads with its protocol prefix
+    assert shm[shm.index("-H") + 1] == "triton-grpc-protocol-admin-key:" + "k" * 20
+    http = perf.perf_analyzer_command(
+        perf.PerfConfig(model="m", url="h:1", protocol="http", shared_memory="system", admin_key="k" * 20), 1, tmp_path, tmp_path / "o.csv"
+    )
+    assert http[http.index("-H") + 1] == "admin-key:" + "k" * 20
 
 
 def test_perf_analyzer_env_finds_libcudart():
@@ -393,12 +402,47 @@ def test_perf_analyzer_env_finds_libcudart():
     assert (Path(first) / "libcudart.so.12").exists() and env["LD_LIBRARY_PATH"].endswith("/x")
 
 
-def test_perf_input_data_is_one_raw_row_per_input(tmp_path):
-    folder = perf.write_input_data(ranked(), tmp_path / "data")
-    assert sorted(p.name for p in folder.iterdir()) == ["dense", "ids", "mask", "sparse"]
-    sparse = np.fromfile(folder / "sparse", dtype=np.int64)
-    assert sparse.shape == (3,) and (sparse < [3, 50, 1000]).all()
-    assert (folder / "dense").stat().st_size == 4 * 4
+def test_perf_input_data_is_json_with_one_row_per_request(tmp_path):
+    path = perf.write_input_data(ranked(), tmp_path / "data.json", count=3)
+    entries = json.loads(path.read_text())["data"]
+    assert len(entries) == 3 and all(sorted(e) == ["dense", "ids", "mask", "sparse"] for e in entries)
+    sparse = [np.frombuffer(base64.b64decode(e["sparse"]["b64"]), dtype=np.int64) for e in entries]
+    assert all(s.shape == (3,) and (s < [3, 50, 1000]).all() for s in sparse)
+    assert len(base64.b64decode(entries[0]["dense"]["b64"])) == 4 * 4
+    assert any((a != b).any() for a, b in zip(sparse, sparse[1:])), "each request has its own seed"
+
+
+def test_a_perf_analyzer_run_streams_its_output_and_stops_at_the_timeout(tmp_path, capsys):
+    with open(tmp_path / "log", "w") as log_file:
+        code, output = perf.run_perf_analyzer(["sh", "-c", "echo first; echo second; exit 3"], log_file, 30)
+    assert code == 3 and output == "first\nsecond\n"
+    assert capsys.readouterr().out == "  first\n  second\n"
+    assert (tmp_path / "log").read_text().endswith("first\nsecond\n")
+    with open(tmp_path / "log", "w") as log_file:
+        code, output = perf.run_perf_analyzer(["sh", "-c", "echo started; exec sleep 60"], log_file, 0.5, echo=False)
+    assert code is None and output.startswith("started\n") and "timed out after" in output
+
+
+def test_an_unstable_measurement_names_the_options_to_raise():
+    config = perf.PerfConfig(model="m", url="h:1", max_trials=10, request_count=50, stability_percentage=20)
+    line = perf.failure_line(config, 2, 1, "Failed to obtain stable measurement within 10 measurement windows for concurrency 2.")
+    assert "m at concurrency 2" in line
+    for option in ("--max-trials", "--stability-percentage", "--request-count", "PERF_ARGS"):
+        assert option in line
+    assert perf.failure_line(config, 1, 99, "a\nconnection refused\n").endswith("perf_analyzer exit 99: connection refused")
+
+
+def test_the_perf_analyzer_wrapper_finds_its_library():
+    """`.venv/bin/perf_analyzer` alone fails on libcudart.so.12; the wrapper runs it."""
+    code = "import sys; sys.argv = ['opara-perf-analyzer', '--version']; from client.perf import exec_perf_analyzer; exec_perf_analyzer()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "Perf Analyzer Version 2.51" in done.stdout + done.stderr, done.stderr
+
+
+def test_perf_rows_in_milliseconds():
+    row = perf.perf_row({"Concurrency": "4", "Inferences/Second": "20.5", "p50 latency": "1500", "Server Queue": "", "Client Send": "x"})
+    assert row["concurrency"] == 4 and row["throughput"] == 20.5 and row["p50_ms"] == 1.5
+    assert row["server_queue_ms"] == 0 and row["client_send_ms"] == 0 and row["p99_ms"] == 0
 
 
 def test_plot_points_convert_units_and_batch():
