@@ -206,9 +206,13 @@ def build_request(
     model: str,
     arrays: dict[str, np.ndarray],
     shm: "SharedMemoryRegions | None" = None,
+    class_count: dict[str, int] | None = None,
 ) -> InferRequest:
     """Binary tensors in the message, or references into `shm` when given
-    (inputs and every output then travel through shared memory)."""
+    (inputs and every output then travel through shared memory).
+    `class_count` {output: k} names the outputs to return: k > 0 asks Triton's
+    classification extension for the top k classes instead of the tensor, 0
+    for the whole tensor."""
     module = _module(protocol)
     inputs = []
     for name, array in arrays.items():
@@ -221,6 +225,10 @@ def build_request(
             tensor.set_data_from_numpy(array)  # binary by default for HTTP too
         inputs.append(tensor)
     outputs = None  # all outputs, binary
+    if class_count:
+        if shm is not None:
+            raise InputError("classification (class_count) and shared-memory outputs do not mix")
+        outputs = [module.InferRequestedOutput(name, class_count=k) for name, k in class_count.items()]
     if shm is not None:
         outputs = []
         for name, (offset, nbytes, _, _) in shm.output_slots.items():
@@ -322,9 +330,13 @@ class Client:
         self._call(lambda: self._raw.unregister_system_shared_memory(name, **self._admin))
 
     def request(
-        self, model: str, arrays: dict[str, np.ndarray], shm: "SharedMemoryRegions | None" = None
+        self,
+        model: str,
+        arrays: dict[str, np.ndarray],
+        shm: "SharedMemoryRegions | None" = None,
+        class_count: dict[str, int] | None = None,
     ) -> InferRequest:
-        return build_request(self.protocol, model, arrays, shm)
+        return build_request(self.protocol, model, arrays, shm, class_count)
 
     def infer(self, request: InferRequest) -> Any:
         """Send one request; returns tritonclient's result (see `result_arrays`)."""

@@ -203,8 +203,24 @@ def test_infer_command_sends_real_data_and_prints_top5(server, tmp_path):
         str(tmp_path / "images.npy"),
     )
     assert done.returncode == 0, done.stderr
-    assert "logits: float32 [2, 1000]" in done.stdout
+    assert "logits: float32 [2, 1000] (top 5 per row from Triton's classification extension)" in done.stdout
     assert done.stdout.count("top-5:") == 2
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_tritons_top_classes_are_the_largest_scores(server, protocol):
+    with Client(url_of(server, protocol), protocol) as client:
+        info = client.model_info(MODEL)
+        arrays = random_inputs(info, 2, seed=11)
+        whole = client.request(MODEL, arrays, class_count={"logits": 0})
+        logits = result_arrays(whole, client.infer(whole), ["logits"])["logits"]
+        top = client.request(MODEL, arrays, class_count={"logits": 3})
+        entries = result_arrays(top, client.infer(top), ["logits"])["logits"]
+    assert entries.shape == (2, 3)
+    for row, scores in zip(entries, logits):
+        indices = [int(e.decode().split(":")[1]) for e in row]
+        assert indices == list(np.argsort(scores)[::-1][:3])
+        np.testing.assert_allclose([float(e.decode().split(":")[0]) for e in row], scores[indices], rtol=1e-5)
 
 
 # --- system shared memory ------------------------------------------------------------------

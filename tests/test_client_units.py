@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from client import api, bench, perf, plots
 from client.__main__ import main as client_main
-from client.__main__ import summarize_output
+from client.__main__ import class_scores, summarize_classes, summarize_output
 from client.inputs import InputError, ModelInfo, TensorInfo, load_inputs, model_info, random_inputs
 
 # --- inputs from metadata and config --------------------------------------------------
@@ -510,15 +510,33 @@ def test_bad_arguments_give_one_error_line_and_exit_2(argv, message, capsys):
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
 
-def test_output_summary_shows_top5_for_class_scores():
-    scores = np.zeros((1, 10), np.float32)
-    scores[0, [7, 3, 1, 8, 0]] = [5, 4, 3, 2, 1]
-    text = summarize_output("logits", scores, batching=True)
-    assert "float32 [1, 10]" in text and "top-5: 7 (5.000), 3 (4.000), 1 (3.000), 8 (2.000), 0 (1.000)" in text
-    assert "top-5" not in summarize_output("ids", np.zeros((1, 3), np.int64), batching=True)
+def test_class_summary_reads_tritons_classification_entries():
+    entries = np.array([[b"5.0:7", b"4.0:3", b"3.5:1:cat"]] * 6, dtype=object)
+    text = summarize_classes("logits", entries, "float32 [6, 10]")
+    assert text.splitlines()[0].startswith("logits: float32 [6, 10] (top 3 per row")
+    assert "  row 0 top-3: 7 (5.000), 3 (4.000), 1 cat (3.500)" in text and "... 2 more rows" in text
+    assert summarize_output("ids", np.zeros((1, 3), np.int64)) == "ids: int64 [1, 3]  min 0  mean 0  max 0"
+
+
+def test_only_float_vectors_per_row_count_as_class_scores():
+    assert class_scores(TensorInfo("logits", "FP32", (1000,)))
+    assert not class_scores(TensorInfo("probability", "FP32", (1,)))
+    assert not class_scores(TensorInfo("hidden", "FP32", (128, 768)))
+    assert not class_scores(TensorInfo("ids", "INT64", (26,)))
 
 
 def test_json_written_by_the_writer_is_plain_json(tmp_path):
     config = bench.BenchConfig(model="m", url="h:1", concurrency=(1,), duration_s=1.0)
     bench.write_json(tmp_path / "r.json", bench.BenchResult(config, rows()[:1]))
     assert json.loads((tmp_path / "r.json").read_text())["results"][0]["concurrency"] == 1
+
+
+def test_the_client_imports_no_torch():
+    """A client-only install (`pip install '.[client]'`) has no torch: nothing
+    the client runs may import it."""
+    code = (
+        "import sys\n"
+        "import client, client.api, client.bench, client.cli, client.inputs, client.perf, client.plots, client.__main__\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
