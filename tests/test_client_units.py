@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
@@ -465,6 +466,28 @@ def test_plots_write_png_files(tmp_path):
     assert plots.plot_bench(rows_as_dicts, tmp_path / "b.png", "t").read_bytes()[:4] == b"\x89PNG"
     series = [{"label": "a", "points": [{"concurrency": 1, "throughput": 1.0, "p50_ms": 2.0, "p99_ms": 3.0}]}]
     assert plots.plot_latency_vs_throughput(series, tmp_path / "c.png", "t").stat().st_size > 1000
+
+
+def test_comparison_plot_runs_in_throughput_order_with_labels_inside():
+    """More concurrency can give less throughput: the line still runs left to
+    right, and the label of the rightmost point stays inside the axes."""
+    points = [
+        {"concurrency": c, "throughput": t, "p50_ms": l, "p99_ms": l * 1.5}
+        for c, t, l in ((1, 9.0, 100.0), (2, 12.4, 160.0), (4, 11.8, 330.0), (8, 12.9, 610.0))
+    ]
+    fig = plots.latency_vs_throughput([{"label": "pa", "points": points}], "t")
+    axes = fig.axes[0]
+    for line in axes.get_lines():
+        assert list(line.get_xdata()) == sorted(line.get_xdata())
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    inside = axes.get_window_extent(renderer)
+    labels = [t for t in axes.texts if t.get_text().startswith("c=")]
+    assert len(labels) == 4
+    for label in labels:
+        box = label.get_window_extent(renderer)
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, label.get_text()
 
 
 def test_perf_plot_command_draws_both_tools(tmp_path):
