@@ -65,7 +65,7 @@ def classify(error: BaseException) -> str:
         if status == "StatusCode.DEADLINE_EXCEEDED":
             return TIMEOUT
         return REJECTED
-    if isinstance(error, TimeoutError):  # socket.timeout and asyncio's, HTTP sync and aio
+    if isinstance(error, TimeoutError):  # socket.timeout included
         return TIMEOUT
     if isinstance(error, OSError):  # refused, reset, unknown host; aiohttp's connection errors too
         return UNAVAILABLE

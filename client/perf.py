@@ -20,6 +20,7 @@ import base64
 import csv
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -27,6 +28,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -245,6 +247,25 @@ def failure_line(config: PerfConfig, concurrency: int, code: int | None, output:
     return f"{where}: perf_analyzer exit {code}: {last[0]}"
 
 
+MIN_WINDOW_REQUESTS, MAX_WINDOW_REQUESTS = 5, 50
+
+
+def window_requests(url: str, protocol: str, info: ModelInfo, batch: int, window_s: float) -> int:
+    """Requests in a window of about `window_s` seconds: a slow model (NASNet on
+    a CPU, 0.6 s a request) gets short count windows and still settles in
+    minutes, a fast one gets up to 50. Times two requests after a warm-up."""
+    with Client(url, protocol) as client:
+        request = client.request(info.name, random_inputs(info, batch))
+        client.infer(request)
+        start = time.perf_counter()
+        for _ in range(2):
+            client.infer(request)
+        latency = (time.perf_counter() - start) / 2
+    count = max(MIN_WINDOW_REQUESTS, min(MAX_WINDOW_REQUESTS, math.ceil(window_s / latency)))
+    print(f"{info.name}: {latency * 1000:.0f} ms a request: windows of {count} requests", flush=True)
+    return count
+
+
 def run_model(config: PerfConfig, info: ModelInfo, csv_path: Path, echo: bool = True) -> list[str]:
     """Sweep one model; writes `csv_path` with every level that measured.
     Returns the failures (one line each); raises PerfError if none measured."""
@@ -312,7 +333,16 @@ def _parser() -> Parser:
     run.add_argument("--url", help="HOST:PORT (default localhost:8001 for grpc, localhost:8000 for http)")
     run.add_argument("--concurrency", type=positive_int_list, default=(1, 2, 4), help="levels, e.g. 1,2,4")
     run.add_argument("--batch", type=positive_int, default=1)
-    run.add_argument("--request-count", type=positive_int, default=50, help="requests per measurement window")
+    run.add_argument(
+        "--request-count",
+        type=positive_int,
+        default=None,
+        help="requests per measurement window (default: about --window-seconds of them, timed per model, "
+        f"{MIN_WINDOW_REQUESTS} to {MAX_WINDOW_REQUESTS})",
+    )
+    run.add_argument(
+        "--window-seconds", type=float, default=3.0, help="target length of a window when --request-count is not given"
+    )
     run.add_argument("--stability-percentage", type=positive_int, default=20, help="(perf_analyzer default: 10)")
     run.add_argument("--max-trials", type=positive_int, default=10)
     run.add_argument("--shared-memory", choices=("none", "system"), default="none")
@@ -347,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     failures = []
     for model, info in infos.items():
-        config = config_from_args(PerfConfig, args, model=model, url=url, admin_key=read_admin_key())
+        count = args.request_count or window_requests(url, args.protocol, info, args.batch, args.window_seconds)
+        config = config_from_args(PerfConfig, args, model=model, url=url, request_count=count, admin_key=read_admin_key())
         csv_path = args.out_dir / f"{model}.csv"
         try:
             failures += run_model(config, info, csv_path)

@@ -121,6 +121,14 @@ def test_perf_analyzer_writes_its_csv(perf_csv):
     assert float(rows[0]["Server Compute Infer"]) > 0
 
 
+def test_windows_hold_about_the_requested_seconds_within_bounds(server, capsys):
+    with Client(server.grpc_url) as client:
+        info = client.model_info(MODEL)
+    assert perf.window_requests(server.grpc_url, "grpc", info, 1, window_s=1e-6) == perf.MIN_WINDOW_REQUESTS
+    assert perf.window_requests(server.grpc_url, "grpc", info, 1, window_s=1e6) == perf.MAX_WINDOW_REQUESTS
+    assert f"{MODEL}: " in capsys.readouterr().out
+
+
 def test_client_p50_agrees_with_perf_analyzer(perf_csv, server, tmp_path):
     """Both at concurrency 1 over gRPC, the client right after perf_analyzer.
     Other processes on this shared CPU can change the server's speed between
