@@ -4,10 +4,13 @@ results next to the project's own client.
 `python -m client.perf run` runs the perf_analyzer bundled in the tritonclient
 wheel against a running server: for each model (default: every model the
 server reports ready), one perf_analyzer run per concurrency level with
-count-based measurement windows, merged into `OUT_DIR/<model>.csv` (its own
-columns, times in µs, rows in concurrency order). The input data is written
-by `client.inputs` from the model's metadata and config, so ids stay in the
-ranges the model declares, exactly as for the client.
+count-based measurement windows sized to the model's speed, merged into
+`OUT_DIR/<model>.csv` (its own columns, times in µs, rows in concurrency
+order); perf_analyzer's output is streamed as it comes. The input data is
+written by `client.inputs` from the model's metadata and config, so ids stay
+in the ranges the model declares, exactly as for the client. This module is
+the project's one perf_analyzer driver: scripts/serving_bench.py uses its
+command builder, input format and CSV parser too.
 
 `python -m client.perf plot` draws perf_analyzer CSVs and `python -m client
 bench --json` files on one latency-vs-throughput chart.
@@ -247,22 +250,25 @@ def failure_line(config: PerfConfig, concurrency: int, code: int | None, output:
     return f"{where}: perf_analyzer exit {code}: {last[0]}"
 
 
-MIN_WINDOW_REQUESTS, MAX_WINDOW_REQUESTS = 5, 50
+MIN_WINDOW_REQUESTS, MAX_WINDOW_REQUESTS = 10, 50
 
 
 def window_requests(url: str, protocol: str, info: ModelInfo, batch: int, window_s: float) -> int:
     """Requests in a window of about `window_s` seconds: a slow model (NASNet on
     a CPU, 0.6 s a request) gets short count windows and still settles in
-    minutes, a fast one gets up to 50. Times two requests after a warm-up."""
+    minutes, a fast one gets up to 50. The fastest of three requests after a
+    warm-up sets the pace: a request slowed by a busy machine would shrink the
+    windows until nothing settles."""
     with Client(url, protocol) as client:
         request = client.request(info.name, random_inputs(info, batch))
         client.infer(request)
-        start = time.perf_counter()
-        for _ in range(2):
+        latencies = []
+        for _ in range(3):
+            start = time.perf_counter()
             client.infer(request)
-        latency = (time.perf_counter() - start) / 2
-    count = max(MIN_WINDOW_REQUESTS, min(MAX_WINDOW_REQUESTS, math.ceil(window_s / latency)))
-    print(f"{info.name}: {latency * 1000:.0f} ms a request: windows of {count} requests", flush=True)
+            latencies.append(time.perf_counter() - start)
+    count = max(MIN_WINDOW_REQUESTS, min(MAX_WINDOW_REQUESTS, math.ceil(window_s / min(latencies))))
+    print(f"{info.name}: {min(latencies) * 1000:.0f} ms a request: windows of {count} requests", flush=True)
     return count
 
 
@@ -341,7 +347,7 @@ def _parser() -> Parser:
         f"{MIN_WINDOW_REQUESTS} to {MAX_WINDOW_REQUESTS})",
     )
     run.add_argument(
-        "--window-seconds", type=float, default=3.0, help="target length of a window when --request-count is not given"
+        "--window-seconds", type=float, default=5.0, help="target length of a window when --request-count is not given"
     )
     run.add_argument("--stability-percentage", type=positive_int, default=20, help="(perf_analyzer default: 10)")
     run.add_argument("--max-trials", type=positive_int, default=10)
