@@ -64,13 +64,14 @@ class PerfConfig:
     concurrency: tuple[int, ...] = (1, 2, 4)
     batch: int = 1
     request_count: int = 50  # requests per measurement window
-    stability_percentage: int = 20  # perf_analyzer defaults to 10; 20 tolerates a shared CPU
-    max_trials: int = 10
+    stability_percentage: int = 30  # perf_analyzer's 10 (and 20) never settled on the busy 2-core CPU machine
+    max_trials: int = 20  # windows before giving up; a settled level needs 3 in a row
     percentile: int | None = 50  # stabilise on p50 (None: on the mean), robust to the odd slow request
     shared_memory: str = "none"
     timeout_s: float = 600.0
     admin_key: str | None = field(default=None, repr=False)  # for the shared-memory API
     binary: str | None = None  # default: the perf_analyzer of the tritonclient wheel
+    verbose: bool = True  # -v: one line per measurement window, so a slow level shows it is converging
 
 
 def perf_analyzer_binary() -> str:
@@ -131,6 +132,8 @@ def perf_analyzer_command(
     ]  # fmt: skip
     if config.percentile is not None:
         command.append(f"--percentile={config.percentile}")
+    if config.verbose:
+        command.append("-v")
     if config.shared_memory != "none":
         command += [f"--shared-memory={config.shared_memory}", f"--output-shared-memory-size={max(output_bytes, 1)}"]
         if config.admin_key:  # the shared-memory API is restricted
@@ -349,8 +352,13 @@ def _parser() -> Parser:
     run.add_argument(
         "--window-seconds", type=float, default=5.0, help="target length of a window when --request-count is not given"
     )
-    run.add_argument("--stability-percentage", type=positive_int, default=20, help="(perf_analyzer default: 10)")
-    run.add_argument("--max-trials", type=positive_int, default=10)
+    run.add_argument(
+        "--stability-percentage",
+        type=positive_int,
+        default=PerfConfig.stability_percentage,
+        help=f"how far 3 windows in a row may differ (default {PerfConfig.stability_percentage}; perf_analyzer's own: 10)",
+    )
+    run.add_argument("--max-trials", type=positive_int, default=PerfConfig.max_trials, help="windows before giving up")
     run.add_argument("--shared-memory", choices=("none", "system"), default="none")
     run.add_argument("--out-dir", type=Path, default=Path("out/perf"))
     plot = sub.add_parser("plot", help="perf_analyzer CSVs and bench JSONs on one latency-vs-throughput plot")

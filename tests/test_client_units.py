@@ -384,6 +384,7 @@ def test_perf_analyzer_command_uses_count_windows_and_one_level(tmp_path):
     for expected in ("-m m", "-u localhost:9001", "-i grpc", "-b 2", "--concurrency-range=4:4", "--measurement-mode=count_windows",
                      "--measurement-request-count=20", f"--input-data={tmp_path / 'data'}", "--percentile=50"):  # fmt: skip
         assert expected in text
+    assert "-v" in command, "one line per window, streamed, shows progress"
     assert "--shared-memory" not in text and "-H" not in command
     shm = perf.perf_analyzer_command(
         perf.PerfConfig(model="m", url="h:1", shared_memory="system", admin_key="k" * 20), 1, tmp_path, tmp_path / "o.csv", 4000
