@@ -97,12 +97,12 @@ def test_sweep_writes_json_csv_and_plot(sweep):
 # --- perf_analyzer -------------------------------------------------------------------------
 
 
-def perf_analyzer_run(server, out: Path) -> Path:
+def perf_analyzer_run(server, out: Path, *extra: str) -> Path:
     """A short perf_analyzer run at concurrency 1: count windows of 5 requests,
     lenient stability (the CPU is shared), stabilised on p50."""
     code = perf.main(
         ["run", "--model", MODEL, "--url", server.grpc_url, "--concurrency", "1", "--request-count", "5",
-         "--stability-percentage", "100", "--max-trials", "10", "--out-dir", str(out)]
+         "--stability-percentage", "100", "--max-trials", "10", "--out-dir", str(out), *extra]
     )  # fmt: skip
     assert code == 0, (out / f"{MODEL}.log").read_text()[-3000:]
     return out / f"{MODEL}.csv"
@@ -119,6 +119,14 @@ def test_perf_analyzer_writes_its_csv(perf_csv):
     assert float(rows[0]["Inferences/Second"]) > 0
     assert 0 < float(rows[0]["p50 latency"]) <= float(rows[0]["p99 latency"])
     assert float(rows[0]["Server Compute Infer"]) > 0
+
+
+def test_perf_analyzer_passes_the_admin_key_over_grpc(server, tmp_path):
+    """System shared memory is a restricted API: perf_analyzer registers its
+    regions with the key (OPARA_ADMIN_KEY, set by the session fixture) as gRPC
+    metadata, and measures."""
+    rows = perf.read_perf_csv(perf_analyzer_run(server, tmp_path, "--shared-memory", "system"))
+    assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
 
 
 def test_windows_hold_about_the_requested_seconds_within_bounds(server, capsys):
