@@ -28,10 +28,12 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # perf_analyzer (bundled in tritonclient) against a running server (`make serve`):
-# a concurrency sweep with count-based windows for every model of
-# MODEL_REPOSITORY (named here, since listing a server's models needs the admin
-# key), one CSV per model in out/perf/. PERF_URL is the gRPC HOST:PORT;
-# PERF_MODELS picks models; PERF_ARGS adds options of `python -m client.perf run`.
+# a concurrency sweep with count windows sized to each model's speed for every
+# model of MODEL_REPOSITORY (named here, since listing a server's models needs
+# the admin key), perf_analyzer's output streamed, one CSV per model in
+# out/perf/. PERF_URL is the gRPC HOST:PORT; PERF_MODELS picks models; PERF_ARGS
+# adds options of `python -m client.perf run` (e.g. "--max-trials 40" where a
+# level does not settle). `.venv/bin/opara-perf-analyzer` runs perf_analyzer by hand.
 PERF_URL ?= localhost:8001
 PERF_MODELS ?= $(notdir $(patsubst %/config.pbtxt,%,$(wildcard $(MODEL_REPOSITORY)/*/config.pbtxt)))
 PERF_ARGS ?=

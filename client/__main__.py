@@ -1,6 +1,6 @@
 """python -m client: send a request, or measure latency over a concurrency sweep.
 
-  python -m client infer --model M --protocol grpc|http --url HOST:PORT [--input FILE.npy] [--batch B]
+  python -m client infer --model M --protocol grpc|http --url HOST:PORT [--input FILE.npy] [--batch B] [--classes K]
   python -m client bench --model M --protocol grpc|http --url HOST:PORT --concurrency 1,2,4
                          (--requests N | --duration S) [--batch B] [--shared-memory none|system]
                          [--json F] [--csv F] [--plot F.png]
@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 
 from client import bench
-from client.api import PROTOCOLS, UNAVAILABLE, Client, ClientError, parse_url, result_arrays
-from client.cli import INTERRUPTED, Parser, UsageError, concurrency_list, positive_int, run_main
-from client.inputs import load_inputs, random_inputs
+from client.api import PROTOCOLS, Client, ClientError, result_arrays
+from client.cli import INTERRUPTED, UsageError, run_main, server_url, unreachable
+from client.inputs import TensorInfo, load_inputs, random_inputs
+from opara_core.cli_helpers import Parser, config_from_args, positive_int, positive_int_list
 
 
 def _parser() -> Parser:
@@ -50,10 +51,17 @@ def _parser() -> Parser:
 
     infer = sub.add_parser("infer", help="send one request and summarise the outputs")
     common(infer)
+    infer.add_argument(
+        "--classes",
+        type=int,
+        default=5,
+        metavar="K",
+        help="top K classes of each class-score output, by Triton's classification extension (default 5; 0: the tensors)",
+    )
 
     run = sub.add_parser("bench", help="closed-loop latency and throughput at each concurrency")
     common(run)
-    run.add_argument("--concurrency", type=concurrency_list, required=True, help="levels, e.g. 1,2,4")
+    run.add_argument("--concurrency", type=positive_int_list, required=True, help="levels, e.g. 1,2,4")
     amount = run.add_mutually_exclusive_group(required=True)
     amount.add_argument("--requests", type=positive_int, help="measured requests per concurrency level")
     amount.add_argument("--duration", type=float, metavar="S", help="measured seconds per concurrency level")
@@ -68,70 +76,69 @@ def _parser() -> Parser:
     return parser
 
 
-def _url(args: argparse.Namespace) -> str:
-    url = args.url or f"localhost:{8001 if args.protocol == 'grpc' else 8000}"
-    try:
-        return parse_url(url, args.protocol)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-
-
-def _unreachable(error: ClientError, args: argparse.Namespace, url: str) -> ClientError:
-    if error.kind == UNAVAILABLE:
-        return ClientError(f"cannot reach the server at {url} over {args.protocol}: {error}", UNAVAILABLE)
-    return error
-
-
 def infer(args: argparse.Namespace) -> int:
-    url = _url(args)
+    url = server_url(args.url, args.protocol)
     with Client(url, args.protocol, args.timeout) as client:
         try:
             info = client.model_info(args.model)
             arrays = load_inputs(info, args.input, args.batch) if args.input else random_inputs(info, args.batch or 1)
-            request = client.request(args.model, arrays)
+            classes = {t.name: args.classes if class_scores(t) else 0 for t in info.outputs}
+            request = client.request(args.model, arrays, class_count=classes)
             start = time.perf_counter()
             result = client.infer(request)
             elapsed_ms = (time.perf_counter() - start) * 1000
         except ClientError as error:
-            raise _unreachable(error, args, url) from None
+            raise unreachable(error, url, args.protocol) from None
         outputs = result_arrays(request, result, [t.name for t in info.outputs])
+    batch = next(iter(arrays.values())).shape[0] if info.batching else 1
     shapes = ", ".join(f"{name} {list(a.shape)}" for name, a in arrays.items())
     print(f"{args.model} over {args.protocol} at {url}: {elapsed_ms:.1f} ms; inputs {shapes}")
-    for name, array in outputs.items():
-        print(summarize_output(name, array, info.batching))
+    for tensor in info.outputs:
+        array = outputs[tensor.name]
+        if classes[tensor.name]:
+            print(summarize_classes(tensor.name, array, f"{tensor.dtype} {list(info.full_shape(tensor, batch))}"))
+        else:
+            print(summarize_output(tensor.name, array))
     return 0
 
 
-def summarize_output(name: str, array: np.ndarray, batching: bool) -> str:
-    """Shape and value range; top-5 classes where the output looks like
-    per-row class scores (a float vector per row)."""
-    lines = [f"{name}: {array.dtype} {list(array.shape)}"]
+def class_scores(tensor: TensorInfo) -> bool:
+    """Whether an output looks like class scores: a float vector per row."""
+    return tensor.dtype.kind == "f" and len(tensor.shape) == 1 and tensor.shape[0] >= 5
+
+
+def summarize_output(name: str, array: np.ndarray) -> str:
+    """Shape and value range."""
+    line = f"{name}: {array.dtype} {list(array.shape)}"
     if array.size and array.dtype.kind in "fiub":
         values = array.astype(np.float64)
-        lines[0] += f"  min {values.min():.4g}  mean {values.mean():.4g}  max {values.max():.4g}"
-    rows = array if batching else array[np.newaxis]
-    if array.dtype.kind == "f" and rows.ndim == 2 and rows.shape[1] >= 5:
-        for index, row in enumerate(rows[:4]):
-            top = np.argsort(row)[::-1][:5]
-            lines.append(f"  row {index} top-5: " + ", ".join(f"{int(c)} ({row[c]:.3f})" for c in top))
-        if len(rows) > 4:
-            lines.append(f"  ... {len(rows) - 4} more rows")
+        line += f"  min {values.min():.4g}  mean {values.mean():.4g}  max {values.max():.4g}"
+    return line
+
+
+def summarize_classes(name: str, array: np.ndarray, described: str, rows_shown: int = 4) -> str:
+    """The top classes Triton's classification extension returned for each
+    row: BYTES entries "score:index" (":label" where the model has labels),
+    best first."""
+    rows = array.reshape(-1, array.shape[-1]) if array.ndim else array.reshape(1, 1)
+    lines = [f"{name}: {described} (top {rows.shape[1]} per row from Triton's classification extension)"]
+    for index, row in enumerate(rows[:rows_shown]):
+        parts = [(entry.decode() if isinstance(entry, bytes) else str(entry)).split(":") for entry in row]
+        top = ", ".join(f"{p[1]}{' ' + p[2] if len(p) > 2 else ''} ({float(p[0]):.3f})" for p in parts)
+        lines.append(f"  row {index} top-{len(parts)}: {top}")
+    if len(rows) > rows_shown:
+        lines.append(f"  ... {len(rows) - rows_shown} more rows")
     return "\n".join(lines)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    url = _url(args)
+    url = server_url(args.url, args.protocol)
     try:
-        config = bench.BenchConfig(
-            model=args.model,
+        config = config_from_args(
+            bench.BenchConfig,
+            args,
             url=url,
-            protocol=args.protocol,
-            concurrency=args.concurrency,
-            requests=args.requests,
             duration_s=args.duration,
-            batch=args.batch,
-            shared_memory=args.shared_memory,
-            warmup=args.warmup,
             timeout_s=args.timeout,
             input_files=tuple(args.input),
             progress=not args.no_progress,
@@ -150,7 +157,7 @@ def run_bench(args: argparse.Namespace) -> int:
     except ClientError as error:
         if INTERRUPTED.is_set():  # the interrupt surfaced as a failed call
             raise KeyboardInterrupt from None
-        raise _unreachable(error, args, url) from None
+        raise unreachable(error, url, args.protocol) from None
     if INTERRUPTED.is_set():
         raise KeyboardInterrupt
     print(bench.format_table(result.rows))
@@ -177,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.timeout is not None and not args.timeout > 0:
         raise UsageError(f"--timeout must be > 0, got {args.timeout}")
+    if args.command == "infer" and args.classes < 0:
+        raise UsageError(f"--classes must be >= 0, got {args.classes}")
     return infer(args) if args.command == "infer" else run_bench(args)
 
 

@@ -1,8 +1,7 @@
 """One small interface over tritonclient's gRPC and HTTP clients.
 
-`Client` (blocking) and `AsyncClient` (asyncio) offer the same calls for both
-protocols: health, metadata, config, statistics, system shared memory and
-inference with binary tensors. They hide what differs between the protocols
+`Client` offers the same calls for both protocols: health, metadata, config,
+statistics, system shared memory and inference with binary tensors. They hide what differs between the protocols
 (gRPC's JSON gives int64 values as strings, HTTP sets its timeout on the
 connection, the two report an unreachable server differently) and raise one
 exception type, `ClientError`, whose `kind` says whether retrying can help.
@@ -14,9 +13,7 @@ out one may already have run.
 
 from __future__ import annotations
 
-import asyncio
 import importlib
-import importlib.util
 import itertools
 import logging
 import os
@@ -29,6 +26,7 @@ import numpy as np
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from client.inputs import InputError, ModelInfo, model_info
+from opara_core.serving.admin_key import ADMIN_KEY_ENV, admin_key_path, read_admin_key
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +39,6 @@ UNAVAILABLE = "unavailable"  # nobody answered: retrying may help
 TIMEOUT = "timeout"  # no answer in time: the request may have run
 REJECTED = "rejected"  # the server answered with an error: retrying cannot help
 
-# The server's restricted APIs (shared memory, repository index) need the key the
-# server was started with (opara_core.serving.launcher reads the same variable).
-ADMIN_KEY_ENV = "OPARA_ADMIN_KEY"
 
 # Statistics components, in the order Triton's pipeline runs them.
 STAT_COMPONENTS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
@@ -70,7 +65,7 @@ def classify(error: BaseException) -> str:
         if status == "StatusCode.DEADLINE_EXCEEDED":
             return TIMEOUT
         return REJECTED
-    if isinstance(error, TimeoutError):  # socket.timeout and asyncio's, HTTP sync and aio
+    if isinstance(error, TimeoutError):  # socket.timeout included
         return TIMEOUT
     if isinstance(error, OSError):  # refused, reset, unknown host; aiohttp's connection errors too
         return UNAVAILABLE
@@ -86,14 +81,15 @@ def describe(error: BaseException) -> str:
     else:
         text = str(error) or type(error).__name__
     if "is restricted" in str(text):
-        text = f"{text} (set {ADMIN_KEY_ENV} to the server's key)"
+        text = f"{text} (set {ADMIN_KEY_ENV} to the server's key, or run where the server wrote it to {admin_key_path()})"
     return " ".join(str(text).split())
 
 
 def admin_headers(protocol: str, env: dict[str, str] | None = None) -> dict[str, str]:
-    """The header carrying OPARA_ADMIN_KEY for Triton's restricted APIs (none
-    when the variable is unset); gRPC prefixes Triton's protocol name."""
-    key = (os.environ if env is None else env).get(ADMIN_KEY_ENV)
+    """The header carrying the admin key for Triton's restricted APIs: from
+    OPARA_ADMIN_KEY, else the launcher's key file (none when neither has one);
+    gRPC prefixes Triton's protocol name."""
+    key = read_admin_key(env)
     if not key:
         return {}
     return {"admin-key" if protocol == "http" else "triton-grpc-protocol-admin-key": key}
@@ -121,16 +117,6 @@ class RetryPolicy:
                 log.info("server unavailable (%s); retrying in %.1f s", describe(error), delay)
                 time.sleep(delay)
 
-    async def acall(self, fn: Callable[[], Any]) -> Any:
-        for delay in [*self.delays(), None]:
-            try:
-                return await fn()
-            except Exception as error:
-                if delay is None or classify(error) != UNAVAILABLE:
-                    raise
-                log.info("server unavailable (%s); retrying in %.1f s", describe(error), delay)
-                await asyncio.sleep(delay)
-
 
 NO_RETRY = RetryPolicy(attempts=1)
 
@@ -152,9 +138,9 @@ def parse_url(url: str, protocol: str) -> str:
 # --- protocol differences, normalised -------------------------------------------------
 
 
-def _module(protocol: str, aio: bool = False) -> types.ModuleType:
-    """tritonclient.grpc / .http (or their .aio), imported on first use."""
-    return importlib.import_module(f"tritonclient.{protocol}" + (".aio" if aio else ""))
+def _module(protocol: str) -> types.ModuleType:
+    """tritonclient.grpc or .http, imported on first use."""
+    return importlib.import_module(f"tritonclient.{protocol}")
 
 
 def _ints(values) -> list[int]:
@@ -220,9 +206,13 @@ def build_request(
     model: str,
     arrays: dict[str, np.ndarray],
     shm: "SharedMemoryRegions | None" = None,
+    class_count: dict[str, int] | None = None,
 ) -> InferRequest:
     """Binary tensors in the message, or references into `shm` when given
-    (inputs and every output then travel through shared memory)."""
+    (inputs and every output then travel through shared memory).
+    `class_count` {output: k} names the outputs to return: k > 0 asks Triton's
+    classification extension for the top k classes instead of the tensor, 0
+    for the whole tensor."""
     module = _module(protocol)
     inputs = []
     for name, array in arrays.items():
@@ -235,6 +225,10 @@ def build_request(
             tensor.set_data_from_numpy(array)  # binary by default for HTTP too
         inputs.append(tensor)
     outputs = None  # all outputs, binary
+    if class_count:
+        if shm is not None:
+            raise InputError("classification (class_count) and shared-memory outputs do not mix")
+        outputs = [module.InferRequestedOutput(name, class_count=k) for name, k in class_count.items()]
     if shm is not None:
         outputs = []
         for name, (offset, nbytes, _, _) in shm.output_slots.items():
@@ -336,9 +330,13 @@ class Client:
         self._call(lambda: self._raw.unregister_system_shared_memory(name, **self._admin))
 
     def request(
-        self, model: str, arrays: dict[str, np.ndarray], shm: "SharedMemoryRegions | None" = None
+        self,
+        model: str,
+        arrays: dict[str, np.ndarray],
+        shm: "SharedMemoryRegions | None" = None,
+        class_count: dict[str, int] | None = None,
     ) -> InferRequest:
-        return build_request(self.protocol, model, arrays, shm)
+        return build_request(self.protocol, model, arrays, shm, class_count)
 
     def infer(self, request: InferRequest) -> Any:
         """Send one request; returns tritonclient's result (see `result_arrays`)."""
@@ -354,89 +352,6 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class AsyncClient:
-    """The asyncio twin of `Client`, on tritonclient's grpc.aio / http.aio.
-    Use it from one event loop; `await client.close()` when done."""
-
-    def __init__(
-        self,
-        url: str,
-        protocol: str = "grpc",
-        timeout_s: float | None = DEFAULT_TIMEOUT_S,
-        retry: RetryPolicy = RetryPolicy(),
-    ):
-        self.url = parse_url(url, protocol)
-        self.protocol = protocol
-        self.timeout_s = timeout_s
-        self.retry = retry
-        module = _module(protocol, aio=True)
-        if protocol == "grpc":
-            self._raw = module.InferenceServerClient(self.url)
-            self._kw: dict = {"client_timeout": timeout_s}
-        else:
-            self._raw = module.InferenceServerClient(
-                self.url, conn_timeout=timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S
-            )
-            self._kw = {}
-        self._json = {"as_json": True} if protocol == "grpc" else {}
-        self._admin = {**self._kw, "headers": admin_headers(protocol)}  # for the restricted APIs
-
-    async def _call(self, fn: Callable[[], Any]) -> Any:
-        try:
-            return await self.retry.acall(fn)
-        except ClientError:
-            raise
-        except Exception as error:
-            raise ClientError(describe(error), classify(error)) from error
-
-    async def live(self) -> bool:
-        return await self._call(lambda: self._raw.is_server_live(**self._kw))
-
-    async def ready(self) -> bool:
-        return await self._call(lambda: self._raw.is_server_ready(**self._kw))
-
-    async def model_ready(self, model: str) -> bool:
-        return await self._call(lambda: self._raw.is_model_ready(model, **self._kw))
-
-    async def model_metadata(self, model: str) -> dict:
-        return normalize_metadata(
-            await self._call(lambda: self._raw.get_model_metadata(model, **self._json, **self._kw))
-        )
-
-    async def model_config(self, model: str) -> dict:
-        return normalize_config(await self._call(lambda: self._raw.get_model_config(model, **self._json, **self._kw)))
-
-    async def model_info(self, model: str) -> ModelInfo:
-        return model_info(await self.model_metadata(model), await self.model_config(model))
-
-    async def statistics(self, model: str) -> dict[str, tuple[int, int]]:
-        return normalize_statistics(
-            await self._call(lambda: self._raw.get_inference_statistics(model, **self._json, **self._kw))
-        )
-
-    async def shm_regions(self) -> list[str]:
-        return normalize_shm_status(
-            await self._call(lambda: self._raw.get_system_shared_memory_status(**self._json, **self._admin))
-        )
-
-    def request(self, model: str, arrays: dict[str, np.ndarray]) -> InferRequest:
-        return build_request(self.protocol, model, arrays)
-
-    async def infer(self, request: InferRequest) -> Any:
-        return await self._call(
-            lambda: self._raw.infer(request.model, list(request.inputs), outputs=_outputs(request), **self._kw)
-        )
-
-    async def close(self) -> None:
-        await self._raw.close()
-
-    async def __aenter__(self) -> "AsyncClient":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
 
 
 # --- system shared memory ------------------------------------------------------------

@@ -403,13 +403,8 @@ def read_json(path: Path) -> dict:
 def format_table(rows: tuple[Row, ...] | list[Row]) -> str:
     """The summary table the CLI prints."""
     columns = [
-        ("concurrency", "concurrency", "{:d}"),
-        ("requests", "requests", "{:d}"),
-        ("errors", "errors", "{:d}"),
-        ("p50_ms", "p50 ms", "{:.1f}"),
-        ("p90_ms", "p90 ms", "{:.1f}"),
-        ("p99_ms", "p99 ms", "{:.1f}"),
-        ("mean_ms", "mean ms", "{:.1f}"),
+        *((name, name, "{:d}") for name in ("concurrency", "requests", "errors")),
+        *((f"{name}_ms", f"{name} ms", "{:.1f}") for name in ("p50", "p90", "p99", "mean")),
         ("throughput_rps", "req/s", "{:.2f}"),
         ("server_queue_ms", "queue ms", "{:.2f}"),
         ("server_compute_input_ms", "in ms", "{:.2f}"),

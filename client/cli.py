@@ -1,56 +1,40 @@
-"""Command-line conventions shared by `python -m client` and `python -m client.perf`.
+"""How `python -m client` and `python -m client.perf` run: signals and failures.
 
 Bad arguments and failures end in one `error: ...` line on stderr and a
 non-zero exit status, never a traceback: 2 for bad arguments, 1 for a failed
-run or an unreachable server, 130 when interrupted (Ctrl-C or SIGTERM).
+run or an unreachable server, 130 when interrupted (Ctrl-C or SIGTERM). The
+parser and argument types are opara_core.cli_helpers, shared with the plan CLI.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import sys
 import threading
 from typing import Callable
 
-from client.api import ClientError
+from client.api import DEFAULT_PORTS, UNAVAILABLE, ClientError, parse_url
 from client.inputs import InputError
-
-EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with a one-line error instead of usage plus error."""
-
-    def error(self, message: str):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-
+from opara_core.cli_helpers import EXIT_INTERRUPTED, EXIT_USAGE, fail
 
 class UsageError(ValueError):
     """Arguments that parse but do not make sense together."""
 
 
-def concurrency_list(text: str) -> tuple[int, ...]:
-    """'1,2,4' -> (1, 2, 4), for argparse `type=`."""
+def server_url(url: str | None, protocol: str) -> str:
+    """--url as HOST:PORT, localhost and the protocol's port by default."""
     try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,4, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4, got {text!r}")
-    return values
+        return parse_url(url or f"localhost:{DEFAULT_PORTS[protocol]}", protocol)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def unreachable(error: ClientError, url: str, protocol: str) -> ClientError:
+    """The error, saying where the server was looked for when nobody answered."""
+    if error.kind == UNAVAILABLE:
+        return ClientError(f"cannot reach the server at {url} over {protocol}: {error}", UNAVAILABLE)
+    return error
 
 
 # Set by SIGINT and SIGTERM. A KeyboardInterrupt can be swallowed where it lands
@@ -79,14 +63,9 @@ def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = N
         print("error: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except UsageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    except ClientError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_FAILED
-    except (InputError, ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_FAILED
+        return fail(error, EXIT_USAGE)
+    except (ClientError, InputError, ValueError, OSError) as error:
+        return fail(error, known=(Exception,))
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

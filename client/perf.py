@@ -4,10 +4,13 @@ results next to the project's own client.
 `python -m client.perf run` runs the perf_analyzer bundled in the tritonclient
 wheel against a running server: for each model (default: every model the
 server reports ready), one perf_analyzer run per concurrency level with
-count-based measurement windows, merged into `OUT_DIR/<model>.csv` (its own
-columns, times in µs, rows in concurrency order). The input data is written
-by `client.inputs` from the model's metadata and config, so ids stay in the
-ranges the model declares, exactly as for the client.
+count-based measurement windows sized to the model's speed, merged into
+`OUT_DIR/<model>.csv` (its own columns, times in µs, rows in concurrency
+order); perf_analyzer's output is streamed as it comes. The input data is
+written by `client.inputs` from the model's metadata and config, so ids stay
+in the ranges the model declares, exactly as for the client. This module is
+the project's one perf_analyzer driver: scripts/serving_bench.py uses its
+command builder, input format and CSV parser too.
 
 `python -m client.perf plot` draws perf_analyzer CSVs and `python -m client
 bench --json` files on one latency-vs-throughput chart.
@@ -16,36 +19,44 @@ bench --json` files on one latency-vs-throughput chart.
 from __future__ import annotations
 
 import argparse
+import base64
 import csv
 import importlib.util
-import logging
+import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
-from client.api import PROTOCOLS, UNAVAILABLE, Client, ClientError, parse_url
+from client.api import PROTOCOLS, Client, ClientError, parse_url
 from client.bench import read_json
-from client.cli import Parser, UsageError, concurrency_list, positive_int, run_main
+from client.cli import UsageError, run_main, server_url, unreachable
 from client.inputs import InputError, ModelInfo, random_inputs
 from client.plots import plot_latency_vs_throughput
-
-log = logging.getLogger(__name__)
-
+from opara_core.cli_helpers import Parser, config_from_args, positive_int, positive_int_list
+from opara_core.serving.admin_key import read_admin_key
 
 class PerfError(RuntimeError):
     """perf_analyzer did not produce a measurement; the message has its last words."""
 
 
+UNSTABLE = "Failed to obtain stable measurement"
+
+
 @dataclass(frozen=True)
 class PerfConfig:
-    """One perf_analyzer sweep of one model."""
+    """One perf_analyzer sweep of one model. The defaults settle on a shared
+    2-core CPU (see README, make perf): short count windows, judged on p50."""
 
     model: str
     url: str
@@ -53,11 +64,14 @@ class PerfConfig:
     concurrency: tuple[int, ...] = (1, 2, 4)
     batch: int = 1
     request_count: int = 50  # requests per measurement window
-    stability_percentage: int = 20  # perf_analyzer defaults to 10; 20 tolerates a shared CPU
-    max_trials: int = 10
-    percentile: int = 50  # stabilise on p50: robust to the odd slow request on a shared CPU
+    stability_percentage: int = 30  # perf_analyzer's 10 (and 20) never settled on the busy 2-core CPU machine
+    max_trials: int = 20  # windows before giving up; a settled level needs 3 in a row
+    percentile: int | None = 50  # stabilise on p50 (None: on the mean), robust to the odd slow request
     shared_memory: str = "none"
     timeout_s: float = 600.0
+    admin_key: str | None = field(default=None, repr=False)  # for the shared-memory API
+    binary: str | None = None  # default: the perf_analyzer of the tritonclient wheel
+    verbose: bool = True  # -v: one line per measurement window, so a slow level shows it is converging
 
 
 def perf_analyzer_binary() -> str:
@@ -67,7 +81,7 @@ def perf_analyzer_binary() -> str:
         return str(candidate)
     found = shutil.which("perf_analyzer")
     if found is None:
-        raise PerfError("perf_analyzer not found; install tritonclient[all]==2.51.0 (make setup)")
+        raise PerfError("perf_analyzer not found; install tritonclient==2.51.0 (make setup)")
     return found
 
 
@@ -82,11 +96,28 @@ def perf_analyzer_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def exec_perf_analyzer() -> None:
+    """`opara-perf-analyzer ARGS...`: perf_analyzer itself, with the library
+    path it needs (`.venv/bin/perf_analyzer` alone cannot find libcudart.so.12)."""
+    try:
+        binary = perf_analyzer_binary()
+    except PerfError as error:
+        sys.exit(f"error: {error}")
+    os.execve(binary, [binary, *sys.argv[1:]], perf_analyzer_env())
+
+
+def admin_key_header(protocol: str, key: str) -> list[str]:
+    """perf_analyzer's `-H` for the admin key; over gRPC it becomes metadata,
+    which needs Triton's protocol prefix."""
+    name = "admin-key" if protocol == "http" else "triton-grpc-protocol-admin-key"
+    return ["-H", f"{name}:{key}"]
+
+
 def perf_analyzer_command(
-    config: PerfConfig, concurrency: int, data_dir: Path, csv_path: Path, output_bytes: int = 0
+    config: PerfConfig, concurrency: int, data_path: Path, csv_path: Path, output_bytes: int = 0
 ) -> list[str]:
     command = [
-        perf_analyzer_binary(),
+        config.binary or perf_analyzer_binary(),
         "-m", config.model,
         "-u", parse_url(config.url, config.protocol),
         "-i", config.protocol,
@@ -96,24 +127,44 @@ def perf_analyzer_command(
         f"--measurement-request-count={config.request_count}",
         f"--stability-percentage={config.stability_percentage}",
         f"--max-trials={config.max_trials}",
-        f"--percentile={config.percentile}",
-        f"--input-data={data_dir}",
+        f"--input-data={data_path}",
         "-f", str(csv_path),
     ]  # fmt: skip
+    if config.percentile is not None:
+        command.append(f"--percentile={config.percentile}")
+    if config.verbose:
+        command.append("-v")
     if config.shared_memory != "none":
         command += [f"--shared-memory={config.shared_memory}", f"--output-shared-memory-size={max(output_bytes, 1)}"]
+        if config.admin_key:  # the shared-memory API is restricted
+            command += admin_key_header(config.protocol, config.admin_key)
     return command
 
 
-def write_input_data(info: ModelInfo, folder: Path, seed: int = 0) -> Path:
-    """One raw binary file per input holding a batch-1 request, the
-    `--input-data DIR` format; perf_analyzer repeats it for larger batches."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, array in random_inputs(info, 1, seed).items():
-        if array.dtype == np.object_:
-            raise InputError(f"input {name!r} is BYTES; write its perf_analyzer data by hand")
-        np.ascontiguousarray(array).tofile(folder / name)
-    return folder
+def output_bytes(info: ModelInfo, batch: int) -> int:
+    """The largest output of one request: the size of each output shared-memory slot."""
+    return max(
+        (int(np.prod(info.full_shape(t, batch))) * t.dtype.itemsize for t in info.outputs if t.fixed), default=0
+    )
+
+
+def write_input_data(info: ModelInfo, path: Path, count: int = 1, seed: int = 0) -> Path:
+    """perf_analyzer's `--input-data` JSON: `count` batch-1 requests (used in
+    turn), each tensor as base64 of its raw bytes, which leaves perf_analyzer
+    nothing to parse; perf_analyzer repeats rows for larger batches. The data
+    comes from `client.inputs`, so ids stay in the ranges the model declares."""
+    entries = []
+    for k in range(count):
+        entry = {}
+        for name, array in random_inputs(info, 1, seed + k).items():
+            if array.dtype == np.object_:
+                raise InputError(f"input {name!r} is BYTES; write its perf_analyzer data by hand")
+            row = array[0] if info.batching else array
+            entry[name] = {"b64": base64.b64encode(np.ascontiguousarray(row).tobytes()).decode()}
+        entries.append(entry)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"data": entries}))
+    return path
 
 
 def read_perf_csv(path: Path) -> list[dict[str, str]]:
@@ -121,35 +172,127 @@ def read_perf_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def run_model(config: PerfConfig, info: ModelInfo, csv_path: Path) -> list[str]:
+# perf_analyzer's CSV columns (µs, except throughput) -> our keys (ms)
+PERF_COLUMNS = {
+    "p50 latency": "p50_ms",
+    "p90 latency": "p90_ms",
+    "p99 latency": "p99_ms",
+    "Avg latency": "avg_ms",
+    "Server Queue": "server_queue_ms",
+    "Server Compute Input": "server_compute_input_ms",
+    "Server Compute Infer": "server_compute_infer_ms",
+    "Server Compute Output": "server_compute_output_ms",
+    "Client Send": "client_send_ms",
+    "Client Recv": "client_recv_ms",
+}
+
+
+def perf_row(row: dict[str, str]) -> dict:
+    """One perf_analyzer CSV row: concurrency, throughput (inferences/s) and
+    times in ms (0 where perf_analyzer left a column out)."""
+    def number(key: str) -> float:
+        try:
+            return float(row.get(key) or 0)
+        except ValueError:
+            return 0.0
+
+    return {
+        "concurrency": int(row["Concurrency"]),
+        "throughput": number("Inferences/Second"),
+        **{ours: number(theirs) / 1000 for theirs, ours in PERF_COLUMNS.items()},
+    }
+
+
+def run_perf_analyzer(command: list[str], log_file: TextIO, timeout_s: float, echo: bool = True) -> tuple[int | None, str]:
+    """Run one perf_analyzer, its output streamed line by line to `log_file`
+    (and to stdout when `echo`) as it comes. Returns (exit code or None when it
+    ran past `timeout_s`, the output)."""
+    log_file.write("$ " + " ".join(command) + "\n")
+    lines: list[str] = []
+    process = subprocess.Popen(
+        command, env=perf_analyzer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+    timed_out = threading.Event()
+
+    def kill() -> None:
+        timed_out.set()
+        process.kill()
+
+    timer = threading.Timer(timeout_s, kill)
+    timer.start()
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            log_file.write(line)
+            log_file.flush()
+            if echo:
+                print("  " + line, end="", flush=True)
+        code = process.wait()
+    finally:
+        timer.cancel()
+        if process.poll() is None:  # interrupted
+            process.kill()
+            process.wait()
+    if timed_out.is_set():
+        lines.append(f"timed out after {timeout_s:.0f} s\n")
+        log_file.write(lines[-1])
+        return None, "".join(lines)
+    return code, "".join(lines)
+
+
+def failure_line(config: PerfConfig, concurrency: int, code: int | None, output: str) -> str:
+    """One line on why a level measured nothing; for an unstable one, which options to raise."""
+    where = f"{config.model} at concurrency {concurrency}"
+    if UNSTABLE in output:
+        return (
+            f"{where}: no stable measurement in {config.max_trials} windows of {config.request_count} requests "
+            f"(p{config.percentile or 'mean'} and throughput within {config.stability_percentage}%): raise "
+            f"--max-trials, --stability-percentage or --request-count (make perf: PERF_ARGS=...)"
+        )
+    last = [line.strip() for line in output.splitlines() if line.strip()][-1:] or ["no output"]
+    return f"{where}: perf_analyzer exit {code}: {last[0]}"
+
+
+MIN_WINDOW_REQUESTS, MAX_WINDOW_REQUESTS = 10, 50
+
+
+def window_requests(url: str, protocol: str, info: ModelInfo, batch: int, window_s: float) -> int:
+    """Requests in a window of about `window_s` seconds: a slow model (NASNet on
+    a CPU, 0.6 s a request) gets short count windows and still settles in
+    minutes, a fast one gets up to 50. The fastest of three requests after a
+    warm-up sets the pace: a request slowed by a busy machine would shrink the
+    windows until nothing settles."""
+    with Client(url, protocol) as client:
+        request = client.request(info.name, random_inputs(info, batch))
+        client.infer(request)
+        latencies = []
+        for _ in range(3):
+            start = time.perf_counter()
+            client.infer(request)
+            latencies.append(time.perf_counter() - start)
+    count = max(MIN_WINDOW_REQUESTS, min(MAX_WINDOW_REQUESTS, math.ceil(window_s / min(latencies))))
+    print(f"{info.name}: {min(latencies) * 1000:.0f} ms a request: windows of {count} requests", flush=True)
+    return count
+
+
+def run_model(config: PerfConfig, info: ModelInfo, csv_path: Path, echo: bool = True) -> list[str]:
     """Sweep one model; writes `csv_path` with every level that measured.
     Returns the failures (one line each); raises PerfError if none measured."""
-    output_bytes = max(
-        (int(np.prod(info.full_shape(t, config.batch))) * t.dtype.itemsize for t in info.outputs if t.fixed), default=0
-    )
     rows: list[dict[str, str]] = []
     failures: list[str] = []
     log_path = csv_path.with_suffix(".log")
     with tempfile.TemporaryDirectory(prefix="opara_perf_") as tmp, open(log_path, "w") as log_file:
-        data_dir = write_input_data(info, Path(tmp) / "data")
+        data = write_input_data(info, Path(tmp) / "data.json")
         for concurrency in config.concurrency:
             part = Path(tmp) / f"c{concurrency}.csv"
-            command = perf_analyzer_command(config, concurrency, data_dir, part, output_bytes)
-            log.info("running %s", " ".join(command))
-            log_file.write("$ " + " ".join(command) + "\n")
-            try:
-                done = subprocess.run(
-                    command, env=perf_analyzer_env(), capture_output=True, text=True, timeout=config.timeout_s
-                )
-                output, code = done.stdout + done.stderr, done.returncode
-            except subprocess.TimeoutExpired:
-                output, code = f"timed out after {config.timeout_s:.0f} s", None
-            log_file.write(output)
+            command = perf_analyzer_command(config, concurrency, data, part, output_bytes(info, config.batch))
+            if echo:
+                print(f"{config.model}: concurrency {concurrency}", flush=True)
+            code, output = run_perf_analyzer(command, log_file, config.timeout_s, echo)
             if code == 0 and part.exists():
                 rows += read_perf_csv(part)
-                continue
-            last = [line.strip() for line in output.splitlines() if line.strip()][-1:] or ["no output"]
-            failures.append(f"{config.model} at concurrency {concurrency}: perf_analyzer exit {code}: {last[0]}")
+            else:
+                failures.append(failure_line(config, concurrency, code, output))
     if not rows:
         raise PerfError("; ".join(failures) + f" (full output in {log_path})")
     rows.sort(key=lambda r: int(r["Concurrency"]))
@@ -165,15 +308,8 @@ def run_model(config: PerfConfig, info: ModelInfo, csv_path: Path) -> list[str]:
 
 def perf_points(rows: list[dict[str, str]]) -> list[dict]:
     """perf_analyzer CSV rows (µs, inferences/s) as plot points (ms)."""
-    return [
-        {
-            "concurrency": int(r["Concurrency"]),
-            "throughput": float(r["Inferences/Second"]),
-            "p50_ms": float(r["p50 latency"]) / 1000,
-            "p99_ms": float(r["p99 latency"]) / 1000,
-        }
-        for r in rows
-    ]
+    keys = ("concurrency", "throughput", "p50_ms", "p99_ms")
+    return [{k: v for k, v in perf_row(r).items() if k in keys} for r in rows]
 
 
 def bench_points(data: dict) -> list[dict]:
@@ -204,11 +340,25 @@ def _parser() -> Parser:
     run.add_argument("--model", action="append", help="model to measure (repeatable); default: every ready model")
     run.add_argument("--protocol", choices=PROTOCOLS, default="grpc")
     run.add_argument("--url", help="HOST:PORT (default localhost:8001 for grpc, localhost:8000 for http)")
-    run.add_argument("--concurrency", type=concurrency_list, default=(1, 2, 4), help="levels, e.g. 1,2,4")
+    run.add_argument("--concurrency", type=positive_int_list, default=(1, 2, 4), help="levels, e.g. 1,2,4")
     run.add_argument("--batch", type=positive_int, default=1)
-    run.add_argument("--request-count", type=positive_int, default=50, help="requests per measurement window")
-    run.add_argument("--stability-percentage", type=positive_int, default=20, help="(perf_analyzer default: 10)")
-    run.add_argument("--max-trials", type=positive_int, default=10)
+    run.add_argument(
+        "--request-count",
+        type=positive_int,
+        default=None,
+        help="requests per measurement window (default: about --window-seconds of them, timed per model, "
+        f"{MIN_WINDOW_REQUESTS} to {MAX_WINDOW_REQUESTS})",
+    )
+    run.add_argument(
+        "--window-seconds", type=float, default=5.0, help="target length of a window when --request-count is not given"
+    )
+    run.add_argument(
+        "--stability-percentage",
+        type=positive_int,
+        default=PerfConfig.stability_percentage,
+        help=f"how far 3 windows in a row may differ (default {PerfConfig.stability_percentage}; perf_analyzer's own: 10)",
+    )
+    run.add_argument("--max-trials", type=positive_int, default=PerfConfig.max_trials, help="windows before giving up")
     run.add_argument("--shared-memory", choices=("none", "system"), default="none")
     run.add_argument("--out-dir", type=Path, default=Path("out/perf"))
     plot = sub.add_parser("plot", help="perf_analyzer CSVs and bench JSONs on one latency-vs-throughput plot")
@@ -229,37 +379,20 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "plot":
         return _plot(args)
-    url = args.url or f"localhost:{8001 if args.protocol == 'grpc' else 8000}"
-    try:
-        parse_url(url, args.protocol)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    url = server_url(args.url, args.protocol)
     with Client(url, args.protocol) as client:
         try:
             models = args.model or client.ready_models()
+            if not models:
+                raise ClientError(f"the server at {url} reports no ready model")
+            infos = {model: client.model_info(model) for model in models}
         except ClientError as error:
-            if error.kind == UNAVAILABLE:
-                raise ClientError(
-                    f"cannot reach the server at {url} over {args.protocol}: {error}", UNAVAILABLE
-                ) from None
-            raise
-        if not models:
-            raise ClientError(f"the server at {url} reports no ready model")
-        infos = {model: client.model_info(model) for model in models}
+            raise unreachable(error, url, args.protocol) from None
     args.out_dir.mkdir(parents=True, exist_ok=True)
     failures = []
     for model, info in infos.items():
-        config = PerfConfig(
-            model=model,
-            url=url,
-            protocol=args.protocol,
-            concurrency=args.concurrency,
-            batch=args.batch,
-            request_count=args.request_count,
-            stability_percentage=args.stability_percentage,
-            max_trials=args.max_trials,
-            shared_memory=args.shared_memory,
-        )
+        count = args.request_count or window_requests(url, args.protocol, info, args.batch, args.window_seconds)
+        config = config_from_args(PerfConfig, args, model=model, url=url, request_count=count, admin_key=read_admin_key())
         csv_path = args.out_dir / f"{model}.csv"
         try:
             failures += run_model(config, info, csv_path)

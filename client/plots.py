@@ -39,34 +39,44 @@ def plot_bench(rows: Sequence[dict], path: Path, title: str) -> Path:
 
 
 def plot_latency_vs_throughput(series: Sequence[dict], path: Path, title: str) -> Path:
+    """`latency_vs_throughput` saved as a PNG file."""
+    latency_vs_throughput(series, title).savefig(path, dpi=110)
+    return Path(path)
+
+
+def latency_vs_throughput(series: Sequence[dict], title: str) -> Figure:
     """One latency-vs-throughput chart for several tools or runs.
 
     Each series is {"label": str, "points": [{"concurrency", "throughput", "p50_ms", "p99_ms"}]},
-    throughput in inferences/s. p50 is drawn solid and p99 dashed, in the
-    series' colour; each point is labelled with its concurrency.
+    throughput in inferences/s. Points are joined in throughput order (a line
+    that runs left to right, even where more concurrency gave less throughput);
+    p50 is drawn solid and p99 dashed, in the series' colour; each p50 point is
+    labelled with its concurrency, on the side that keeps the label inside.
     """
     fig = Figure(figsize=(7.5, 5), layout="constrained")
     axes = fig.subplots()
+    every = [p for s in series for p in s["points"]]
+    right = max((p["throughput"] for p in every), default=1.0) or 1.0
     for index, s in enumerate(series):
         color = f"C{index}"
-        points = sorted(s["points"], key=lambda p: p["concurrency"])
+        points = sorted(s["points"], key=lambda p: (p["throughput"], p["concurrency"]))
         x = [p["throughput"] for p in points]
         for key, style, suffix in (("p50_ms", "-", "p50"), ("p99_ms", "--", "p99")):
-            y = [p[key] for p in points]
-            axes.plot(x, y, style, marker="o", color=color, label=f"{s['label']} {suffix}")
+            axes.plot(x, [p[key] for p in points], style, marker="o", color=color, label=f"{s['label']} {suffix}")
         for p in points:
+            near_right = p["throughput"] > 0.85 * right
             axes.annotate(
                 f"c={p['concurrency']}",
                 (p["throughput"], p["p50_ms"]),
                 textcoords="offset points",
-                xytext=(4, -10),
+                xytext=(-5 if near_right else 5, -11),
+                ha="right" if near_right else "left",
                 fontsize=8,
                 color=color,
             )
     axes.set(xlabel="throughput (inferences / s)", ylabel="latency (ms)", title=title)
-    axes.set_xlim(left=0)
-    axes.set_ylim(bottom=0)
+    axes.set_xlim(0, right * 1.08)
+    axes.set_ylim(0, max((p["p99_ms"] for p in every), default=1.0) * 1.1)
     axes.grid(True, alpha=0.3)
-    axes.legend()
-    fig.savefig(path, dpi=110)
-    return Path(path)
+    axes.legend(loc="upper left", fontsize=8)
+    return fig

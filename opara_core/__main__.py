@@ -2,7 +2,7 @@
 
     python -m opara_core plan --dag DAG.json --policy P [--max-streams K]
         prints one JSON plan: {"policy", "num_streams", "stream", "order", "waits"}
-    python -m opara_core plan --model NAME --policy P [--batch B] [--max-streams K] [--draw FILE.png]
+    python -m opara_core plan --model NAME --policy P [--batch B] [--max-streams K] [--draw FILE.png|FILE.svg]
         traces a zoo model, plans it and prints a summary
 
 Bad input gets one line, `error: ...`, on stderr: exit 2 for a wrong command line,
@@ -16,46 +16,29 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
+from opara_core.cli_helpers import Parser, fail, positive_int
 from opara_core.planning import order as orders
 from opara_core.planning import policies
 from opara_core.planning.dag import Dag
-from opara_core.planning.plan import Plan, make_plan
+from opara_core.planning.plan import make_plan
 
 log = logging.getLogger("opara_core")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (no usage dump) and exits 2."""
-
-    def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"error: {message}\n")
-        raise SystemExit(2)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _parser() -> _Parser:
-    parser = _Parser(prog="python -m opara_core", description="Plan multi-stream schedules for PyTorch models.")
+def _parser() -> Parser:
+    parser = Parser(prog="python -m opara_core", description="Plan multi-stream schedules for PyTorch models.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plan = commands.add_parser("plan", help="plan a DAG file or a zoo model", description="Plan a DAG file or a zoo model.")
     source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument("--dag", metavar="DAG.json", help="a DAG file ('-' for stdin); prints the plan as JSON")
     source.add_argument("--model", metavar="NAME", help="a zoo model; prints a summary")
     plan.add_argument("--policy", required=True, choices=policies.names())
-    plan.add_argument("--max-streams", type=_positive_int, metavar="K", help="at most K streams (default: no limit)")
+    plan.add_argument("--max-streams", type=positive_int, metavar="K", help="at most K streams (default: no limit)")
     plan.add_argument("--order", choices=list(orders.ORDERS), help="launch order (default: the policy's own)")
-    plan.add_argument("--batch", type=_positive_int, default=1, metavar="B", help="batch size for --model costs (default 1)")
-    plan.add_argument("--draw", metavar="FILE.png", help="render the DAG coloured by stream")
+    plan.add_argument("--batch", type=positive_int, default=1, metavar="B", help="batch size for --model costs (default 1)")
+    plan.add_argument("--draw", metavar="FILE.png|FILE.svg", help="render the DAG marked by stream (SVG: with a tooltip per operator)")
     plan.add_argument("--out", metavar="PLAN.json", help="also write the full plan as JSON")
     return parser
 
@@ -69,12 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _plan(args)
     except Exception as e:  # one line, no traceback, whatever went wrong
-        text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        lines = str(text).strip().splitlines() or [type(e).__name__]
-        known = isinstance(e, (ValueError, KeyError, OSError))
-        sys.stderr.write(f"error: {lines[0] if known else type(e).__name__ + ': ' + lines[0]}\n")
         log.debug("details", exc_info=True)
-        return 1
+        return fail(e)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -94,6 +73,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(plan.to_json(), indent=1) + "\n")
     if args.draw:
+        from opara_core.draw import draw  # matplotlib: only when drawing
+
         draw(dag, plan, args.draw)
         if args.model is not None:
             print(f"drawing         {args.draw}")
@@ -110,50 +91,6 @@ def _read_dag(path: str) -> Dag:
     except json.JSONDecodeError as e:
         raise ValueError(f"DAG file {path!r} is not valid JSON: {e}") from None
     return Dag.from_json(data)
-
-
-def draw(dag: Dag, plan: Plan, path: str) -> None:
-    """Save a picture of the DAG, layered left to right, each node coloured by its stream.
-
-    Edges that need a wait (a cross-stream event) are drawn red.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import networkx as nx
-    from matplotlib.patches import Patch
-
-    layer = [0] * len(dag)
-    for v, preds in enumerate(dag.preds):
-        layer[v] = max((layer[p] + 1 for p in preds), default=0)
-    # Each layer lists its nodes by stream, so that a stream keeps to one band.
-    layers: dict[int, list[str]] = {}
-    for v in sorted(range(len(dag)), key=lambda v: (layer[v], plan.stream[dag.names[v]], v)):
-        layers.setdefault(layer[v], []).append(dag.names[v])
-    graph = dag.to_networkx()
-    pos = nx.multipartite_layout(graph, subset_key=layers)
-    width = max((len(nodes) for nodes in layers.values()), default=1)
-    fig, ax = plt.subplots(figsize=(min(60, max(8, len(layers) * 0.3)), min(30, max(5, width * 1.2))))
-    cmap = plt.get_cmap("tab20")
-    colors = [cmap(plan.stream[name] % 20) for name in dag.names]
-    waits = set(plan.waits)
-    plain = [e for e in dag.edges if e not in waits]
-    nx.draw_networkx_edges(graph, pos, edgelist=plain, ax=ax, edge_color="#999999", width=0.5, arrowsize=5)
-    nx.draw_networkx_edges(graph, pos, edgelist=list(plan.waits), ax=ax, edge_color="#d62728", width=0.8, arrowsize=6)
-    nx.draw_networkx_nodes(graph, pos, nodelist=list(dag.names), node_color=colors, node_size=40 if len(dag) > 60 else 300, ax=ax)
-    if len(dag) <= 60:
-        nx.draw_networkx_labels(graph, pos, ax=ax, font_size=7)
-    lanes = min(plan.num_streams, 20)
-    handles = [Patch(color=cmap(s), label=f"stream {s}") for s in range(lanes)]
-    if plan.num_streams > 20:
-        handles.append(Patch(color="white", label="(colours repeat)"))
-    ax.legend(handles=handles, loc="upper left", fontsize=7, ncol=max(1, lanes // 10))
-    ax.set_title(f"{plan.policy}: {len(dag)} ops, {plan.num_streams} streams, {len(plan.waits)} waits (red)")
-    ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

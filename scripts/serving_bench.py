@@ -15,22 +15,21 @@ with the latency percentiles and Triton's server-side split, and writes JSON.
 from __future__ import annotations
 
 import argparse
-import base64
-import csv
 import json
 import os
 import re
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
-
+from client.api import Client
+from client.inputs import ModelInfo
+from client.perf import PerfConfig, output_bytes, perf_analyzer_command, perf_row, read_perf_csv, write_input_data
+from client.perf import run_perf_analyzer as perf_run
 from opara_core import zoo
 from opara_core.serving.launcher import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
 from opara_core.serving.triton_backend import StageClock
@@ -65,57 +64,24 @@ def make_repository(models: list[str], root: Path, instances: int = 1, batching:
     return repository
 
 
-def input_data(model: str, path: Path, count: int = 4) -> Path:
-    """perf_analyzer --input-data JSON: `count` seeded random requests, each
-    tensor as base64 of its raw bytes, which leaves perf_analyzer nothing to parse."""
-    entry = zoo.get(model)
-    data = []
-    for k in range(count):
-        arrays = entry.example_inputs(1, seed=200 + k)
-        data.append({spec.name: {"b64": base64.b64encode(array[0].numpy().tobytes()).decode()} for spec, array in zip(entry.inputs, arrays)})
-    path.write_text(json.dumps({"data": data}))
-    return path
-
-
-def output_bytes(model: str) -> int:
-    zoo_name = "googlenet" if model == DLPACK_VARIANT else model
-    return sum(int(np.prod(s.shape)) * 4 for s in zoo.get(zoo_name).outputs)
-
-
 def run_perf_analyzer(
-    binary: str, url: str, model: str, concurrency: int, shm: str, data: Path, requests: int, out: Path, admin_key: str
+    binary: str, url: str, info: ModelInfo, concurrency: int, shm: str, data: Path, requests: int, out: Path, admin_key: str
 ) -> dict:
-    command = [
-        binary, "-m", model, "-i", "grpc", "-u", url, "-b", "1",
-        f"--concurrency-range={concurrency}:{concurrency}",
-        "--measurement-mode=count_windows", f"--measurement-request-count={requests}",
-        f"--input-data={data}", "--stability-percentage=20", "--max-trials=6",
-        "-f", str(out),
-    ]  # fmt: skip
-    if shm == "system":
-        command += ["--shared-memory=system", f"--output-shared-memory-size={max(output_bytes(model), 4096)}"]
-        command += ["-H", f"triton-grpc-protocol-admin-key:{admin_key}"]  # the shared-memory API is restricted
+    """One level through client.perf's driver (its command, input format and CSV
+    parser); stabilised on the mean, as before the driver was shared."""
+    config = PerfConfig(
+        model=info.name, url=url, protocol="grpc", concurrency=(concurrency,), batch=1, request_count=requests,
+        stability_percentage=20, max_trials=6, percentile=None, shared_memory=shm, admin_key=admin_key, binary=binary,
+    )  # fmt: skip
+    command = perf_analyzer_command(config, concurrency, data, out, max(output_bytes(info, 1), 4096))
     started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0 or not out.exists():
-        return {"error": (result.stdout + result.stderr)[-800:]}
-    with open(out) as f:
-        row = next(csv.DictReader(f))
-    us = {k: float(v) for k, v in row.items() if v not in ("", None) and re.fullmatch(r"[\d.]+", v)}
-    return {
-        "throughput_rps": us.get("Inferences/Second"),
-        "p50_ms": us.get("p50 latency", 0) / 1000,
-        "p90_ms": us.get("p90 latency", 0) / 1000,
-        "p99_ms": us.get("p99 latency", 0) / 1000,
-        "avg_ms": us.get("Avg latency", 0) / 1000,
-        "server_queue_ms": us.get("Server Queue", 0) / 1000,
-        "server_compute_input_ms": us.get("Server Compute Input", 0) / 1000,
-        "server_compute_infer_ms": us.get("Server Compute Infer", 0) / 1000,
-        "server_compute_output_ms": us.get("Server Compute Output", 0) / 1000,
-        "client_send_ms": us.get("Client Send", 0) / 1000,
-        "client_recv_ms": us.get("Client Recv", 0) / 1000,
-        "seconds": time.perf_counter() - started,
-    }
+    with open(out.with_suffix(".log"), "w") as log_file:
+        code, output = perf_run(command, log_file, config.timeout_s, echo=False)
+    if code != 0 or not out.exists():
+        return {"error": output[-800:]}
+    row = perf_row(read_perf_csv(out)[0])
+    del row["concurrency"]
+    return {"throughput_rps": row.pop("throughput"), **row, "seconds": time.perf_counter() - started}
 
 
 def execute_counters(metrics_url: str) -> dict[str, dict[str, float]]:
@@ -199,7 +165,7 @@ def main() -> int:
         help="preferred: the configs' preferred batch sizes (the graph buckets); greedy: none, every queued request goes",
     )  # fmt: skip
     parser.add_argument("--requests", type=int, default=1000, help="requests per measurement window")
-    parser.add_argument("--perf-analyzer", default=shutil.which("perf_analyzer") or "perf_analyzer")
+    parser.add_argument("--perf-analyzer", default=None, help="default: the one of the tritonclient wheel, else on PATH")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, help="where the server log goes")
     parser.add_argument("--report", type=Path, help="no run: print the table of this JSON (replay times from --log if given)")
@@ -227,15 +193,16 @@ def main() -> int:
         load_s = time.perf_counter() - started
         print(f"server ready with {len(served)} models in {load_s:.0f} s", flush=True)
         for model in served:
-            zoo_name = "googlenet" if model == DLPACK_VARIANT else model
-            data = input_data(zoo_name, work / f"{model}.json")
+            with Client(server.grpc_url) as client:
+                info = client.model_info(model)
+            data = write_input_data(info, work / f"{model}.json", count=4, seed=200)
             for shm in args.shared_memory.split(","):
                 for concurrency in (int(c) for c in args.concurrency.split(",")):
                     out = work / f"{model}_{shm}_{concurrency}.csv"
                     before = execute_counters(server.metrics_url).get(model, {})
                     counts = batch_counts(server.http_url, model)
                     result = run_perf_analyzer(
-                        args.perf_analyzer, server.grpc_url, model, concurrency, shm, data, args.requests, out, config.admin_key
+                        args.perf_analyzer, server.grpc_url, info, concurrency, shm, data, args.requests, out, config.admin_key
                     )
                     result["mean_batch"] = mean_batch(counts, batch_counts(server.http_url, model))
                     # a mean over the whole run, perf_analyzer's warm-up included; the model

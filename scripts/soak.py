@@ -40,7 +40,7 @@ import torch
 
 from client import bench
 from client.api import Client, describe, result_arrays
-from client.cli import concurrency_list
+from opara_core.cli_helpers import positive_int_list
 from opara_core import zoo
 from opara_core.serving.launcher import find_server, stub_processes
 
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     parser.add_argument("--model", default="deepfm")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds per concurrency level (default 60)")
-    parser.add_argument("--concurrency", type=concurrency_list, default=(1, 2, 4, 8, 16, 32, 64), help="levels, e.g. 1,8,64")
+    parser.add_argument("--concurrency", type=positive_int_list, default=(1, 2, 4, 8, 16, 32, 64), help="levels, e.g. 1,8,64")
     parser.add_argument("--warmup", type=float, default=30.0, help="seconds at the highest level before the baseline (default 30)")
     parser.add_argument("--memory-tolerance", type=float, default=0.02, help="largest growth allowed (default 0.02)")
     parser.add_argument("--tolerance", type=float, default=zoo.oracle_tolerance(),

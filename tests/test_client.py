@@ -6,7 +6,6 @@ on a shared CPU, and every test here shares that budget.
 
 from __future__ import annotations
 
-import asyncio
 import csv
 import json
 import os
@@ -21,7 +20,7 @@ import pytest
 
 from client import bench, perf
 from client.__main__ import main as client_main
-from client.api import SHM_PREFIX, AsyncClient, Client, SharedMemoryRegions, result_arrays
+from client.api import SHM_PREFIX, Client, SharedMemoryRegions, result_arrays
 from client.inputs import random_inputs
 from opara_core.serving.launcher import REPO_ROOT, free_port
 
@@ -98,12 +97,12 @@ def test_sweep_writes_json_csv_and_plot(sweep):
 # --- perf_analyzer -------------------------------------------------------------------------
 
 
-def perf_analyzer_run(server, out: Path) -> Path:
+def perf_analyzer_run(server, out: Path, *extra: str) -> Path:
     """A short perf_analyzer run at concurrency 1: count windows of 5 requests,
     lenient stability (the CPU is shared), stabilised on p50."""
     code = perf.main(
         ["run", "--model", MODEL, "--url", server.grpc_url, "--concurrency", "1", "--request-count", "5",
-         "--stability-percentage", "100", "--max-trials", "10", "--out-dir", str(out)]
+         "--stability-percentage", "100", "--max-trials", "10", "--out-dir", str(out), *extra]
     )  # fmt: skip
     assert code == 0, (out / f"{MODEL}.log").read_text()[-3000:]
     return out / f"{MODEL}.csv"
@@ -120,6 +119,22 @@ def test_perf_analyzer_writes_its_csv(perf_csv):
     assert float(rows[0]["Inferences/Second"]) > 0
     assert 0 < float(rows[0]["p50 latency"]) <= float(rows[0]["p99 latency"])
     assert float(rows[0]["Server Compute Infer"]) > 0
+
+
+def test_perf_analyzer_passes_the_admin_key_over_grpc(server, tmp_path):
+    """System shared memory is a restricted API: perf_analyzer registers its
+    regions with the key (OPARA_ADMIN_KEY, set by the session fixture) as gRPC
+    metadata, and measures."""
+    rows = perf.read_perf_csv(perf_analyzer_run(server, tmp_path, "--shared-memory", "system"))
+    assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
+
+
+def test_windows_hold_about_the_requested_seconds_within_bounds(server, capsys):
+    with Client(server.grpc_url) as client:
+        info = client.model_info(MODEL)
+    assert perf.window_requests(server.grpc_url, "grpc", info, 1, window_s=1e-6) == perf.MIN_WINDOW_REQUESTS
+    assert perf.window_requests(server.grpc_url, "grpc", info, 1, window_s=1e6) == perf.MAX_WINDOW_REQUESTS
+    assert f"{MODEL}: " in capsys.readouterr().out
 
 
 def test_client_p50_agrees_with_perf_analyzer(perf_csv, server, tmp_path):
@@ -187,7 +202,7 @@ def test_unreachable_server_is_one_error_line():
     assert done.stderr.startswith("error: cannot reach the server") and done.stderr.count("\n") == 1
 
 
-# --- infer, asyncio ------------------------------------------------------------------------
+# --- infer ------------------------------------------------------------------------
 
 
 def test_infer_command_sends_real_data_and_prints_top5(server, tmp_path):
@@ -204,26 +219,24 @@ def test_infer_command_sends_real_data_and_prints_top5(server, tmp_path):
         str(tmp_path / "images.npy"),
     )
     assert done.returncode == 0, done.stderr
-    assert "logits: float32 [2, 1000]" in done.stdout
+    assert "logits: float32 [2, 1000] (top 5 per row from Triton's classification extension)" in done.stdout
     assert done.stdout.count("top-5:") == 2
 
 
-def test_async_client_over_both_protocols(server):
-    async def one(protocol: str) -> np.ndarray:
-        async with AsyncClient(url_of(server, protocol), protocol) as client:
-            assert await client.live() and await client.ready() and await client.model_ready(MODEL)
-            info = await client.model_info(MODEL)
-            request = client.request(MODEL, random_inputs(info, 1, seed=7))
-            logits = (await client.infer(request)).as_numpy("logits")
-            assert (await client.statistics(MODEL))["success"][0] > 0
-            return logits
-
-    async def both():
-        return await asyncio.gather(one("grpc"), one("http"))
-
-    over_grpc, over_http = asyncio.run(both())
-    assert over_grpc.shape == (1, 1000)
-    np.testing.assert_array_equal(over_grpc, over_http)
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_tritons_top_classes_are_the_largest_scores(server, protocol):
+    with Client(url_of(server, protocol), protocol) as client:
+        info = client.model_info(MODEL)
+        arrays = random_inputs(info, 2, seed=11)
+        whole = client.request(MODEL, arrays, class_count={"logits": 0})
+        logits = result_arrays(whole, client.infer(whole), ["logits"])["logits"]
+        top = client.request(MODEL, arrays, class_count={"logits": 3})
+        entries = result_arrays(top, client.infer(top), ["logits"])["logits"]
+    assert entries.shape == (2, 3)
+    for row, scores in zip(entries, logits):
+        indices = [int(e.decode().split(":")[1]) for e in row]
+        assert indices == list(np.argsort(scores)[::-1][:3])
+        np.testing.assert_allclose([float(e.decode().split(":")[0]) for e in row], scores[indices], rtol=1e-5)
 
 
 # --- system shared memory ------------------------------------------------------------------

@@ -3,20 +3,24 @@ percentiles, writers, retry classification, perf_analyzer plumbing, plots."""
 
 from __future__ import annotations
 
+import base64
 import csv
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
 from client import api, bench, perf, plots
 from client.__main__ import main as client_main
-from client.__main__ import summarize_output
+from client.__main__ import class_scores, summarize_classes, summarize_output
 from client.inputs import InputError, ModelInfo, TensorInfo, load_inputs, model_info, random_inputs
 
 # --- inputs from metadata and config --------------------------------------------------
@@ -298,24 +302,6 @@ def test_retry_backs_off_on_an_unavailable_server_only(monkeypatch):
         api.NO_RETRY.call(fn)
 
 
-def test_async_retry_uses_the_same_policy(monkeypatch):
-    import asyncio
-
-    async def no_sleep(_):
-        return None
-
-    monkeypatch.setattr(api.asyncio, "sleep", no_sleep)
-    attempts = []
-
-    async def fn():
-        attempts.append(1)
-        if len(attempts) < 3:
-            raise InferenceServerException("down", status="StatusCode.UNAVAILABLE")
-        return 42
-
-    assert asyncio.run(api.RetryPolicy(attempts=3).acall(fn)) == 42 and len(attempts) == 3
-
-
 def test_parse_url():
     assert api.parse_url("localhost", "grpc") == "localhost:8001"
     assert api.parse_url("localhost", "http") == "localhost:8000"
@@ -398,11 +384,18 @@ def test_perf_analyzer_command_uses_count_windows_and_one_level(tmp_path):
     for expected in ("-m m", "-u localhost:9001", "-i grpc", "-b 2", "--concurrency-range=4:4", "--measurement-mode=count_windows",
                      "--measurement-request-count=20", f"--input-data={tmp_path / 'data'}", "--percentile=50"):  # fmt: skip
         assert expected in text
-    assert "--shared-memory" not in text
+    assert "-v" in command, "one line per window, streamed, shows progress"
+    assert "--shared-memory" not in text and "-H" not in command
     shm = perf.perf_analyzer_command(
-        perf.PerfConfig(model="m", url="h:1", shared_memory="system"), 1, tmp_path, tmp_path / "o.csv", 4000
+        perf.PerfConfig(model="m", url="h:1", shared_memory="system", admin_key="k" * 20), 1, tmp_path, tmp_path / "o.csv", 4000
     )
     assert "--shared-memory=system" in shm and "--output-shared-memory-size=4000" in shm
+    # over gRPC perf_analyzer sends -H as metadata, which Triton reads with its protocol prefix
+    assert shm[shm.index("-H") + 1] == "triton-grpc-protocol-admin-key:" + "k" * 20
+    http = perf.perf_analyzer_command(
+        perf.PerfConfig(model="m", url="h:1", protocol="http", shared_memory="system", admin_key="k" * 20), 1, tmp_path, tmp_path / "o.csv"
+    )
+    assert http[http.index("-H") + 1] == "admin-key:" + "k" * 20
 
 
 def test_perf_analyzer_env_finds_libcudart():
@@ -411,12 +404,47 @@ def test_perf_analyzer_env_finds_libcudart():
     assert (Path(first) / "libcudart.so.12").exists() and env["LD_LIBRARY_PATH"].endswith("/x")
 
 
-def test_perf_input_data_is_one_raw_row_per_input(tmp_path):
-    folder = perf.write_input_data(ranked(), tmp_path / "data")
-    assert sorted(p.name for p in folder.iterdir()) == ["dense", "ids", "mask", "sparse"]
-    sparse = np.fromfile(folder / "sparse", dtype=np.int64)
-    assert sparse.shape == (3,) and (sparse < [3, 50, 1000]).all()
-    assert (folder / "dense").stat().st_size == 4 * 4
+def test_perf_input_data_is_json_with_one_row_per_request(tmp_path):
+    path = perf.write_input_data(ranked(), tmp_path / "data.json", count=3)
+    entries = json.loads(path.read_text())["data"]
+    assert len(entries) == 3 and all(sorted(e) == ["dense", "ids", "mask", "sparse"] for e in entries)
+    sparse = [np.frombuffer(base64.b64decode(e["sparse"]["b64"]), dtype=np.int64) for e in entries]
+    assert all(s.shape == (3,) and (s < [3, 50, 1000]).all() for s in sparse)
+    assert len(base64.b64decode(entries[0]["dense"]["b64"])) == 4 * 4
+    assert any((a != b).any() for a, b in zip(sparse, sparse[1:])), "each request has its own seed"
+
+
+def test_a_perf_analyzer_run_streams_its_output_and_stops_at_the_timeout(tmp_path, capsys):
+    with open(tmp_path / "log", "w") as log_file:
+        code, output = perf.run_perf_analyzer(["sh", "-c", "echo first; echo second; exit 3"], log_file, 30)
+    assert code == 3 and output == "first\nsecond\n"
+    assert capsys.readouterr().out == "  first\n  second\n"
+    assert (tmp_path / "log").read_text().endswith("first\nsecond\n")
+    with open(tmp_path / "log", "w") as log_file:
+        code, output = perf.run_perf_analyzer(["sh", "-c", "echo started; exec sleep 60"], log_file, 0.5, echo=False)
+    assert code is None and output.startswith("started\n") and "timed out after" in output
+
+
+def test_an_unstable_measurement_names_the_options_to_raise():
+    config = perf.PerfConfig(model="m", url="h:1", max_trials=10, request_count=50, stability_percentage=20)
+    line = perf.failure_line(config, 2, 1, "Failed to obtain stable measurement within 10 measurement windows for concurrency 2.")
+    assert "m at concurrency 2" in line
+    for option in ("--max-trials", "--stability-percentage", "--request-count", "PERF_ARGS"):
+        assert option in line
+    assert perf.failure_line(config, 1, 99, "a\nconnection refused\n").endswith("perf_analyzer exit 99: connection refused")
+
+
+def test_the_perf_analyzer_wrapper_finds_its_library():
+    """`.venv/bin/perf_analyzer` alone fails on libcudart.so.12; the wrapper runs it."""
+    code = "import sys; sys.argv = ['opara-perf-analyzer', '--version']; from client.perf import exec_perf_analyzer; exec_perf_analyzer()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "Perf Analyzer Version 2.51" in done.stdout + done.stderr, done.stderr
+
+
+def test_perf_rows_in_milliseconds():
+    row = perf.perf_row({"Concurrency": "4", "Inferences/Second": "20.5", "p50 latency": "1500", "Server Queue": "", "Client Send": "x"})
+    assert row["concurrency"] == 4 and row["throughput"] == 20.5 and row["p50_ms"] == 1.5
+    assert row["server_queue_ms"] == 0 and row["client_send_ms"] == 0 and row["p99_ms"] == 0
 
 
 def test_plot_points_convert_units_and_batch():
@@ -439,6 +467,28 @@ def test_plots_write_png_files(tmp_path):
     assert plots.plot_bench(rows_as_dicts, tmp_path / "b.png", "t").read_bytes()[:4] == b"\x89PNG"
     series = [{"label": "a", "points": [{"concurrency": 1, "throughput": 1.0, "p50_ms": 2.0, "p99_ms": 3.0}]}]
     assert plots.plot_latency_vs_throughput(series, tmp_path / "c.png", "t").stat().st_size > 1000
+
+
+def test_comparison_plot_runs_in_throughput_order_with_labels_inside():
+    """More concurrency can give less throughput: the line still runs left to
+    right, and the label of the rightmost point stays inside the axes."""
+    points = [
+        {"concurrency": c, "throughput": t, "p50_ms": l, "p99_ms": l * 1.5}
+        for c, t, l in ((1, 9.0, 100.0), (2, 12.4, 160.0), (4, 11.8, 330.0), (8, 12.9, 610.0))
+    ]
+    fig = plots.latency_vs_throughput([{"label": "pa", "points": points}], "t")
+    axes = fig.axes[0]
+    for line in axes.get_lines():
+        assert list(line.get_xdata()) == sorted(line.get_xdata())
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    inside = axes.get_window_extent(renderer)
+    labels = [t for t in axes.texts if t.get_text().startswith("c=")]
+    assert len(labels) == 4
+    for label in labels:
+        box = label.get_window_extent(renderer)
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, label.get_text()
 
 
 def test_perf_plot_command_draws_both_tools(tmp_path):
@@ -484,15 +534,33 @@ def test_bad_arguments_give_one_error_line_and_exit_2(argv, message, capsys):
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
 
-def test_output_summary_shows_top5_for_class_scores():
-    scores = np.zeros((1, 10), np.float32)
-    scores[0, [7, 3, 1, 8, 0]] = [5, 4, 3, 2, 1]
-    text = summarize_output("logits", scores, batching=True)
-    assert "float32 [1, 10]" in text and "top-5: 7 (5.000), 3 (4.000), 1 (3.000), 8 (2.000), 0 (1.000)" in text
-    assert "top-5" not in summarize_output("ids", np.zeros((1, 3), np.int64), batching=True)
+def test_class_summary_reads_tritons_classification_entries():
+    entries = np.array([[b"5.0:7", b"4.0:3", b"3.5:1:cat"]] * 6, dtype=object)
+    text = summarize_classes("logits", entries, "float32 [6, 10]")
+    assert text.splitlines()[0].startswith("logits: float32 [6, 10] (top 3 per row")
+    assert "  row 0 top-3: 7 (5.000), 3 (4.000), 1 cat (3.500)" in text and "... 2 more rows" in text
+    assert summarize_output("ids", np.zeros((1, 3), np.int64)) == "ids: int64 [1, 3]  min 0  mean 0  max 0"
+
+
+def test_only_float_vectors_per_row_count_as_class_scores():
+    assert class_scores(TensorInfo("logits", "FP32", (1000,)))
+    assert not class_scores(TensorInfo("probability", "FP32", (1,)))
+    assert not class_scores(TensorInfo("hidden", "FP32", (128, 768)))
+    assert not class_scores(TensorInfo("ids", "INT64", (26,)))
 
 
 def test_json_written_by_the_writer_is_plain_json(tmp_path):
     config = bench.BenchConfig(model="m", url="h:1", concurrency=(1,), duration_s=1.0)
     bench.write_json(tmp_path / "r.json", bench.BenchResult(config, rows()[:1]))
     assert json.loads((tmp_path / "r.json").read_text())["results"][0]["concurrency"] == 1
+
+
+def test_the_client_imports_no_torch():
+    """A client-only install (`pip install '.[client]'`) has no torch: nothing
+    the client runs may import it."""
+    code = (
+        "import sys\n"
+        "import client, client.api, client.bench, client.cli, client.inputs, client.perf, client.plots, client.__main__\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -70,7 +70,8 @@ def test_the_key_stays_out_of_the_config_repr():
 def test_the_client_sends_the_key_only_where_it_is_set():
     assert admin_headers("http", {ADMIN_KEY_ENV: "abc"}) == {"admin-key": "abc"}
     assert admin_headers("grpc", {ADMIN_KEY_ENV: "abc"}) == {"triton-grpc-protocol-admin-key": "abc"}
-    assert admin_headers("grpc", {}) == {} and admin_headers("http", {ADMIN_KEY_ENV: ""}) == {}
+    no_file = {"HOME": "/nonexistent"}  # and no key file either
+    assert admin_headers("grpc", no_file) == {} and admin_headers("http", {**no_file, ADMIN_KEY_ENV: ""}) == {}
 
 
 # --- the running server -----------------------------------------------------------------

@@ -1,0 +1,21 @@
+"""The model configurations as Triton reads them: dynamic-batching defaults."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY
+
+CONFIGS = sorted(DEFAULT_MODEL_REPOSITORY.glob("*/config.pbtxt"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.parent.name)
+def test_no_preferred_batch_of_one(config):
+    """With 1 preferred, every lone request is a preferred batch: the batcher
+    never waits its max_queue_delay for a second request."""
+    text = config.read_text()
+    assert "dynamic_batching" in text
+    for sizes in re.findall(r"preferred_batch_size:\s*\[([^\]]*)\]", text):
+        assert 1 not in [int(s) for s in sizes.split(",")], f"{config}: preferred_batch_size [{sizes}]"
