@@ -52,22 +52,23 @@ def oracle(prompt: list[int], max_tokens: int, end_id: int | None = None) -> lis
     return generated
 
 
-def start(tmp_path: Path, **parameters: str) -> TritonServer:
-    repository = make_repository(tmp_path / "models", {"gpt2": "gpt2"}, {"config_overrides": SMALL, **parameters})
-    return TritonServer(server_config(repository, exit_timeout_s=15), tmp_path / "server.log")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, admin_key):
-    """Iteration-level scheduling, 4 slots, a queue of 6."""
-    with start(tmp_path_factory.mktemp("generation"), max_active="4", max_context="128", max_queue="6") as running:
+    """gpt2 with iteration-level scheduling, and gpt2_request with the
+    request-level baseline; both 4 slots of 128 positions and a queue of 6."""
+    root = tmp_path_factory.mktemp("generation")
+    parameters = {"config_overrides": SMALL, "max_active": "4", "max_context": "128", "max_queue": "6"}
+    repository = make_repository(root / "models", {"gpt2": "gpt2", "gpt2_request": "gpt2"}, parameters)
+    with open(repository / "gpt2_request" / "config.pbtxt", "a") as config:
+        config.write('parameters { key: "scheduling" value: { string_value: "request" } }\n')
+    with TritonServer(server_config(repository, exit_timeout_s=15), root / "server.log") as running:
         yield running
 
 
-def generate(url: str, prompt: list[int], max_tokens: int, end_id: int | None = None, delay_s: float = 0.0) -> list[int]:
+def generate(url: str, prompt: list[int], max_tokens: int, end_id: int | None = None, delay_s: float = 0.0, model: str = "gpt2") -> list[int]:
     time.sleep(delay_s)
     with TokenStream(url) as stream:
-        stream.send("gpt2", prompt, max_tokens, end_id)
+        stream.send(model, prompt, max_tokens, end_id)
         return [token for _, token in tokens(stream.events)]
 
 
@@ -118,7 +119,7 @@ def test_cancelled_and_disconnected_clients_lose_no_other_request(server):
     """Two clients go away mid-stream (one cancels its stream, one closes its
     channel without cancelling) beside three requests that must all be
     answered in full; afterwards the server serves new requests."""
-    cases = [([5, 6, 7], 30), ([8, 9], 25), ([10], 30)]
+    cases = [([5, 6, 7], 20), ([8, 9], 15), ([10], 20)]
     with ThreadPoolExecutor(len(cases)) as pool:
         futures = [pool.submit(generate, server.grpc_url, prompt, n, None, 0.02) for prompt, n in cases]
         for cancel in (True, False):
@@ -136,7 +137,7 @@ def test_overload_gets_a_clear_error_and_the_others_are_served(server):
     """4 slots and a queue of 6: of 16 long requests sent at once, those past
     the queue are refused with 'overloaded' at once; every accepted one is
     answered in full."""
-    cases = [([i + 1, i + 2], 40) for i in range(16)]
+    cases = [([i + 1, i + 2], 16) for i in range(16)]
     results: list = [None] * len(cases)
 
     def one(i: int) -> None:
@@ -158,33 +159,27 @@ def test_overload_gets_a_clear_error_and_the_others_are_served(server):
         assert result == oracle(prompt, n)
 
 
-def long_then_short(url: str) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+def long_then_short(url: str, model: str) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
     """A long request, and a short one sent once the long one's first token is
     in: (time, token) of each."""
     with TokenStream(url) as long, TokenStream(url) as short:
-        long.send("gpt2", [1, 2, 3], 120)
+        long.send(model, [1, 2, 3], 60)
         long_events = tokens(long.events)
         long_got = [next(long_events)]
-        short.send("gpt2", [4, 5], 3)
+        short.send(model, [4, 5], 3)
         short_got = list(tokens(short.events))
         long_got += list(long_events)
-    assert [t for _, t in long_got] == oracle([1, 2, 3], 120)
+    assert [t for _, t in long_got] == oracle([1, 2, 3], 60)
     assert [t for _, t in short_got] == oracle([4, 5], 3)
     return long_got, short_got
 
 
 def test_iteration_level_a_late_short_request_joins_and_leaves_before_the_long_one(server):
-    long_got, short_got = long_then_short(server.grpc_url)
+    long_got, short_got = long_then_short(server.grpc_url, "gpt2")
     assert short_got[-1][0] < long_got[-1][0]
 
 
-@pytest.fixture(scope="module")
-def request_level(tmp_path_factory, admin_key):
-    with start(tmp_path_factory.mktemp("request_level"), scheduling="request", max_active="4", max_context="128") as running:
-        yield running
-
-
-def test_request_level_baseline_makes_a_late_request_wait_for_the_whole_batch(request_level):
+def test_request_level_baseline_makes_a_late_request_wait_for_the_whole_batch(server):
     """The baseline: nobody joins a running batch; the tokens are still exactly the oracle's."""
-    long_got, short_got = long_then_short(request_level.grpc_url)
+    long_got, short_got = long_then_short(server.grpc_url, "gpt2_request")
     assert short_got[0][0] > long_got[-1][0]

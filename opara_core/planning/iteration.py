@@ -32,7 +32,7 @@ class Limits:
     """max_active: requests in one decoding step (KV-cache slots);
     kv_tokens: cache positions that admitted requests may reserve in total;
     max_context: positions one request may use (the model's window and a slot's length);
-    max_queue: requests that may wait for admission; one more is rejected."""
+    max_queue: requests that may wait for a free slot; one more is rejected."""
 
     max_active: int
     kv_tokens: int
@@ -109,9 +109,11 @@ class Scheduler:
             )
         if sequence.reservation > limits.kv_tokens:
             raise Rejected(f"the request needs {sequence.reservation} KV-cache positions; the budget is {limits.kv_tokens}")
-        if len(self.waiting) >= limits.max_queue:
+        # the queue holds those that the next admit() cannot take (free slots admit the rest)
+        room = len(self.free_slots) if self.mode == ITERATION or not self.active else 0
+        if len(self.waiting) >= limits.max_queue + room:
             raise Rejected(
-                f"overloaded: {len(self.active)} requests generating and {len(self.waiting)} waiting "
+                f"overloaded: {len(self.active)} requests generating and {len(self.waiting) - room} waiting "
                 f"(queue limit {limits.max_queue}); retry later"
             )
         self.waiting.append(sequence)

@@ -332,4 +332,6 @@ class GenerationModel:
         return None
 
     def finalize(self) -> None:
+        started = time.monotonic()
         self.generator.stop()
+        log.info("generation loop stopped in %.2f s", time.monotonic() - started)
