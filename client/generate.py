@@ -193,7 +193,7 @@ class LoadResult:
 def plan_load(config: LoadConfig) -> list[tuple[float, list[int], int]]:
     """(send time from the start, prompt, max_tokens) per request, seeded."""
     rng = np.random.default_rng(config.seed)
-    arrivals = np.cumsum(rng.exponential(1.0 / config.rate, config.requests)) - 0.0
+    arrivals = np.cumsum(rng.exponential(1.0 / config.rate, config.requests))
     plan = []
     for at in arrivals:
         length = int(rng.integers(config.prompt_len[0], config.prompt_len[1] + 1))
@@ -230,7 +230,9 @@ def run_load(config: LoadConfig, stop: threading.Event | None = None) -> LoadRes
                 if len(times) > 1:
                     outcome.tpot_s = (times[-1] - times[0]) / (len(times) - 1)
             result.outcomes.append(outcome)
-        result.duration_s = time.perf_counter() - start
+        # from the first send to the last token received
+        ends = [sent_at + o.latency_s for sent_at, _, o in sent if o.latency_s is not None]
+        result.duration_s = (max(ends) if ends else time.perf_counter()) - start
     finally:
         for _, stream, _ in sent:
             stream.close(cancel=True)

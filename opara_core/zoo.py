@@ -352,8 +352,10 @@ def oracle_tolerance() -> float:
     return 5e-2 if torch.cuda.is_available() else 1e-4
 
 
-def names(serving: str | None = None) -> list[str]:
-    """Names of all zoo models (or of those served as `serving`), in a stable order."""
+def names(serving: str | None = BATCH) -> list[str]:
+    """Names of the zoo models served as `serving`, in a stable order: by
+    default the batch models, which the engine traces, plans and captures and
+    Triton batches; `GENERATE` for the generation models; None for all."""
     return [name for name, entry in _MODELS.items() if serving is None or entry.serving == serving]
 
 
