@@ -12,6 +12,7 @@ one token forever, which would let a wrong cache or mask pass.
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -115,22 +116,48 @@ def test_bad_requests_get_a_clear_error(server, prompt, max_tokens, problem):
     assert problem in message and "Traceback" not in message, message
 
 
+KILLED_CLIENT = """
+import sys
+from client.generate import TokenStream, tokens
+stream = TokenStream(sys.argv[1])
+stream.send("gpt2", [1, 2, 3, 4], 100)
+next(tokens(stream.events))
+print("first token", flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
 def test_cancelled_and_disconnected_clients_lose_no_other_request(server):
-    """Two clients go away mid-stream (one cancels its stream, one closes its
-    channel without cancelling) beside three requests that must all be
-    answered in full; afterwards the server serves new requests."""
+    """Two clients go away mid-stream, one cancelling its stream, one killed
+    (its connection drops), beside three requests that must all be answered
+    in full. The server retires both at once, long before their 100 tokens,
+    and serves new requests afterwards."""
+    import subprocess
+    import sys
+
+    from opara_core.serving.launcher import REPO_ROOT
+
     cases = [([5, 6, 7], 20), ([8, 9], 15), ([10], 20)]
     with ThreadPoolExecutor(len(cases)) as pool:
         futures = [pool.submit(generate, server.grpc_url, prompt, n, None, 0.02) for prompt, n in cases]
-        for cancel in (True, False):
-            stream = TokenStream(server.grpc_url)
-            stream.send("gpt2", [1, 2, 3, 4], 100)
-            next(tokens(stream.events))
-            stream.close(cancel=cancel)
+        stream = TokenStream(server.grpc_url)
+        stream.send("gpt2", [1, 2, 3, 4], 100)
+        next(tokens(stream.events))
+        stream.close(cancel=True)
+        killed = subprocess.Popen(
+            [sys.executable, "-c", KILLED_CLIENT, server.grpc_url], cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert killed.stdout.readline().strip() == "first token"
+        finally:
+            killed.kill()
+            killed.wait(30)
         results = [f.result() for f in futures]
     for (prompt, n), result in zip(cases, results):
         assert result == oracle(prompt, n)
     assert generate(server.grpc_url, [3, 1, 4], 6) == oracle([3, 1, 4], 6)
+    retired = re.findall(r"request \d+ cancelled after (\d+) tokens", server.log_tail(2000))
+    assert len(retired) == 2 and all(int(n) < 100 for n in retired), retired
 
 
 def test_overload_gets_a_clear_error_and_the_others_are_served(server):
@@ -183,3 +210,51 @@ def test_request_level_baseline_makes_a_late_request_wait_for_the_whole_batch(se
     """The baseline: nobody joins a running batch; the tokens are still exactly the oracle's."""
     long_got, short_got = long_then_short(server.grpc_url, "gpt2_request")
     assert short_got[0][0] > long_got[-1][0]
+
+
+def test_http_generate_stream_streams_the_same_tokens(server):
+    """Triton 2.51's HTTP generate_stream endpoint (server-sent events) works
+    with the decoupled model: one event per token, errors as an error event."""
+    import json
+    import urllib.request
+
+    import urllib.error
+
+    def events(body: dict) -> tuple[int, list[dict]]:
+        request = urllib.request.Request(
+            f"http://{server.http_url}/v2/models/gpt2/generate_stream", data=json.dumps(body).encode(), method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                status, text = response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            status, text = error.code, error.read().decode()
+        return status, [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: ")]
+
+    status, got = events({"input_ids": [1, 2, 3], "max_tokens": 7})
+    assert status == 200 and [e["output_ids"] for e in got] == oracle([1, 2, 3], 7)
+    status, refused = events({"input_ids": [1, 2, 3], "max_tokens": 0})
+    assert status == 400 and len(refused) == 1 and "max_tokens" in refused[0]["error"]
+
+
+def test_the_client_cli_streams_tokens_and_runs_a_load(server, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from opara_core.serving.launcher import REPO_ROOT
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "client", "generate", "--model", "gpt2", "--url", server.grpc_url, *args]
+        return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+    one = cli("--ids", "1,2,3", "--max-tokens", "6")
+    assert one.returncode == 0, one.stderr
+    assert one.stdout.split("\n")[0].split() == [str(t) for t in oracle([1, 2, 3], 6)]
+    load = cli("--rate", "20", "--requests", "8", "--prompt-len", "2,6", "--output-len", "2,6", "--json", str(tmp_path / "load.json"))
+    assert load.returncode == 0, load.stderr
+    report = json.loads((tmp_path / "load.json").read_text())
+    assert report["summary"]["requests"] == 8 and report["summary"]["errors"] == 0
+    assert all(r["tokens"] == r["max_tokens"] for r in report["requests"])
+    bad = cli("--ids", "1,2", "--max-tokens", "500")
+    assert bad.returncode == 1 and bad.stderr.startswith("error:") and "positions" in bad.stderr
