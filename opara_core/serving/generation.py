@@ -50,7 +50,9 @@ class GenerationSettings:
     requests before new ones are refused; config_overrides: "key=value,..."
     GPT2Config fields that replace the zoo's GPT-2 small configuration (empty:
     none; the tests serve a small GPT-2 this way, since GPT-2 small generates
-    too slowly for CI on a shared two-core CPU), with weights from the zoo seed.
+    too slowly for CI on a shared two-core CPU), with weights from the zoo seed;
+    cuda_graphs: 1 (default) captures the decoding step as one CUDA graph per
+    active-batch bucket (powers of two up to max_active) on a GPU instance, 0 runs it eagerly.
     """
 
     scheduling: str = ITERATION
@@ -59,6 +61,7 @@ class GenerationSettings:
     kv_tokens: int = 0
     max_queue: int = 64
     config_overrides: str = ""
+    cuda_graphs: int = 1
 
     def limits(self) -> Limits:
         return Limits(
@@ -125,6 +128,23 @@ def small_gpt2(overrides: dict[str, int | float]) -> GPT2Logits:
         return GPT2Logits(gpt2_small(**overrides)).eval()
     except (TypeError, ValueError) as error:
         raise ValueError(f"config_overrides {overrides}: {error}") from None
+
+
+def graph_buckets(max_active: int) -> tuple[int, ...]:
+    """Active-batch sizes to capture: powers of two below max_active, and max_active."""
+    return tuple(sorted({1 << i for i in range(max_active.bit_length()) if 1 << i < max_active} | {max_active}))
+
+
+def make_decoder(lm: torch.nn.Module, settings: GenerationSettings, device: torch.device) -> SlotDecoder:
+    """CUDA graphs per bucket on a GPU (when enabled); eager elsewhere, or
+    when the capture fails (logged; the model still serves)."""
+    if device.type == "cuda" and settings.cuda_graphs:
+        try:
+            return SlotDecoder(lm, settings.max_active, settings.max_context, device, graph_buckets(settings.max_active), capture=True)
+        except Exception:  # noqa: BLE001 - serve eagerly rather than not at all
+            log.exception("capturing the decoding step failed; decoding eagerly")
+            torch.cuda.synchronize(device)
+    return SlotDecoder(lm, settings.max_active, settings.max_context, device)
 
 
 @dataclass
@@ -316,14 +336,15 @@ class GenerationModel:
         except (KeyError, ValueError) as error:
             raise pb_utils.TritonModelException(f"model {name}: {error}") from None
         device = select_device(args)
-        decoder = SlotDecoder(lm, settings.max_active, settings.max_context, device)
+        decoder = make_decoder(lm, settings, device)
         decoder.prefill(0, [0, 1])  # warm-up; the slot is overwritten by its first request
         decoder.step([0], [2], [2])
         self.generator = Generator(pb_utils, decoder, settings, lm.config.vocab_size)
         self.generator.start()
         log.info(
-            "model %s ready on %s: %s scheduling, %d slots x %d positions (%.0f MiB of KV cache)",
+            "model %s ready on %s: %s scheduling, %d slots x %d positions (%.0f MiB of KV cache), CUDA graphs for batches %s",
             name, device, settings.scheduling, settings.max_active, settings.max_context, decoder.cache_bytes / 2**20,
+            [b.size for b in decoder.buckets if b.graph is not None] or "none",
         )  # fmt: skip
 
     def execute(self, requests: list) -> None:
