@@ -258,3 +258,24 @@ def test_the_client_cli_streams_tokens_and_runs_a_load(server, tmp_path):
     assert all(r["tokens"] == r["max_tokens"] for r in report["requests"])
     bad = cli("--ids", "1,2", "--max-tokens", "500")
     assert bad.returncode == 1 and bad.stderr.startswith("error:") and "positions" in bad.stderr
+
+
+# --- the model's parameters (no server) --------------------------------------------------------
+
+
+def test_parameters_parse_and_bad_ones_are_named():
+    from opara_core.serving.generation import GenerationSettings, graph_buckets
+
+    settings = GenerationSettings.from_parameters({"scheduling": "request", "max_active": "3", "config_overrides": "n_layer=2,initializer_range=0.2"})
+    assert settings.scheduling == "request" and settings.limits().kv_tokens == 3 * settings.max_context
+    assert settings.overrides() == {"n_layer": 2, "initializer_range": 0.2}
+    for params, problem in (
+        ({"max_slots": "3"}, "unknown parameters ['max_slots']"),
+        ({"max_active": "many"}, "max_active has an invalid value"),
+        ({"max_active": "0"}, "max_active must be >= 1"),
+        ({"scheduling": "orca"}, "scheduling must be one of"),
+        ({"config_overrides": "n_layer"}, "expected key=number"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            GenerationSettings.from_parameters(params)
+    assert graph_buckets(1) == (1,) and graph_buckets(12) == (1, 2, 4, 8, 12)
