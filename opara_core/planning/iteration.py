@@ -97,6 +97,20 @@ class Scheduler:
 
     def submit(self, sequence: Sequence) -> None:
         """Queue a request, or raise Rejected naming the problem."""
+        self.check(sequence)
+        limits = self.limits
+        # the queue holds those that the next admit() cannot take (free slots admit the rest)
+        room = len(self.free_slots) if self.mode == ITERATION or not self.active else 0
+        if len(self.waiting) >= limits.max_queue + room:
+            raise Rejected(
+                f"overloaded: {len(self.active)} requests generating and {len(self.waiting) - room} waiting "
+                f"(queue limit {limits.max_queue}); retry later"
+            )
+        self.waiting.append(sequence)
+
+    def check(self, sequence: Sequence) -> None:
+        """Raise Rejected for a request that could never run, whatever the load.
+        Reads only the limits, so any thread may call it."""
         limits = self.limits
         if sequence.prompt_len < 1:
             raise Rejected("input_ids is empty: give at least one prompt token")
@@ -109,14 +123,6 @@ class Scheduler:
             )
         if sequence.reservation > limits.kv_tokens:
             raise Rejected(f"the request needs {sequence.reservation} KV-cache positions; the budget is {limits.kv_tokens}")
-        # the queue holds those that the next admit() cannot take (free slots admit the rest)
-        room = len(self.free_slots) if self.mode == ITERATION or not self.active else 0
-        if len(self.waiting) >= limits.max_queue + room:
-            raise Rejected(
-                f"overloaded: {len(self.active)} requests generating and {len(self.waiting) - room} waiting "
-                f"(queue limit {limits.max_queue}); retry later"
-            )
-        self.waiting.append(sequence)
 
     def admit(self) -> list[Sequence]:
         """Requests to prefill now, each given a slot; first come, first served.

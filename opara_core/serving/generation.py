@@ -187,10 +187,11 @@ class Generator:
         sender = request.get_response_sender()
         try:
             prompt, max_tokens, end_id = self._parse(request)
+            sequence = Sequence(next(self._keys), len(prompt), max_tokens, end_id)
+            self.scheduler.check(sequence)  # reads only the limits: safe beside the loop thread
         except Rejected as error:
             self._fail(sender, str(error), self._pb.TritonError.INVALID_ARG)
             return
-        sequence = Sequence(next(self._keys), len(prompt), max_tokens, end_id)
         self._inbox.put(Stream(sequence, prompt, sender, request))
 
     def _parse(self, request) -> tuple[list[int], int, int | None]:
@@ -239,7 +240,7 @@ class Generator:
             try:
                 self.scheduler.submit(item.sequence)
                 self.streams[item.sequence.key] = item
-            except Rejected as error:
+            except Rejected as error:  # overloaded: worth retrying later
                 self._fail(item.sender, str(error), self._pb.TritonError.UNAVAILABLE)
             try:
                 item = self._inbox.get_nowait()
