@@ -27,10 +27,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from opara_core import zoo
-from opara_core.engine.build import AutoCapture, BuildReport, EngineSettings, build_runner, candidates, trace_on, traced_graphs
-from opara_core.engine.capture import CaptureError, LanePool, plan_capture, pool_mb
-from opara_core.engine.trace import OpGraph
+from opara_core.engine.build import BuildReport, EngineSettings, build_runner, candidates, capture_fastest, traced_graphs
+from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, capture_module, pool_mb
 from opara_core.engine.interpreter import plan_graph
+from opara_core.engine.trace import OpGraph, trace_zoo
 
 log = logging.getLogger(__name__)
 
@@ -92,24 +92,34 @@ def rotating_inputs(entry: zoo.ZooModel, batch: int, device: torch.device, count
     return [tuple(t.to(device) for t in entry.example_inputs(batch, seed=100 + k)) for k in range(count)]
 
 
-def graph_call(cuda_graph, static_in: Sequence[torch.Tensor], inputs) -> Callable[[int], None]:
+def graph_call(captured: CapturedGraph, inputs) -> Callable[[int], None]:
     def call(i: int) -> None:
-        for static, x in zip(static_in, inputs[i % len(inputs)]):
+        for static, x in zip(captured.inputs, inputs[i % len(inputs)]):
             static.copy_(x, non_blocking=True)
-        cuda_graph.replay()
+        captured.replay()
 
     return call
 
 
-def capture_measured(capture, static_in, pool) -> tuple[Any, float]:
-    """Capture into `pool` (a fresh one) and report the MB the graph holds:
-    every segment of its private pool, intermediates and outputs."""
-    cuda_graph, outputs = capture(static_in, pool)
-    return (cuda_graph, outputs), pool_mb(pool)
+def capture_measured(capture: PlanCapture, static_in) -> tuple[CapturedGraph, float]:
+    """Capture into a fresh pool and report the MB the graph holds: every
+    segment of its private pool, intermediates and outputs (a pool dies with
+    the last graph that used it)."""
+    pool = torch.cuda.graph_pool_handle()
+    captured = capture(static_in, pool)
+    return captured, pool_mb(pool)
 
 
 def bench_model(
-    name: str, batches: Sequence[int], compile_: bool, max_streams: int, fusion: bool, progress, layout: str = "auto", time_build: bool = True
+    name: str,
+    batches: Sequence[int],
+    compile_: bool,
+    max_streams: int,
+    fusion: bool,
+    progress,
+    layout: str = "auto",
+    time_build: bool = True,
+    compile_autotune: bool = False,
 ) -> list[Row]:
     """Every variant of one model at each batch size (see the module docstring).
 
@@ -122,7 +132,7 @@ def bench_model(
     # the serving build first, while cuDNN's autotune cache holds none of this model's shapes
     build = _plan_capture_seconds(entry, device, max_streams, fusion, layout) if time_build else None
     module = entry.build().to(device).eval()  # eager and torch.compile
-    unfused = trace_on(module, entry, device)
+    unfused = trace_zoo(entry, module, device)
     report = BuildReport()
     graphs = traced_graphs(entry.build().to(device).eval(), entry, device, EngineSettings(fusion=fusion, layout=layout), report)
     primary = "nhwc" if layout == "nhwc" else "nchw"
@@ -138,7 +148,9 @@ def bench_model(
             row.timings["eager"] = time_calls(lambda i: module(*inputs[i % len(inputs)]))
         progress.update()
         if compile_:
-            row.timings["compile"] = _time_compiled(module, inputs, row)
+            row.timings["compile"] = _time_compiled(module, inputs, row, "default")
+            if compile_autotune:
+                row.timings["compile max-autotune"] = _time_compiled(module, inputs, row, "max-autotune-no-cudagraphs")
         progress.update()
         lane_pool = LanePool(device)
         static_in = [x.clone() for x in inputs[0]]
@@ -150,29 +162,27 @@ def bench_model(
             for label, g, policy, lanes in variants:
                 plan = plan_graph(g, policy, lanes)
                 try:
-                    # a pool per graph: a pool dies with the last graph that used it
-                    pool = torch.cuda.graph_pool_handle()
-                    (cuda_graph, _), peak = capture_measured(plan_capture(g, plan, lane_pool), static_in, pool)
+                    captured, peak = capture_measured(PlanCapture(g, plan, lane_pool), static_in)
                 except CaptureError as error:
                     row.notes.append(f"{label}: {error}")
                     progress.update()
                     continue
-                row.timings[label] = time_calls(graph_call(cuda_graph, static_in, inputs))
+                row.timings[label] = time_calls(graph_call(captured, inputs))
                 row.streams[label] = plan.num_streams
                 row.peak_mb[label] = peak
-                del cuda_graph
+                del captured
                 progress.update()
+            # auto exactly as the serving build chooses, for this one bucket
             auto_report = BuildReport()
-            auto = AutoCapture(candidates(graphs, EngineSettings(max_streams=max_streams)), lane_pool, auto_report)
-            cuda_graph, _ = auto(static_in, torch.cuda.graph_pool_handle())
-            row.timings["auto"] = time_calls(graph_call(cuda_graph, static_in, inputs))
-            row.auto_choice = auto_report.choices[batch]
-            del cuda_graph
+            captures = {c: PlanCapture(graphs[c.layout], plan, lane_pool) for c, plan in candidates(graphs, EngineSettings(max_streams=max_streams)).items()}
+            captured = capture_fastest(captures, entry, device, [batch], auto_report)[batch]
+            row.timings["auto"] = time_calls(graph_call(captured, inputs))
+            chosen = auto_report.choices[batch]
+            row.auto_choice = str(chosen)
+            del captured
             # the memory of the chosen graph alone (auto's pool also held the candidates it dropped)
-            chosen = auto.chosen[batch]
-            pool = torch.cuda.graph_pool_handle()
-            (cuda_graph, _), row.peak_mb["auto"] = capture_measured(plan_capture(chosen.graph, chosen.plan, lane_pool), static_in, pool)
-            del cuda_graph
+            captured, row.peak_mb["auto"] = capture_measured(captures[chosen], static_in)
+            del captured
             progress.update()
         if floors:
             row.critical_path_ms, row.sum_of_ops_ms = min(floors)
@@ -194,20 +204,26 @@ def _critical_path(graph: OpGraph, entry: zoo.ZooModel, device: torch.device) ->
     return measured.dag.critical_path_us / 1000, sum(measured.dag.costs) / 1000
 
 
-def _time_compiled(module: torch.nn.Module, inputs, row: Row) -> Timing | None:
-    """torch.compile(mode="reduce-overhead"): Inductor kernels replayed from CUDA graphs."""
+def _time_compiled(module: torch.nn.Module, inputs, row: Row, mode: str) -> Timing | None:
+    """torch.compile as an inference user runs it: under `inference_mode`, with
+    Inductor's freezing (weights folded in as constants), replayed from a CUDA
+    graph captured here around the compiled call (copy in, replay), timed like
+    every other graph column. `mode` is torch.compile's ("default" or
+    "max-autotune-no-cudagraphs")."""
+    label = "torch.compile" + ("" if mode == "default" else f" {mode}")
     try:
         torch._dynamo.reset()
-        compiled = torch.compile(module, mode="reduce-overhead")
-        with torch.inference_mode():
+        with torch._inductor.config.patch(freezing=True), torch.inference_mode():
+            compiled = torch.compile(module, mode=mode)
             start = time.perf_counter()
             for x in inputs:
                 compiled(*x)
             torch.cuda.synchronize()
-            row.notes.append(f"torch.compile warm-up {time.perf_counter() - start:.0f} s")
-            return time_calls(lambda i: compiled(*inputs[i % len(inputs)]))
+            row.notes.append(f"{label} (freezing) compile and warm-up {time.perf_counter() - start:.0f} s")
+            captured = capture_module(compiled, [x.clone() for x in inputs[0]], torch.cuda.graph_pool_handle())
+            return time_calls(graph_call(captured, inputs))
     except Exception as error:  # noqa: BLE001 - a failing baseline is reported, not fatal
-        row.notes.append(f"torch.compile failed: {type(error).__name__}: {str(error)[:200]}")
+        row.notes.append(f"{label} failed: {type(error).__name__}: {str(error)[:200]}")
         return None
 
 
@@ -222,7 +238,7 @@ def _plan_capture_seconds(entry: zoo.ZooModel, device: torch.device, max_streams
 
 # ---- report ------------------------------------------------------------------------
 
-COLUMNS = ("eager", "compile", "sequential (unfused)", "sequential", *POLICIES, "sequential nhwc", "auto")
+COLUMNS = ("eager", "compile", "compile max-autotune", "sequential (unfused)", "sequential", *POLICIES, "sequential nhwc", "auto")
 
 
 def table(rows: Sequence[Row]) -> str:
@@ -281,12 +297,12 @@ def plot_timeline(name: str, batch: int, path: Path, max_streams: int, fusion: b
     module = entry.build().to(device).eval()
     settings = EngineSettings(max_streams=max_streams, buckets=(batch,), guard=False, fusion=fusion)
     runner, report = build_runner(module, entry, device, batch, settings)
-    graph_, _, _ = runner._graphs[batch]
+    captured = runner.graphs[batch]
     for _ in range(3):
-        graph_.replay()
+        captured.replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        graph_.replay()
+        captured.replay()
         torch.cuda.synchronize()
     trace_path = path.with_suffix(".trace.json")
     prof.export_chrome_trace(str(trace_path))
@@ -306,7 +322,7 @@ def plot_timeline(name: str, batch: int, path: Path, max_streams: int, fusion: b
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return report.choices.get(batch, "?")
+    return str(report.choices.get(batch, "?"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--max-streams", type=int, default=8)
     parser.add_argument("--compile-models", default=None, help="models to time with torch.compile (default: all; it is slow to compile)")
+    parser.add_argument("--compile-autotune", default="", help="models to also time with torch.compile max-autotune-no-cudagraphs (slow to compile)")
     parser.add_argument("--no-fusion", action="store_true")
     parser.add_argument("--no-plan-capture", action="store_true", help="skip timing the serving build of all buckets")
     parser.add_argument("--layout", choices=("auto", "nchw", "nhwc"), default="auto", help="layouts auto may choose (policy columns: NCHW unless nhwc)")
@@ -347,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in models:
             progress.set_postfix_str(name)
             compile_ = args.compile_models is None or name in args.compile_models.split(",")
-            rows += bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture)
+            autotune = name in args.compile_autotune.split(",")
+            rows += bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune)
             if args.json:
                 _write_json(args.json, rows)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "

@@ -80,30 +80,31 @@ class TensorSpec:
         draw = torch.randint(0, 2**62, shape, dtype=torch.int64, generator=generator)
         return (draw % span + low).to(self.dtype)
 
-    def check(self, array: Any) -> str | None:
+    def check(self, values: Any) -> str | None:
         """A one-line description of the first out-of-range id in a batch, or None.
 
-        `array` is what Triton hands over: a numpy array (a CPU tensor works too)
-        with a leading batch dimension. Only ranged integer inputs are checked;
-        float inputs cannot index out of a table, so they always pass.
+        `values` is a torch tensor with a leading batch dimension, on any device
+        (a numpy array works too): the check runs where the data is, with one
+        synchronisation. Only ranged integer inputs are checked; float inputs
+        cannot index out of a table, so they always pass.
         """
         limits = self.limits()
         if limits is None:
             return None
+        values = torch.as_tensor(values)
+        if tuple(values.shape[1:]) != self.shape:
+            return f"input {self.name!r}: per-sample shape {tuple(values.shape[1:])}, expected {self.shape}"
         low, high = limits
-        values = np.asarray(array)
-        if values.shape[1:] != self.shape:
-            return f"input {self.name!r}: per-sample shape {values.shape[1:]}, expected {self.shape}"
-        bad = (values < low) | (values >= high)
-        if not bad.any():
+        bad = (values < low) | (values >= torch.as_tensor(high, device=values.device))
+        if not bool(bad.any()):
             return None
-        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        first = tuple(int(i) for i in bad.nonzero()[0])
         sample, position = first[0], first[1:]
         where = position[0] if len(position) == 1 else position
         bound = int(np.broadcast_to(high, self.shape)[position])
         more = int(bad.sum()) - 1
         return (
-            f"input {self.name!r}: value {values[first]} at batch item {sample}, position {where} "
+            f"input {self.name!r}: value {int(values[first])} at batch item {sample}, position {where} "
             f"is outside [{low}, {bound})" + (f" ({more} more bad values)" if more else "")
         )
 

@@ -24,7 +24,7 @@ import torch
 
 from opara_core import zoo
 from opara_core.engine.build import BuildReport, EngineSettings, build_runner, traced_graphs
-from opara_core.engine.capture import LanePool, plan_capture, pool_mb
+from opara_core.engine.capture import LanePool, PlanCapture, pool_mb
 from opara_core.engine.interpreter import plan_graph
 
 
@@ -42,12 +42,12 @@ def capture_variants(entry: zoo.ZooModel, settings: EngineSettings) -> list[dict
             pool = torch.cuda.graph_pool_handle()
             torch.cuda.synchronize()
             start = time.perf_counter()
-            cuda_graph, _ = plan_capture(graph, plan, lane_pool, warmup=warmup, reuse_memory=reuse)(static_in, pool)
+            captured = PlanCapture(graph, plan, lane_pool, warmup=warmup, reuse_memory=reuse)(static_in, pool)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - start
             results.append({"warmup": warmup, "reuse": reuse, "seconds": round(seconds, 3), "pool_mb": pool_mb(pool), "streams": plan.num_streams})
             print(json.dumps(results[-1]), flush=True)
-            del cuda_graph
+            del captured
     return results
 
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             "policy": args.policy,
             "total_s": round(total, 2),
             "seconds": {k: round(v, 2) for k, v in report.seconds.items()},
-            "choices": report.choices,
+            "choices": {b: str(c) for b, c in report.choices.items()},
             "chosen_ms": {b: report.timings_ms[b][c] for b, c in report.choices.items() if c in report.timings_ms.get(b, {})},
             "runner": report.runner,
             "device": torch.cuda.get_device_name(),

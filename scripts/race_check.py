@@ -45,8 +45,9 @@ from torch.utils._pytree import tree_flatten
 
 from opara_core import zoo
 from opara_core.engine import runtime
-from opara_core.engine.build import trace_on
-from opara_core.engine.capture import LanePool, StreamInterpreter, plan_capture, run_on_lanes
+from opara_core.engine.trace import trace_zoo
+from opara_core.engine.build import static_inputs
+from opara_core.engine.capture import LanePool, PlanCapture, StreamInterpreter, run_on_lanes
 from opara_core.engine.fusion import fuse_graph
 from opara_core.engine.interpreter import plan_graph
 
@@ -64,7 +65,7 @@ def traced(model: str, device: torch.device, fusion: bool):
     """The model's kernel graph as build_runner makes it (traced, then fused)."""
     entry = zoo.get(model)
     module = entry.build().to(device).eval()
-    graph = trace_on(module, entry, device)
+    graph = trace_zoo(entry, module, device)
     progress(f"{model}: traced")
     if fusion:
         checks = [tuple(t.to(device) for t in entry.example_inputs(1, seed=7))]
@@ -127,7 +128,8 @@ def check_graph(entry: zoo.ZooModel, graph, replays: int, max_streams: int) -> d
     for policy, budget in (("opara", max_streams), ("sequential", None)):
         plan = plan_graph(graph, policy, budget)
         with torch.inference_mode():
-            runners[policy] = runtime.GraphRunner(plan_capture(graph, plan, pool), entry.inputs, entry.outputs, device, 1, (1,))
+            captured = PlanCapture(graph, plan, pool)(static_inputs(entry, 1, device), torch.cuda.graph_pool_handle())
+        runners[policy] = runtime.GraphRunner({1: captured}, entry.inputs, entry.outputs, device, 1)
         progress(f"{entry.name}: {policy} plan captured")
         if policy == "opara":
             streams = plan.num_streams
@@ -137,10 +139,8 @@ def check_graph(entry: zoo.ZooModel, graph, replays: int, max_streams: int) -> d
         inputs = random_inputs(entry, generator, torch.device("cpu"))
         outputs = {}
         for policy, runner in runners.items():
-            for buffer, x in zip(runner.host_inputs(1), inputs):
-                buffer[...] = x.numpy()
-            outputs[policy] = [o.copy() for o in runner.run(1)]
-        mismatches += not all((a == b).all() for a, b in zip(outputs["opara"], outputs["sequential"]))
+            outputs[policy] = [o.clone() for o in runner.run(inputs)]
+        mismatches += not all(torch.equal(a, b) for a, b in zip(outputs["opara"], outputs["sequential"]))
         if replay < 10 or (replay + 1) % 100 == 0:
             progress(f"{entry.name}: replay {replay + 1} of {replays} compared")
     return {"streams": streams, "replays": replays, "mismatches": mismatches}

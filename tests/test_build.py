@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from opara_core import zoo
-from opara_core.engine.build import BuildReport, EngineSettings, channels_last_graph, trace_on, traced_graphs
+from opara_core.engine.build import BuildReport, EngineSettings, channels_last_graph, traced_graphs
+from opara_core.engine.trace import trace_zoo
 from opara_core.engine.fusion import CONV
 
 CPU = torch.device("cpu")
@@ -19,7 +20,7 @@ CPU = torch.device("cpu")
 def googlenet():
     entry = zoo.get("googlenet")
     module = entry.build().eval()
-    return entry, module, trace_on(module, entry, CPU)
+    return entry, module, trace_zoo(entry, module, CPU)
 
 
 def conv_weights(graph):

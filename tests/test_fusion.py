@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 from opara_core import zoo
 from opara_core.engine import fusion
+from opara_core.engine.compare import max_relative_error
 from opara_core.engine.build import EngineSettings
 from opara_core.engine.interpreter import run_plan
 from opara_core.engine.trace import from_graph_module, is_free, trace
@@ -23,17 +24,6 @@ from opara_core.engine.interpreter import plan_graph
 aten = torch.ops.aten
 TOLERANCE = 1e-4  # relative to the largest output magnitude
 ZOO = ("googlenet", "inception_v3", "resnet50")
-
-
-def relative_error(actual, expected) -> float:
-    actual, expected = tree_leaves(actual), tree_leaves(expected)
-    assert len(actual) == len(expected)
-    worst = 0.0
-    for a, e in zip(actual, expected):
-        assert a.shape == e.shape and a.dtype == e.dtype
-        scale = float(e.abs().max()) or 1.0
-        worst = max(worst, float((a - e).abs().max()) / scale)
-    return worst
 
 
 def targets(gm: torch.fx.GraphModule) -> list:
@@ -100,7 +90,7 @@ def assert_equal_to_eager(module, gm, batches=(1, 2, 3)):
     for batch in batches:
         inputs = patterns_inputs(batch)
         with torch.no_grad():
-            assert relative_error(gm(*inputs), module(*inputs)) <= TOLERANCE
+            assert max_relative_error(gm(*inputs), module(*inputs)) <= TOLERANCE
 
 
 def test_fold_batchnorm_removes_every_norm_after_a_convolution(patterns):
@@ -351,7 +341,7 @@ def test_folding_on_zoo_models(name, expected):
     assert report.kernels_after == len(graph.dag) - norms
     inputs, want = expected(name)
     with torch.no_grad():
-        assert relative_error(gm(*inputs), want) <= TOLERANCE
+        assert max_relative_error(gm(*inputs), want) <= TOLERANCE
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -366,7 +356,7 @@ def test_merging_on_zoo_models(name, expected):
     assert len(keys) == len(set(keys))
     inputs, want = expected(name)
     with torch.no_grad():
-        assert relative_error(gm(*inputs), want) <= TOLERANCE
+        assert max_relative_error(gm(*inputs), want) <= TOLERANCE
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -379,23 +369,23 @@ def test_fused_zoo_graphs_plan_and_run_like_eager(name, expected):
     assert len(fused.dag) == report.kernels_after < len(graph.dag)
     assert fused.dag.critical_path_us < graph.dag.critical_path_us
     assert not any(n.target is operator.getitem and n.args[0].target is aten._native_batch_norm_legit_no_training.default for n in fused.module.graph.nodes)
-    assert relative_error(run_plan(fused, plan_graph(fused, "opara"), *inputs), want) <= TOLERANCE
+    assert max_relative_error(run_plan(fused, plan_graph(fused, "opara"), *inputs), want) <= TOLERANCE
 
 
 # ---- on the GPU ----------------------------------------------------------------------
 
 
 def _cuda_graph(name):
-    from opara_core.engine.build import trace_on
+    from opara_core.engine.trace import trace_zoo
 
     device = torch.device("cuda")
     module = zoo.get(name).build().to(device)
-    return module, trace_on(module, zoo.get(name), device)
+    return module, trace_zoo(name, module, device)
 
 
 @pytest.mark.gpu
 def test_cuda_fusion_of_googlenet_equals_eager_and_captures(strict_fp32):
-    from opara_core.engine.capture import LanePool, plan_capture
+    from opara_core.engine.capture import LanePool, PlanCapture
 
     device = torch.device("cuda")
     module, graph = _cuda_graph("googlenet")
@@ -412,13 +402,13 @@ def test_cuda_fusion_of_googlenet_equals_eager_and_captures(strict_fp32):
         for batch in (1, 3):
             inputs = tuple(x.to(device) for x in zoo.get("googlenet").example_inputs(batch, seed=batch))
             want = module(*inputs)
-            assert relative_error(fused.module(*inputs), want) <= TOLERANCE
+            assert max_relative_error(fused.module(*inputs), want) <= TOLERANCE
             for policy in ("sequential", "opara"):
                 static_in = [x.clone() for x in inputs]
-                cuda_graph, outputs = plan_capture(fused, plan_graph(fused, policy, 8), lane_pool)(static_in, pool)
-                cuda_graph.replay()
+                captured = PlanCapture(fused, plan_graph(fused, policy, 8), lane_pool)(static_in, pool)
+                captured.replay()
                 torch.cuda.synchronize()
-                assert relative_error(outputs[0], want) <= TOLERANCE, (policy, batch)
+                assert max_relative_error(captured.outputs[0], want) <= TOLERANCE, (policy, batch)
 
 
 @pytest.mark.gpu
@@ -432,7 +422,7 @@ def test_cuda_conv_add_relu_on_resnet50_equals_eager(strict_fp32):
     with torch.inference_mode():
         for batch in (1, 4):
             inputs = tuple(x.to(device) for x in zoo.get("resnet50").example_inputs(batch, seed=batch))
-            assert relative_error(fused.module(*inputs), module(*inputs)) <= TOLERANCE
+            assert max_relative_error(fused.module(*inputs), module(*inputs)) <= TOLERANCE
 
 
 @pytest.mark.gpu

@@ -2,7 +2,7 @@
 key, request sizes bounded, and a README section that says so.
 
 Loopback binding and `--model-control-mode=none` on the command line are
-checked in test_server.py, weights_only loading in test_weights.py.
+checked in test_launcher.py, weights_only loading in test_weights.py.
 """
 
 from __future__ import annotations

@@ -7,13 +7,13 @@ import multiprocessing
 import re
 import time
 
-import numpy as np
+import torch
 import pytest
 
 from opara_core import zoo
 from opara_core.engine.build import EngineSettings
 from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY
-from opara_core.serving.triton_backend import RequestError, check_config, check_ranges, engine_settings, exclusive_lock, request_arrays
+from opara_core.serving.triton_backend import RequestError, check_config, check_ranges, engine_settings, exclusive_lock, request_tensors
 
 
 def config_of(model: str) -> dict:
@@ -76,16 +76,16 @@ def test_parameters_become_engine_settings():
     assert engine_settings(config) == EngineSettings(policy="nimble", max_streams=4, buckets=(1, 8), guard=False, layout="nhwc")
 
 
-def good_bert(batch: int = 2) -> dict[str, np.ndarray]:
-    return {s.name: t.numpy() for s, t in zip(zoo.get("bert").inputs, zoo.get("bert").example_inputs(batch))}
+def good_bert(batch: int = 2) -> dict[str, torch.Tensor]:
+    return dict(zip((s.name for s in zoo.get("bert").inputs), zoo.get("bert").example_inputs(batch)))
 
 
 @pytest.mark.parametrize(
     ("change", "problem"),
     [
         (lambda t: t.pop("attention_mask"), "missing input 'attention_mask'"),
-        (lambda t: t.update(extra=np.zeros((2, 1), np.int64)), "unknown input 'extra'"),
-        (lambda t: t.update(input_ids=t["input_ids"].astype(np.int32)), "datatype int32"),
+        (lambda t: t.update(extra=torch.zeros((2, 1), dtype=torch.int64)), "unknown input 'extra'"),
+        (lambda t: t.update(input_ids=t["input_ids"].to(torch.int32)), "datatype int32, expected int64"),
         (lambda t: t.update(input_ids=t["input_ids"][:, :64]), "shape [2, 64]"),
         (lambda t: t.update(input_ids=t["input_ids"][:1]), "has batch 2, other inputs have 1"),
         (lambda t: t.update(input_ids=t["input_ids"][:0], attention_mask=t["attention_mask"][:0]), "empty batch"),
@@ -96,15 +96,15 @@ def test_each_bad_request_gets_a_message_naming_the_problem(change, problem):
     tensors = good_bert()
     change(tensors)
     with pytest.raises(RequestError) as error:
-        request_arrays(zoo.get("bert"), tensors)
+        request_tensors(zoo.get("bert"), tensors)
     assert problem in str(error.value)
     json.dumps(str(error.value))  # one plain line, fit for a response
 
 
 def test_a_good_request_comes_back_in_model_order():
     tensors = good_bert()
-    arrays = request_arrays(zoo.get("bert"), dict(reversed(list(tensors.items()))))
-    assert [a is tensors[s.name] for a, s in zip(arrays, zoo.get("bert").inputs)] == [True, True]
+    checked = request_tensors(zoo.get("bert"), dict(reversed(list(tensors.items()))))
+    assert [a is tensors[s.name] for a, s in zip(checked, zoo.get("bert").inputs)] == [True, True]
 
 
 def _hold(path, seconds, ready):

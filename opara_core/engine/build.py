@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -21,10 +20,11 @@ import torch
 
 from opara_core import zoo
 from opara_core.engine import runtime
-from opara_core.engine.capture import CaptureError, LanePool, plan_capture
+from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, capture_module, time_replays
 from opara_core.engine.interpreter import reordered_graph
 from opara_core.engine.fusion import CONV, CONV_ADD_RELU, CONV_RELU, FusionReport, fuse_graph
-from opara_core.engine.trace import OpGraph, trace
+from opara_core.engine.compare import max_relative_error
+from opara_core.engine.trace import OpGraph, trace_zoo
 from opara_core.engine.interpreter import plan_graph
 from opara_core.planning.plan import Plan
 
@@ -74,13 +74,30 @@ class EngineSettings:
             raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
 
 
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """One way to capture the model: a layout of the traced graph and a policy
+    with its lanes. Shown as `layout:policy/lanes` in reports."""
+
+    layout: str
+    policy: str
+    lanes: int
+
+    def __str__(self) -> str:
+        return f"{self.layout}:{self.policy}/{self.lanes}"
+
+    @property
+    def sequential(self) -> bool:
+        return self.policy == "sequential"
+
+
 @dataclass
 class BuildReport:
     """What was built and why: shown in logs, plan summaries and metrics."""
 
     runner: str = "eager"
-    choices: dict[int, str] = field(default_factory=dict)  # bucket -> "layout:policy/lanes"
-    timings_ms: dict[int, dict[str, float]] = field(default_factory=dict)  # bucket -> candidate -> median ms
+    choices: dict[int, Candidate | str] = field(default_factory=dict)  # bucket -> candidate ("module" when untraced)
+    timings_ms: dict[int, dict[Candidate, float]] = field(default_factory=dict)  # bucket -> candidate -> median ms
     fallbacks: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     fusion: FusionReport | None = None  # of the traced graph (both layouts share it)
@@ -100,22 +117,13 @@ class GuardError(RuntimeError):
     """A captured graph disagreed with eager."""
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One way to capture the model: a traced graph (in a layout) and a plan."""
-
-    key: str  # "layout:policy/lanes"
-    graph: OpGraph
-    plan: Plan
-
-
 def build_runner(
     module: torch.nn.Module,
     entry: zoo.ZooModel,
     device: torch.device,
     max_batch: int,
     settings: EngineSettings = EngineSettings(),
-) -> tuple[Any, BuildReport]:
+) -> tuple[runtime.Runner, BuildReport]:
     """The fastest correct runner for `module` on `device`, and how it was chosen."""
     report = BuildReport()
     if device.type != "cuda":
@@ -129,10 +137,11 @@ def build_runner(
             start = time.perf_counter()
             if settings.fail_capture:
                 raise CaptureError("capture failure forced by the fail_capture switch")
-            auto = AutoCapture(candidates(graphs, settings), lane_pool, report)
-            runner = runtime.GraphRunner(auto, entry.inputs, entry.outputs, device, max_batch, settings.buckets)
+            captures = {c: PlanCapture(graphs[c.layout], plan, lane_pool) for c, plan in candidates(graphs, settings).items()}
+            chosen = capture_fastest(captures, entry, device, settings.buckets, report)
+            runner = runtime.GraphRunner(chosen, entry.inputs, entry.outputs, device, max_batch)
             if settings.guard:
-                check_against_eager(runner, {b: c.graph.module for b, c in auto.chosen.items()}, entry, settings.guard_tolerance)
+                check_against_eager(runner, {b: graphs[c.layout].module for b, c in report.choices.items()}, entry, settings.guard_tolerance)
             report.seconds["plan+capture"] = time.perf_counter() - start
             report.runner = "multi-stream graph"
             return runner, report
@@ -143,24 +152,81 @@ def build_runner(
             report.timings_ms.clear()
     try:
         start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
         if graphs:
-            graph = next(iter(graphs.values()))
-            capture = plan_capture(graph, plan_graph(graph, "sequential"), lane_pool)
-            reference = graph.module
+            layout, graph = next(iter(graphs.items()))
+            capture = PlanCapture(graph, plan_graph(graph, "sequential"), lane_pool)
+            captured = {b: capture(static_inputs(entry, b, device), pool) for b in sorted(settings.buckets)}
+            reference, choice = graph.module, Candidate(layout, "sequential", 1)
         else:
-            capture, reference = runtime.capture_sequential(module), module
-        runner = runtime.GraphRunner(capture, entry.inputs, entry.outputs, device, max_batch, settings.buckets)
+            captured = {b: capture_module(module, static_inputs(entry, b, device), pool) for b in sorted(settings.buckets)}
+            reference, choice = module, "module"
+        runner = runtime.GraphRunner(captured, entry.inputs, entry.outputs, device, max_batch)
+        report.choices = dict.fromkeys(runner.buckets, choice)
         if settings.guard:
-            check_against_eager(runner, {b: reference for b in runner.buckets}, entry, settings.guard_tolerance)
+            check_against_eager(runner, dict.fromkeys(runner.buckets, reference), entry, settings.guard_tolerance)
         report.seconds["capture"] = time.perf_counter() - start
         report.runner = "sequential graph"
-        report.choices = {b: f"{next(iter(graphs), 'module')}:sequential/1" for b in settings.buckets}
         return runner, report
     except (CaptureError, GuardError, RuntimeError) as error:
         report.fallbacks.append(f"sequential graph: {error}")
         log.warning("sequential graph failed, falling back to eager: %s", error)
+        report.choices.clear()
     report.runner = "eager"
     return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
+
+
+def static_inputs(entry: zoo.ZooModel, bucket: int, device: torch.device) -> list[torch.Tensor]:
+    """A bucket's static input tensors, filled with valid random values."""
+    return [spec.random(bucket).to(device) for spec in entry.inputs]
+
+
+def capture_fastest(
+    captures: dict[Candidate, PlanCapture], entry: zoo.ZooModel, device: torch.device, buckets: Sequence[int], report: BuildReport
+) -> dict[int, CapturedGraph]:
+    """`auto`: per bucket, capture the candidates, time their replays and keep
+    the fastest, all graphs in one memory pool.
+
+    Buckets go smallest first (batch 1 is where latency matters most): the
+    smallest times every candidate, each larger bucket re-times the sequential
+    graphs and the AUTO_KEEP fastest multi-stream candidates of the bucket
+    before it. The sequential graph of the same traced graph is always timed,
+    so a bucket's choice is never slower than it (within timing noise).
+    """
+    pool = torch.cuda.graph_pool_handle()
+    sequential = [c for c in captures if c.sequential]
+    shortlist = [c for c in captures if not c.sequential]
+    chosen: dict[int, CapturedGraph] = {}
+    with torch.inference_mode():  # no autograd state in the graphs or their outputs
+        for bucket in sorted(set(buckets)):
+            static_in = static_inputs(entry, bucket, device)
+            timings: dict[Candidate, float] = {}
+            failures = []
+            seconds = {"capture": 0.0, "timing": 0.0}
+            for candidate in [*sequential, *shortlist]:
+                start = time.perf_counter()
+                try:
+                    captured = captures[candidate](static_in, pool)
+                except CaptureError as error:
+                    log.warning("auto: %s not captured at bucket %d: %s", candidate, bucket, error)
+                    failures.append(f"{candidate}: {error}")
+                    continue
+                finally:
+                    seconds["capture"] += time.perf_counter() - start
+                start = time.perf_counter()
+                timings[candidate] = time_replays(captured)
+                seconds["timing"] += time.perf_counter() - start
+                if bucket not in chosen or timings[candidate] < timings[report.choices[bucket]]:
+                    chosen[bucket], report.choices[bucket] = captured, candidate
+            if bucket not in chosen:
+                raise CaptureError(f"no candidate could be captured at bucket {bucket}: {'; '.join(failures)[:1000]}")
+            ranked = sorted(timings, key=timings.get)
+            shortlist = [c for c in ranked if not c.sequential][:AUTO_KEEP]
+            report.timings_ms[bucket] = timings
+            for stage, spent in seconds.items():
+                report.seconds[f"{stage} b{bucket}"] = spent
+            log.info("auto: bucket %d -> %s (%s)", bucket, report.choices[bucket], ", ".join(f"{c} {timings[c]:.3f} ms" for c in ranked))
+    return chosen
 
 
 def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: EngineSettings, report: BuildReport) -> dict[str, OpGraph]:
@@ -174,7 +240,7 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
     layouts = {"auto": ("nchw", "nhwc") if has_convs else ("nchw",), "nchw": ("nchw",), "nhwc": ("nhwc",)}[settings.layout]
     start = time.perf_counter()
     try:
-        graph = trace_on(module, entry, device)
+        graph = trace_zoo(entry, module, device)
     except Exception as error:  # noqa: BLE001 - any tracing failure falls back
         report.fallbacks.append(f"tracing: {error}")
         return {}
@@ -193,17 +259,17 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
     return {layout: graph if layout == "nchw" else channels_last_graph(graph) for layout in layouts}
 
 
-def candidates(graphs: dict[str, OpGraph], settings: EngineSettings) -> list[Candidate]:
-    """What AutoCapture times: the sequential graph of every layout, plus the
-    configured policy (or, with `auto`, every AUTO_CANDIDATES policy) per layout."""
+def candidates(graphs: dict[str, OpGraph], settings: EngineSettings) -> dict[Candidate, Plan]:
+    """What `auto` captures and times, with its plan: the sequential graph of
+    every layout, plus the configured policy (or, with `auto`, every
+    AUTO_CANDIDATES policy) per layout."""
     wanted = AUTO_CANDIDATES if settings.policy == "auto" else ((settings.policy, settings.max_streams),)
-    found: dict[str, Candidate] = {}
+    found: dict[Candidate, Plan] = {}
     for layout, graph in graphs.items():
         for policy, lanes in (("sequential", 1), *wanted):
             plan = plan_graph(graph, policy, min(lanes, settings.max_streams))
-            key = f"{layout}:{policy}/{plan.num_streams}"
-            found.setdefault(key, Candidate(key, graph, plan))
-    return list(found.values())
+            found.setdefault(Candidate(layout, policy, plan.num_streams), plan)
+    return found
 
 
 def channels_last_graph(graph: OpGraph) -> OpGraph:
@@ -227,99 +293,14 @@ def channels_last_graph(graph: OpGraph) -> OpGraph:
     return dataclasses.replace(graph, module=module)
 
 
-def trace_on(module: torch.nn.Module, entry: zoo.ZooModel, device: torch.device) -> OpGraph:
-    """Trace on the device itself, so ops that create tensors (arange, full) are
-    traced with that device; one dynamic-batch graph serves every bucket."""
-    example = tuple(t.to(device) for t in entry.example_inputs(batch=2))
-    return trace(module, example, zoo.dynamic_shapes(entry), cost_inputs=tuple(t[:1] for t in example), name=entry.name)
-
-
-def check_against_eager(runner: runtime.GraphRunner, references: dict[int, torch.nn.Module], entry: zoo.ZooModel, tolerance: float) -> None:
+def check_against_eager(runner: runtime.Runner, references: dict[int, torch.nn.Module], entry: zoo.ZooModel, tolerance: float) -> None:
     """Replay every bucket on fresh random inputs and compare with the graph it
     replays, run eagerly (`references`: bucket -> module)."""
-    for bucket in runner.buckets:
+    for bucket, reference in references.items():
         inputs = entry.example_inputs(bucket, seed=1000 + bucket)
-        for buffer, x in zip(runner.host_inputs(bucket), inputs):
-            buffer[...] = x.numpy()
-        outputs = [torch.from_numpy(o.copy()) for o in runner.run(bucket)]
+        outputs = [out.clone() for out in runner.run(inputs)]
         with torch.inference_mode():
-            expected = runtime._as_tuple(references[bucket](*(x.to(runner.device) for x in inputs)))
-        for got, want in zip(outputs, expected):
-            want = want.cpu()
-            scale = float(want.abs().max()) or 1.0
-            error = float((got - want).abs().max()) / scale
-            if not error <= tolerance:
-                raise GuardError(f"bucket {bucket}: replay differs from eager by {error:.2e} (relative), tolerance {tolerance:.0e}")
-
-
-class AutoCapture:
-    """Capture each candidate, time its replays, keep the fastest, per bucket.
-
-    The sequential graph of the same traced graph is always a candidate, so the
-    choice is never slower than it (within timing noise). `chosen` records the
-    candidate kept for each bucket.
-    """
-
-    def __init__(self, candidates: list[Candidate], lane_pool: LanePool, report: BuildReport):
-        self.candidates = {c.key: c for c in candidates}
-        self.lane_pool = lane_pool
-        self.report = report
-        self.shortlist: list[str] = list(self.candidates)
-        self.chosen: dict[int, Candidate] = {}
-
-    def __call__(self, static_in: Sequence[torch.Tensor], pool: Any):
-        bucket = static_in[0].shape[0]
-        timings: dict[str, float] = {}
-        best: tuple[float, str, Any] | None = None
-        failures = []
-        sequential = [k for k in self.candidates if k.endswith(":sequential/1")]
-        seconds = {"capture": 0.0, "timing": 0.0}
-        for key in dict.fromkeys([*sequential, *self.shortlist]):
-            candidate = self.candidates[key]
-            start = time.perf_counter()
-            try:
-                captured = plan_capture(candidate.graph, candidate.plan, self.lane_pool)(static_in, pool)
-            except CaptureError as error:
-                log.warning("auto: %s not captured at bucket %d: %s", key, bucket, error)
-                failures.append(f"{key}: {error}")
-                continue
-            finally:
-                seconds["capture"] += time.perf_counter() - start
-            start = time.perf_counter()
-            timings[key] = time_replays(captured[0])
-            seconds["timing"] += time.perf_counter() - start
-            if best is None or timings[key] < best[0]:
-                best = (timings[key], key, captured)
-        if best is None:
-            raise CaptureError(f"no candidate could be captured at bucket {bucket}: {'; '.join(failures)[:1000]}")
-        ranked = sorted(timings, key=timings.get)
-        self.shortlist = [k for k in ranked if k not in sequential][:AUTO_KEEP]
-        self.chosen[bucket] = self.candidates[best[1]]
-        self.report.choices[bucket] = best[1]
-        self.report.timings_ms[bucket] = timings
-        for stage, spent in seconds.items():
-            self.report.seconds[f"{stage} b{bucket}"] = spent
-        log.info("auto: bucket %d -> %s (%s)", bucket, best[1], ", ".join(f"{k} {timings[k]:.3f} ms" for k in ranked))
-        return best[2]
-
-
-def time_replays(cuda_graph: torch.cuda.CUDAGraph, seconds: float = 0.02, repeats: int = 5, warmup: int = 3) -> float:
-    """Median milliseconds per replay over `repeats` runs of ~`seconds` each,
-    timed with CUDA events (short graphs get more replays, so noise stays low)."""
-    stream = torch.cuda.current_stream()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(stream)
-    for _ in range(warmup):
-        cuda_graph.replay()
-    end.record(stream)
-    end.synchronize()
-    replays = int(min(max(seconds * 1000 * warmup / max(start.elapsed_time(end), 1e-3), 3), 1000))
-    samples = []
-    for _ in range(repeats):
-        start.record(stream)
-        for _ in range(replays):
-            cuda_graph.replay()
-        end.record(stream)
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / replays)
-    return statistics.median(samples)
+            expected = runtime._as_tuple(reference(*(x.to(runner.device) for x in inputs)))
+        error = max_relative_error(outputs, expected)
+        if not error <= tolerance:
+            raise GuardError(f"bucket {bucket}: replay differs from eager by {error:.2e} (relative), tolerance {tolerance:.0e}")

@@ -1,6 +1,7 @@
 """Carry out a plan on CUDA streams and capture it into a CUDA graph.
 
-The only module that juggles streams. A plan names a lane per operator, a launch
+The only module that juggles streams and captures graphs (and times their
+replays, for `auto`). A plan names a lane per operator, a launch
 order and the cross-lane waits; here each lane becomes a CUDA stream (with the
 plan's priority), each wait an event, and the whole schedule is captured on a
 dedicated capture stream (lane 0): every other lane is forked from it with an
@@ -19,8 +20,10 @@ the plan's happens-before, never mere program order.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import defaultdict
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -149,37 +152,97 @@ def run_on_lanes(interpreter: StreamInterpreter, inputs: Sequence[torch.Tensor])
     return result
 
 
-CaptureFn = Callable[[Sequence[torch.Tensor], Any], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]]
+@dataclass(frozen=True, eq=False)
+class CapturedGraph:
+    """One captured CUDA graph and the static tensors it reads and writes: write a
+    batch into `inputs`, `replay()`, read `outputs` (overwritten by the next replay)."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+
+    @property
+    def rows(self) -> int:
+        return self.inputs[0].shape[0]
+
+    def replay(self) -> None:
+        self.graph.replay()
 
 
-def plan_capture(graph: OpGraph, plan: Plan, lane_pool: LanePool, warmup: int = 1, reuse_memory: bool = True) -> CaptureFn:
-    """A capture function for `runtime.GraphRunner`: `plan` on its lanes.
+class PlanCapture:
+    """Captures one plan on its lanes, at any batch size.
 
-    Before capturing, the exact schedule runs `warmup` times on the same stream
-    objects (cuDNN autotuning, per-stream cuBLAS workspaces, lazy loading).
-    `reuse_memory` lets the allocator reuse cross-lane blocks during capture
-    (see the module docstring).
+    One StreamInterpreter per plan, made once and reused for every bucket.
+    Before each capture the exact schedule runs `warmup` times on the same
+    stream objects (cuDNN autotuning, per-stream cuBLAS workspaces, lazy
+    loading). `reuse_memory` lets the allocator reuse cross-lane blocks during
+    capture (see the module docstring).
     """
-    lanes = lane_pool.lanes(plan.priorities[: plan.num_streams] or (0,))
-    capture_stream = lanes[0]
 
-    def capture(static_in: Sequence[torch.Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
-        interpreter = StreamInterpreter(graph, plan, lanes)
+    def __init__(self, graph: OpGraph, plan: Plan, lane_pool: LanePool, warmup: int = 1, reuse_memory: bool = True):
+        self.plan = plan
+        self.lanes = lane_pool.lanes(plan.priorities[: plan.num_streams] or (0,))
+        self.interpreter = StreamInterpreter(graph, plan, self.lanes)
+        self.warmup = warmup
+        self.reuse_memory = reuse_memory
+
+    def __call__(self, static_in: Sequence[torch.Tensor], pool: Any) -> CapturedGraph:
+        capture_stream = self.lanes[0]
         capture_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(capture_stream):
-            for _ in range(warmup):
-                run_on_lanes(interpreter, static_in)
+            for _ in range(self.warmup):
+                run_on_lanes(self.interpreter, static_in)
         torch.cuda.current_stream().wait_stream(capture_stream)
         torch.cuda.synchronize()
         cuda_graph = torch.cuda.CUDAGraph()
-        if plan.num_streams > 1:
-            reuse_memory_across_lanes(reuse_memory)
+        if self.plan.num_streams > 1:
+            reuse_memory_across_lanes(self.reuse_memory)
         try:
             with torch.cuda.graph(cuda_graph, pool=pool, stream=capture_stream, capture_error_mode="thread_local"):
-                result = run_on_lanes(interpreter, static_in)
+                result = run_on_lanes(self.interpreter, static_in)
         except RuntimeError as error:
-            raise CaptureError(f"capturing {plan.policy} with {plan.num_streams} lanes failed: {error}") from error
-        outputs = tuple(_tensors(result))
-        return cuda_graph, outputs
+            raise CaptureError(f"capturing {self.plan.policy} with {self.plan.num_streams} lanes failed: {error}") from error
+        return CapturedGraph(cuda_graph, tuple(static_in), tuple(_tensors(result)))
 
-    return capture
+
+def capture_module(module: torch.nn.Module, static_in: Sequence[torch.Tensor], pool: Any, warmup: int = 3) -> CapturedGraph:
+    """The module as it is, on one stream: the fallback when tracing failed.
+
+    Warm-up runs on a side stream first (cuDNN autotuning, lazy
+    initialisation, workspaces), as CUDA-graph capture requires.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            module(*static_in)
+    torch.cuda.current_stream().wait_stream(side)
+    cuda_graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(cuda_graph, pool=pool, capture_error_mode="thread_local"):
+            result = module(*static_in)
+    except RuntimeError as error:
+        raise CaptureError(f"capturing the module on one stream failed: {error}") from error
+    return CapturedGraph(cuda_graph, tuple(static_in), tuple(_tensors(result)))
+
+
+def time_replays(captured: CapturedGraph, seconds: float = 0.02, repeats: int = 5, warmup: int = 3) -> float:
+    """Median milliseconds per replay over `repeats` runs of ~`seconds` each,
+    timed with CUDA events (short graphs get more replays, so noise stays low)."""
+    stream = torch.cuda.current_stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    for _ in range(warmup):
+        captured.replay()
+    end.record(stream)
+    end.synchronize()
+    replays = int(min(max(seconds * 1000 * warmup / max(start.elapsed_time(end), 1e-3), 3), 1000))
+    samples = []
+    for _ in range(repeats):
+        start.record(stream)
+        for _ in range(replays):
+            captured.replay()
+        end.record(stream)
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / replays)
+    return statistics.median(samples)

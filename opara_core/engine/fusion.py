@@ -36,6 +36,7 @@ from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_leaves, tree_map
 
 from opara_core.engine import trace as graphs
+from opara_core.engine.compare import max_relative_error
 from opara_core.engine.trace import OpGraph
 
 log = logging.getLogger(__name__)
@@ -507,9 +508,7 @@ def _cudnn_probe(gm: GraphModule, conv: Node, z: Node | None, alpha: Any, cache:
                     zz = torch.randn(_concrete_shape(out_val), dtype=weight.dtype, device=weight.device, generator=generator)
                     want = want + alpha * zz
                     got = CONV_ADD_RELU(x, weight, zz, alpha, bias, stride, padding, dilation, groups)
-                want = torch.relu(want)
-                scale = float(want.abs().max()) or 1.0
-                cache[key] = float((got - want).abs().max()) / scale <= 1e-4
+                cache[key] = max_relative_error(got, torch.relu(want)) <= 1e-4
         except RuntimeError as error:
             log.info("cuDNN does not fuse %s: %s", conv.name, str(error).splitlines()[0])
             cache[key] = False
@@ -691,8 +690,7 @@ def _compare(reference: GraphModule, fused: GraphModule, inputs_list: Sequence[S
                     if not torch.equal(got, want):
                         return "integer outputs differ"
                     continue
-                scale = float(want.abs().max()) if want.numel() else 0.0
-                error = float((got.float() - want.float()).abs().max()) / (scale or 1.0) if want.numel() else 0.0
+                error = max_relative_error(got, want)
                 if not error <= tolerance:
                     return f"outputs differ by {error:.2e} (relative), tolerance {tolerance:.0e}"
     return None

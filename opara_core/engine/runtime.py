@@ -1,10 +1,13 @@
-"""Run batches through a model: eagerly, or by replaying CUDA graphs per batch bucket.
+"""Run batches through a model: eagerly, or by replaying captured CUDA graphs.
 
-Both runners share one calling convention built for a serving hot path with no
-per-request allocation: the caller writes the batch into `host_inputs(n)` (numpy
-views of preallocated, on a GPU pinned, staging buffers), calls `run(n)` and
-reads the first `n` rows of the returned numpy views, which stay valid until
-the next `run`.
+Every runner follows the `Runner` protocol, built for a serving hot path with
+no per-request allocation and torch tensors end to end: `run(inputs)` takes,
+per model input, the row blocks of one batch (one block per request, on the
+host or already on the GPU), copies them once into place (host blocks into
+pinned staging, then to the GPU; GPU blocks device to device into the graph's
+static inputs), runs the batch and returns each output's rows, as views that
+stay valid until the next `run`. The runtime only replays: graphs come from
+`build`, captured by `capture`.
 """
 
 from __future__ import annotations
@@ -12,17 +15,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Protocol
 
-import numpy as np
 import torch
 
+from opara_core.engine.capture import CapturedGraph
 from opara_core.zoo import TensorSpec
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+# One model input of one batch: a tensor, or its row blocks in order (one per request).
+Blocks = torch.Tensor | Sequence[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -34,157 +41,169 @@ class RunnerInfo:
     buckets: tuple[int, ...] = ()
 
 
-def _staging(specs: Sequence[TensorSpec], rows: int, pin: bool) -> list[torch.Tensor]:
-    return [torch.zeros((rows, *s.shape), dtype=s.dtype, pin_memory=pin) for s in specs]
+class Runner(Protocol):
+    """What the Triton adapter, the guard and the benchmarks call."""
+
+    info: RunnerInfo
+    device: torch.device
+    max_batch: int
+    batches: Counter[int]  # bucket (graphs) or batch size (eager) -> runs
+    padded_rows: int
+
+    def run(self, inputs: Sequence[Blocks], outputs_on_device: bool = False) -> list[torch.Tensor]:
+        """Run one batch; each output's rows, on the host unless `outputs_on_device`
+        (then views of the runner's own buffers, valid until the next run, ordered
+        on the current stream)."""
+        ...
+
+
+def _blocks(value: Blocks) -> list[torch.Tensor]:
+    return [value] if isinstance(value, torch.Tensor) else list(value)
+
+
+def batch_rows(inputs: Sequence[Blocks], max_batch: int) -> int:
+    """Rows in the batch; a batch outside 1..max_batch is refused."""
+    n = sum(block.shape[0] for block in _blocks(inputs[0]))
+    if not 1 <= n <= max_batch:
+        raise ValueError(f"batch of {n} rows is outside 1..{max_batch}")
+    return n
+
+
+def _staging(specs: Sequence[TensorSpec], rows: int, device: torch.device | str = "cpu", pin: bool = False) -> list[torch.Tensor]:
+    return [torch.zeros((rows, *s.shape), dtype=s.dtype, device=device, pin_memory=pin) for s in specs]
+
+
+def gather(blocks: Blocks, out: torch.Tensor) -> torch.Tensor:
+    """Copy the row blocks into `out`'s first rows: the batch's one copy (or,
+    from the host into GPU memory, its one transfer)."""
+    parts = _blocks(blocks)
+    rows = sum(p.shape[0] for p in parts)
+    if len(parts) == 1 or out.device != parts[0].device:
+        offset = 0
+        for part in parts:
+            out[offset : offset + part.shape[0]].copy_(part, non_blocking=True)
+            offset += part.shape[0]
+    else:
+        torch.cat(parts, dim=0, out=out[:rows])
+    return out[:rows]
 
 
 class EagerRunner:
     """Runs the module as is, on the CPU or a GPU. The fallback of last resort."""
 
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        inputs: Sequence[TensorSpec],
-        outputs: Sequence[TensorSpec],
-        device: torch.device,
-        max_batch: int,
-    ):
+    def __init__(self, module: torch.nn.Module, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], device: torch.device, max_batch: int):
         self.module = module.to(device)
         self.device = device
         self.max_batch = max_batch
-        pin = device.type == "cuda"
-        self._host_in = _staging(inputs, max_batch, pin)
-        self._host_out = _staging(outputs, max_batch, pin)
+        self._inputs = _staging(inputs, max_batch, device)
+        self._host_out = _staging(outputs, max_batch, pin=device.type == "cuda") if device.type == "cuda" else None
         self._lock = threading.Lock()
         self.info = RunnerInfo("eager", str(device))
         self.batches: Counter[int] = Counter()  # batch size -> runs
         self.padded_rows = 0
 
-    def host_inputs(self, n: int) -> list[np.ndarray]:
-        _check_rows(n, self.max_batch)
-        return [t[:n].numpy() for t in self._host_in]
-
-    def run(self, n: int) -> list[np.ndarray]:
+    def run(self, inputs: Sequence[Blocks], outputs_on_device: bool = False) -> list[torch.Tensor]:
+        n = batch_rows(inputs, self.max_batch)
         with self._lock, torch.inference_mode():
-            args = [t[:n].to(self.device, non_blocking=True) for t in self._host_in]
+            args = [gather(blocks, buffer) for blocks, buffer in zip(inputs, self._inputs)]
             result = _as_tuple(self.module(*args))
-            for host, out in zip(self._host_out, result):
-                host[:n].copy_(out)
             self.batches[n] += 1
-            return [t[:n].numpy() for t in self._host_out]
+            if self._host_out is None or outputs_on_device:
+                return list(result)
+            for host, out in zip(self._host_out, result):
+                host[:n].copy_(out, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            return [t[:n] for t in self._host_out]
 
 
 class GraphRunner:
-    """One CUDA graph per batch bucket, all sharing one memory pool.
+    """Replays one captured CUDA graph per batch bucket (all built by `build`, in
+    one memory pool).
 
-    A batch of n rows replays the smallest bucket >= n after one host-to-device
-    copy per input; rows past n hold the previous batch's (valid) data, which is
-    harmless because every served model treats rows independently in eval mode.
-    A batch above the largest bucket runs as several chunks. A lock keeps two
-    threads from replaying one graph at once.
+    A batch of n rows replays the smallest bucket >= n; rows past n hold the
+    previous batch's (valid) data, which is harmless because every served model
+    treats rows independently in eval mode. A batch above the largest bucket
+    runs as several chunks. A lock keeps two threads from replaying one graph
+    at once.
     """
 
     def __init__(
         self,
-        capture: Callable[[Sequence[torch.Tensor], object], tuple[torch.cuda.CUDAGraph, Sequence[torch.Tensor]]],
+        graphs: Mapping[int, CapturedGraph],
         inputs: Sequence[TensorSpec],
         outputs: Sequence[TensorSpec],
         device: torch.device,
         max_batch: int,
-        buckets: Sequence[int] = DEFAULT_BUCKETS,
     ):
+        if not graphs or min(graphs) < 1:
+            raise ValueError(f"buckets must be positive batch sizes, got {sorted(graphs)}")
+        for bucket, captured in graphs.items():
+            if captured.rows != bucket or len(captured.inputs) != len(inputs) or len(captured.outputs) != len(outputs):
+                raise ValueError(f"the graph for bucket {bucket} has {captured.rows} rows, {len(captured.inputs)} inputs, {len(captured.outputs)} outputs")
         self.device = device
         self.max_batch = max_batch
-        self.buckets = tuple(sorted(set(buckets)))
-        if not self.buckets or self.buckets[0] < 1:
-            raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
+        self.graphs = dict(sorted(graphs.items()))
+        self.buckets = tuple(self.graphs)
         self._host_in = _staging(inputs, max_batch, pin=True)
         self._host_out = _staging(outputs, max_batch, pin=True)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], list[torch.Tensor]]] = {}
-        pool = torch.cuda.graph_pool_handle()
-        # Smallest first: batch 1 is where latency matters most, and a capture
-        # function that learns (build.AutoCapture) sees it first.
-        with torch.inference_mode():  # no autograd state in the graphs or their outputs
-            for bucket in self.buckets:
-                static_in = [spec.random(bucket).to(device) for spec in inputs]
-                graph, static_out = capture(static_in, pool)
-                self._graphs[bucket] = (graph, static_in, list(static_out))
+        self._device_in: list[torch.Tensor] | None = None  # for GPU batches above the largest bucket
+        self._input_specs = tuple(inputs)
         self._lock = threading.Lock()
         self.info = RunnerInfo("cuda-graph", str(device), self.buckets)
         self.batches: Counter[int] = Counter()  # bucket -> replays
         self.padded_rows = 0
-        log.info("captured CUDA graphs for buckets %s on %s", self.buckets, device)
-
-    def host_inputs(self, n: int) -> list[np.ndarray]:
-        _check_rows(n, self.max_batch)
-        return [t[:n].numpy() for t in self._host_in]
 
     def bucket_for(self, n: int) -> int:
         """The smallest bucket that holds n rows (the largest if none does)."""
         return next((b for b in self.buckets if b >= n), self.buckets[-1])
 
-    def run_on_device(self, n: int) -> list[torch.Tensor]:
-        """Like `run`, but the outputs stay on the GPU: views of the graph's static
-        outputs, valid until the next run (no device-to-host copy, no sync; the
-        consumer must order itself after the current stream). For n up to the
-        largest bucket; larger batches go through `run`."""
-        if n > self.buckets[-1]:
-            return [torch.from_numpy(a) for a in self.run(n)]
+    def run(self, inputs: Sequence[Blocks], outputs_on_device: bool = False) -> list[torch.Tensor]:
+        n = batch_rows(inputs, self.max_batch)
+        on_gpu = _blocks(inputs[0])[0].device.type == "cuda"
         with self._lock, torch.inference_mode():
-            bucket = self.bucket_for(n)
-            graph, static_in, static_out = self._graphs[bucket]
-            self.batches[bucket] += 1
-            self.padded_rows += bucket - n
-            for static, host in zip(static_in, self._host_in):
-                static[:n].copy_(host[:n], non_blocking=True)
-            graph.replay()
-            return [static[:n] for static in static_out]
-
-    def run(self, n: int) -> list[np.ndarray]:
-        with self._lock, torch.inference_mode():
-            done = 0
-            while done < n:
-                rows = min(n - done, self.buckets[-1])
-                bucket = self.bucket_for(rows)
-                graph, static_in, static_out = self._graphs[bucket]
-                self.batches[bucket] += 1
-                self.padded_rows += bucket - rows
-                for static, host in zip(static_in, self._host_in):
-                    static[:rows].copy_(host[done : done + rows], non_blocking=True)
-                graph.replay()
-                for host, static in zip(self._host_out, static_out):
-                    host[done : done + rows].copy_(static[:rows], non_blocking=True)
-                done += rows
+            if n <= self.buckets[-1]:
+                captured = self._graph_for(n)
+                staged = captured.inputs if on_gpu else self._host_in
+                for blocks, buffer, static in zip(inputs, staged, captured.inputs):
+                    gather(blocks, buffer)
+                    if not on_gpu:
+                        static[:n].copy_(buffer[:n], non_blocking=True)
+                captured.replay()
+                if outputs_on_device:
+                    return [out[:n] for out in captured.outputs]
+                for host, out in zip(self._host_out, captured.outputs):
+                    host[:n].copy_(out[:n], non_blocking=True)
+            else:
+                self._run_chunks(n, [gather(blocks, buffer) for blocks, buffer in zip(inputs, self._staging_for(on_gpu))])
             torch.cuda.current_stream(self.device).synchronize()
-            return [t[:n].numpy() for t in self._host_out]
+            return [t[:n] for t in self._host_out]
 
+    def _graph_for(self, rows: int) -> CapturedGraph:
+        bucket = self.bucket_for(rows)
+        self.batches[bucket] += 1
+        self.padded_rows += bucket - rows
+        return self.graphs[bucket]
 
-def capture_sequential(module: torch.nn.Module, warmup: int = 3):
-    """A capture function for GraphRunner: the module on one stream.
+    def _staging_for(self, on_gpu: bool) -> list[torch.Tensor]:
+        if not on_gpu:
+            return self._host_in
+        if self._device_in is None:
+            self._device_in = _staging(self._input_specs, self.max_batch, self.device)
+        return self._device_in
 
-    Warm-up runs on a side stream first (cuDNN autotuning, lazy
-    initialisation, workspaces), as CUDA-graph capture requires.
-    """
-
-    def capture(static_in: Sequence[torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                module(*static_in)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            static_out = _as_tuple(module(*static_in))
-        return graph, static_out
-
-    return capture
+    def _run_chunks(self, n: int, batch: list[torch.Tensor]) -> None:
+        """Rows above the largest bucket: one replay per chunk of at most that many rows."""
+        done = 0
+        while done < n:
+            rows = min(n - done, self.buckets[-1])
+            captured = self._graph_for(rows)
+            for static, staged in zip(captured.inputs, batch):
+                static[:rows].copy_(staged[done : done + rows], non_blocking=True)
+            captured.replay()
+            for host, out in zip(self._host_out, captured.outputs):
+                host[done : done + rows].copy_(out[:rows], non_blocking=True)
+            done += rows
 
 
 def _as_tuple(result) -> tuple[torch.Tensor, ...]:
     return tuple(result) if isinstance(result, (tuple, list)) else (result,)
-
-
-def _check_rows(n: int, max_batch: int) -> None:
-    if not 1 <= n <= max_batch:
-        raise ValueError(f"batch of {n} rows is outside 1..{max_batch}")

@@ -23,6 +23,7 @@ import sympy
 import torch
 from torch.utils._pytree import tree_flatten
 
+from opara_core import zoo
 from opara_core.engine import costs as cost_model
 from opara_core.planning.dag import Dag, OpNode
 
@@ -70,18 +71,27 @@ def trace(
     return from_graph_module(gm, sizes=sizes, spec=spec, name=name, salt=repr(shapes))
 
 
-def trace_zoo(name: str, batch: int = 1, spec: cost_model.GpuSpec = cost_model.H100) -> OpGraph:
-    """Trace the zoo model `name` with a dynamic batch; costs are estimated for `batch`."""
-    from opara_core import zoo
-
-    model = zoo.get(name)
+def trace_zoo(
+    model: str | zoo.ZooModel,
+    module: torch.nn.Module | None = None,
+    device: torch.device | str = "cpu",
+    batch: int = 1,
+    spec: cost_model.GpuSpec = cost_model.H100,
+) -> OpGraph:
+    """Trace a zoo model (its seeded module unless `module` is given) with a
+    dynamic batch, on `device` itself so that ops that create tensors (arange,
+    full) are traced with that device; one graph serves every batch size, and
+    costs are estimated for `batch`."""
+    entry = zoo.get(model) if isinstance(model, str) else model
+    module = (entry.build() if module is None else module).to(device)
+    example = tuple(t.to(device) for t in entry.example_inputs(max(batch, 2)))
     return trace(
-        model.build(),
-        model.example_inputs(max(batch, 2)),
-        zoo.dynamic_shapes(model, max_batch=max(64, batch)),
-        cost_inputs=model.example_inputs(batch),
+        module,
+        example,
+        zoo.dynamic_shapes(entry, max_batch=max(64, batch)),
+        cost_inputs=tuple(t.to(device) for t in entry.example_inputs(batch)),
         spec=spec,
-        name=name,
+        name=entry.name,
     )
 
 

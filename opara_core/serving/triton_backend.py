@@ -2,8 +2,10 @@
 
 `initialize` builds the zoo model once and wraps it in a runner (CUDA graphs on
 a GPU instance, eager on a CPU instance); `execute` validates each request,
-concatenates the good ones into the runner's staging buffers, runs the batch
-once and splits the outputs. A bad request gets its own INVALID_ARG error; the
+hands the good ones to the runner as torch tensors (read through DLPack, on the
+host or, with FORCE_CPU_ONLY_INPUT_TENSORS "no", on the GPU), which copies them
+once into place and runs the batch once, and splits the outputs, which leave
+through DLPack too. A bad request gets its own INVALID_ARG error; the
 others in the batch are still answered; no Python traceback ever reaches a
 client.
 """
@@ -17,17 +19,16 @@ import logging
 import os
 import re
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import torch
-
-from opara_core.serving import weights
 
 from opara_core import zoo
 from opara_core.engine.build import EngineSettings, build_runner
+from opara_core.serving import weights
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +38,6 @@ TRITON_DTYPES = {
     torch.float16: "TYPE_FP16",
     torch.int64: "TYPE_INT64",
     torch.int32: "TYPE_INT32",
-}
-
-
-NUMPY_DTYPES = {
-    torch.float32: np.dtype(np.float32),
-    torch.float16: np.dtype(np.float16),
-    torch.int64: np.dtype(np.int64),
-    torch.int32: np.dtype(np.int32),
 }
 
 
@@ -130,7 +123,7 @@ def check_ranges(entry: zoo.ZooModel, config: dict) -> None:
             raise ValueError(f"parameter {key} is {declared.get(key)!r}, the model's is {expected.get(key)!r}")
 
 
-def request_arrays(entry: zoo.ZooModel, tensors: dict[str, np.ndarray | None]) -> list[np.ndarray]:
+def request_tensors(entry: zoo.ZooModel, tensors: dict[str, torch.Tensor | None]) -> list[torch.Tensor]:
     """Validate one request's inputs against the model; return them in model order.
 
     Raises RequestError with a message that names the input and the problem.
@@ -138,28 +131,27 @@ def request_arrays(entry: zoo.ZooModel, tensors: dict[str, np.ndarray | None]) -
     unknown = sorted(set(tensors) - {s.name for s in entry.inputs})
     if unknown:
         raise RequestError(f"unknown input {unknown[0]!r}; the model takes {[s.name for s in entry.inputs]}")
-    arrays, rows = [], None
+    checked, rows = [], None
     for spec in entry.inputs:
-        array = tensors.get(spec.name)
-        if array is None:
+        tensor = tensors.get(spec.name)
+        if tensor is None:
             raise RequestError(f"missing input {spec.name!r}")
-        expected_dtype = NUMPY_DTYPES[spec.dtype]
-        if array.dtype != expected_dtype:
-            raise RequestError(f"input {spec.name!r} has datatype {array.dtype}, expected {expected_dtype}")
-        if array.ndim != len(spec.shape) + 1 or tuple(array.shape[1:]) != spec.shape:
+        if tensor.dtype != spec.dtype:
+            raise RequestError(f"input {spec.name!r} has datatype {_dtype_name(tensor.dtype)}, expected {_dtype_name(spec.dtype)}")
+        if tensor.ndim != len(spec.shape) + 1 or tuple(tensor.shape[1:]) != spec.shape:
             raise RequestError(
-                f"input {spec.name!r} has shape {list(array.shape)}, expected [batch, {', '.join(map(str, spec.shape))}]"
+                f"input {spec.name!r} has shape {list(tensor.shape)}, expected [batch, {', '.join(map(str, spec.shape))}]"
             )
-        if rows is not None and array.shape[0] != rows:
-            raise RequestError(f"input {spec.name!r} has batch {array.shape[0]}, other inputs have {rows}")
-        rows = array.shape[0]
+        if rows is not None and tensor.shape[0] != rows:
+            raise RequestError(f"input {spec.name!r} has batch {tensor.shape[0]}, other inputs have {rows}")
+        rows = tensor.shape[0]
         if rows == 0:
             raise RequestError(f"input {spec.name!r} has an empty batch")
-        problem = spec.check(array)
+        problem = spec.check(tensor)
         if problem:
             raise RequestError(problem)
-        arrays.append(array)
-    return arrays
+        checked.append(tensor)
+    return checked
 
 
 class OparaModel:
@@ -198,7 +190,7 @@ class OparaModel:
         output_memory = parameters(config).get("output_memory", "host")
         if output_memory not in ("host", "gpu"):
             raise pb_utils.TritonModelException(f"model {args['model_name']}: output_memory must be 'host' or 'gpu'")
-        self.outputs_on_device = output_memory == "gpu" and hasattr(self.runner, "run_on_device")
+        self.outputs_on_device = output_memory == "gpu" and self.device.type == "cuda"
         self.metrics = ServingMetrics(pb_utils, args["model_name"], self.runner, self.report)
         log.info("model %s ready on %s:\n%s", args["model_name"], self.device, self.report.summary())
 
@@ -207,11 +199,11 @@ class OparaModel:
         clock = self.metrics.clock
         clock.restart()
         responses: list = [None] * len(requests)
-        good: list[tuple[int, list[np.ndarray]]] = []
+        good: list[tuple[int, list[torch.Tensor]]] = []
         for i, request in enumerate(requests):
             try:
-                tensors = {t.name(): input_array(t) for t in request.inputs()}
-                good.append((i, request_arrays(self.entry, tensors)))
+                tensors = {t.name(): input_tensor(t) for t in request.inputs()}
+                good.append((i, request_tensors(self.entry, tensors)))
             except RequestError as error:
                 responses[i] = _error(pb_utils, str(error), pb_utils.TritonError.INVALID_ARG)
         clock.lap("validate")
@@ -231,23 +223,18 @@ class OparaModel:
         return responses
 
     def finalize(self) -> None:
-        self.metrics.flush()
+        self.metrics.close()
 
-    def _run(self, good: list[tuple[int, list[np.ndarray]]]) -> list[list]:
-        """Concatenate, run the batch once, split the outputs per request."""
+    def _run(self, good: list[tuple[int, list[torch.Tensor]]]) -> list[list]:
+        """Run the requests as one batch, split the outputs per request."""
         pb_utils = self._pb
-        sizes = [arrays[0].shape[0] for _, arrays in good]
-        total = sum(sizes)
-        # Triton's batcher keeps the sum of request batches <= max_batch_size
-        staging = self.runner.host_inputs(total)
-        for k, buffer in enumerate(staging):
-            np.concatenate([arrays[k] for _, arrays in good], axis=0, out=buffer)
+        sizes = [tensors[0].shape[0] for _, tensors in good]
+        # per input, its row blocks in request order; the runner copies them
+        # once into place (Triton's batcher keeps the rows <= max_batch_size)
+        batch = [[tensors[k] for _, tensors in good] for k in range(len(self.entry.inputs))]
         self.metrics.clock.lap("stage")
-        # outputs leave through DLPack, never pb_utils.Tensor(name, ndarray): see input_array
-        if self.outputs_on_device:
-            outputs = self.runner.run_on_device(total)  # from_dlpack syncs with the current stream
-        else:
-            outputs = [torch.from_numpy(out) for out in self.runner.run(total)]
+        # outputs leave through DLPack, never pb_utils.Tensor(name, ndarray): see input_tensor
+        outputs = self.runner.run(batch, outputs_on_device=self.outputs_on_device)
         self.metrics.clock.lap("run")
         results, offset = [], 0
         for size in sizes:
@@ -256,8 +243,9 @@ class OparaModel:
         return results
 
 
-def input_array(tensor) -> np.ndarray:
-    """A request's input as numpy, read through DLPack and torch.
+def input_tensor(tensor) -> torch.Tensor:
+    """A request's input as a torch tensor (where Triton put it: host or GPU),
+    read through DLPack.
 
     The Python backend's own numpy bridge (`as_numpy`, `Tensor(name, ndarray)`)
     is compiled against numpy 1 and misreads numpy 2 arrays: with numpy 2 in the
@@ -267,8 +255,11 @@ def input_array(tensor) -> np.ndarray:
     own DLPack, `np.from_dlpack(tensor)` or an ndarray given to `from_dlpack`,
     kills the r24.10 stub: "PyCapsule_GetPointer called with incorrect name".)
     """
-    array = torch.from_dlpack(tensor.to_dlpack())
-    return (array if array.device.type == "cpu" else array.cpu()).numpy()
+    return torch.from_dlpack(tensor.to_dlpack())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class StageClock:
@@ -302,7 +293,9 @@ class ServingMetrics:
     replay, copy out; respond: split and build the responses), and
     opara_requests_total{model}: requests seen, to divide them by. Every metric
     update is an IPC round trip to the server, so counts are pushed at most every
-    `FLUSH_SECONDS`, not per request.
+    `FLUSH_SECONDS`, not per request: by `execute` when it runs past that
+    interval, and by a background thread, so that the tail of a burst reaches
+    a scrape without waiting for the next request.
     """
 
     FLUSH_SECONDS = 0.5
@@ -342,12 +335,31 @@ class ServingMetrics:
         self._sent: dict[int, int] = {}
         self._padded_sent = 0
         self._last_flush = time.monotonic()
+        self._flushing = threading.Lock()
+        self._stopped = threading.Event()
+        self._timer = threading.Thread(target=self._flush_every_interval, name=f"{model}-metrics", daemon=True)
+        self._timer.start()
+
+    def _flush_every_interval(self) -> None:
+        while not self._stopped.wait(self.FLUSH_SECONDS):
+            self.maybe_flush()
 
     def maybe_flush(self) -> None:
-        if time.monotonic() - self._last_flush >= self.FLUSH_SECONDS:
-            self.flush()
+        """Flush if the interval has passed and no other thread is flushing."""
+        if time.monotonic() - self._last_flush >= self.FLUSH_SECONDS and self._flushing.acquire(blocking=False):
+            try:
+                self._flush()
+            finally:
+                self._flushing.release()
 
-    def flush(self) -> None:
+    def close(self) -> None:
+        """Stop the timer and push what is left."""
+        self._stopped.set()
+        self._timer.join(timeout=5)
+        with self._flushing:
+            self._flush()
+
+    def _flush(self) -> None:
         self._last_flush = time.monotonic()
         for bucket, count in list(self._runner.batches.items()):
             if bucket not in self._metrics:

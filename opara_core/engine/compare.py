@@ -1,0 +1,40 @@
+"""The one way the engine compares outputs: max relative error.
+
+|got - want| over the largest |want|, worst over every tensor of a (nested)
+output. Used by fusion's checks, the build's guard, the benchmarks and the
+tests, so a tolerance means the same thing everywhere. NaN stays NaN, so
+`not error <= tolerance` rejects it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+
+def max_relative_error(actual: Any, expected: Any) -> float:
+    """Worst relative error of `actual` against `expected` (same structure and
+    shapes; tensors may sit on different devices). Integer tensors count as
+    0 when equal and infinitely wrong otherwise."""
+    got_leaves = [t for t in tree_leaves(actual) if isinstance(t, torch.Tensor)]
+    want_leaves = [t for t in tree_leaves(expected) if isinstance(t, torch.Tensor)]
+    if len(got_leaves) != len(want_leaves):
+        raise ValueError(f"{len(got_leaves)} outputs instead of {len(want_leaves)}")
+    worst = 0.0
+    for got, want in zip(got_leaves, want_leaves):
+        if got.shape != want.shape:
+            raise ValueError(f"output of shape {tuple(got.shape)} instead of {tuple(want.shape)}")
+        got = got.to(want.device)
+        if not want.is_floating_point():
+            worst = max(worst, 0.0 if torch.equal(got, want) else float("inf"))
+            continue
+        if not want.numel():
+            continue
+        scale = float(want.abs().max()) or 1.0
+        error = float((got.float() - want.float()).abs().max()) / scale
+        worst = error if error != error else max(worst, error)  # NaN wins
+        if worst != worst:
+            return worst
+    return worst
