@@ -32,7 +32,7 @@ from opara_core import zoo
 from opara_core.models.gpt2 import GPT2Logits, SlotDecoder
 from opara_core.planning.iteration import ITERATION, Limits, Rejected, Scheduler, Sequence
 from opara_core.serving import weights
-from opara_core.serving.triton_backend import parameters, select_device
+from opara_core.serving.triton_backend import input_tensor, parameters, select_device
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class Generator:
         self._inbox.put(Stream(sequence, prompt, sender, request))
 
     def _parse(self, request) -> tuple[list[int], int, int | None]:
-        tensors = {t.name(): torch.from_dlpack(t.to_dlpack()).cpu() for t in request.inputs()}
+        tensors = {t.name(): input_tensor(t).cpu() for t in request.inputs()}
         ids = tensors.get("input_ids")
         if ids is None or tensors.get("max_tokens") is None:
             raise Rejected("input_ids and max_tokens are required")
