@@ -4,6 +4,9 @@
   python -m client bench --model M --protocol grpc|http --url HOST:PORT --concurrency 1,2,4
                          (--requests N | --duration S) [--batch B] [--shared-memory none|system]
                          [--json F] [--csv F] [--plot F.png]
+  python -m client generate --model gpt2 --url HOST:PORT --ids 1,2,3 --max-tokens N [--end-id ID]
+  python -m client generate --model gpt2 --url HOST:PORT --rate R --requests N [--json F] [--plot F.png]
+                            (streams tokens over gRPC; see client/generate.py)
 
 Exit status: 0 on success, 1 when a request failed or the server cannot be
 reached (a bench with errors still writes its rows), 2 for bad arguments.
@@ -73,6 +76,9 @@ def _parser() -> Parser:
     run.add_argument("--csv", type=Path, help="write the rows here")
     run.add_argument("--plot", type=Path, help="PNG: latency percentiles and throughput against concurrency")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from client.generate import add_arguments
+
+    add_arguments(sub.add_parser("generate", help="stream generated tokens over gRPC, or a Poisson load of them"))
     return parser
 
 
@@ -186,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--timeout must be > 0, got {args.timeout}")
     if args.command == "infer" and args.classes < 0:
         raise UsageError(f"--classes must be >= 0, got {args.classes}")
+    if args.command == "generate":
+        from client.generate import main as generate
+
+        return generate(args, INTERRUPTED)
     return infer(args) if args.command == "infer" else run_bench(args)
 
 

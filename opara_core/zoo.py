@@ -117,15 +117,25 @@ class TensorSpec:
         )
 
 
+BATCH, GENERATE = "batch", "generate"
+
+
 @dataclass(frozen=True)
 class ZooModel:
-    """A servable model: how to build it and what goes in and out."""
+    """A servable model: how to build it and what goes in and out.
+
+    `serving` says how Triton serves it: "batch" (one response per request,
+    through serving.triton_backend) or "generate" (a decoupled model that
+    streams generated tokens, through serving.generation); `inputs` and
+    `outputs` always describe the module's own forward.
+    """
 
     name: str
     builder: Callable[[], nn.Module]
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     description: str = ""
+    serving: str = BATCH
 
     def build(self, seed: int = SEED) -> nn.Module:
         """The module with deterministic random weights, in eval mode.
@@ -234,6 +244,16 @@ def _t5() -> nn.Module:
     return T5DecoderLastHiddenState(T5Model(config))
 
 
+GPT2_VOCAB = 50257
+GPT2_EXAMPLE_LEN = 16  # the zoo entry's fixed sequence; the generation server takes any length
+
+
+def _gpt2() -> nn.Module:
+    from opara_core.models.gpt2 import GPT2Logits, gpt2_small
+
+    return GPT2Logits(gpt2_small())
+
+
 def _image(size: int) -> tuple[TensorSpec, ...]:
     return (TensorSpec("image", torch.float32, (3, size, size)),)
 
@@ -317,6 +337,18 @@ _MODELS: dict[str, ZooModel] = {
             "returns the decoder's last_hidden_state"
         ),
     ),
+    "gpt2": ZooModel(
+        name="gpt2",
+        builder=_gpt2,
+        inputs=(TensorSpec("input_ids", torch.int64, (GPT2_EXAMPLE_LEN,), value_range=(0, GPT2_VOCAB)),),
+        outputs=(TensorSpec("logits", torch.float32, (GPT2_EXAMPLE_LEN, GPT2_VOCAB)),),
+        description=(
+            "HuggingFace GPT2LMHeadModel, GPT-2 small config (12 layers, hidden 768, 12 heads, "
+            "vocab 50257, 1024 positions), eager attention; served as a decoupled model that "
+            "generates greedily with iteration-level scheduling (opara_core.serving.generation)"
+        ),
+        serving=GENERATE,
+    ),
 }
 
 
@@ -329,9 +361,11 @@ def oracle_tolerance() -> float:
     return 5e-2 if torch.cuda.is_available() else 1e-4
 
 
-def names() -> list[str]:
-    """Names of all zoo models, in a stable order."""
-    return list(_MODELS)
+def names(serving: str | None = BATCH) -> list[str]:
+    """Names of the zoo models served as `serving`, in a stable order: by
+    default the batch models, which the engine traces, plans and captures and
+    Triton batches; `GENERATE` for the generation models; None for all."""
+    return [name for name, entry in _MODELS.items() if serving is None or entry.serving == serving]
 
 
 def get(name: str) -> ZooModel:

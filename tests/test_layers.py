@@ -71,7 +71,7 @@ def test_the_check_sees_a_violation(tmp_path, monkeypatch):
 def test_planning_and_the_plan_cli_run_without_torch():
     code = (
         "import sys\n"
-        "import opara_core.planning.dag, opara_core.planning.order, opara_core.planning.plan, opara_core.planning.policies, opara_core.__main__\n"
+        "import opara_core.planning.dag, opara_core.planning.order, opara_core.planning.plan, opara_core.planning.policies, opara_core.planning.iteration, opara_core.__main__\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

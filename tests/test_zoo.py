@@ -17,6 +17,8 @@ from opara_core import zoo
 from opara_core.models.deepfm import CRITEO_VOCAB_SIZES, DeepFM
 
 EXPECTED_NAMES = ["googlenet", "inception_v3", "resnet50", "nasnet", "deepfm", "bert", "t5"]
+GENERATION_NAMES = ["gpt2"]
+ALL_NAMES = EXPECTED_NAMES + GENERATION_NAMES
 
 
 def _spec(model: str, name: str) -> zoo.TensorSpec:
@@ -28,7 +30,14 @@ INPUT_IDS = _spec("bert", "input_ids")
 
 
 def test_names_are_the_seven_models_in_order():
-    assert zoo.names() == EXPECTED_NAMES
+    assert zoo.names() == zoo.names(zoo.BATCH) == EXPECTED_NAMES
+
+
+def test_generation_models_are_listed_apart():
+    """gpt2 streams tokens from a decoupled model; the engine's tests and tools,
+    which iterate names(), trace batch models only."""
+    assert zoo.names(zoo.GENERATE) == GENERATION_NAMES
+    assert zoo.names(None) == ALL_NAMES
 
 
 def test_unknown_name_raises_key_error_listing_the_names():
@@ -36,10 +45,10 @@ def test_unknown_name_raises_key_error_listing_the_names():
         zoo.get("alexnet")
     message = str(info.value)
     assert "alexnet" in message
-    assert all(name in message for name in EXPECTED_NAMES)
+    assert all(name in message for name in ALL_NAMES)
 
 
-@pytest.mark.parametrize("name", EXPECTED_NAMES)
+@pytest.mark.parametrize("name", ALL_NAMES)
 def test_entry_specs_are_consistent(name):
     model = zoo.get(name)
     assert model.name == name
@@ -60,7 +69,7 @@ def test_dynamic_shapes_make_the_batch_dim_of_every_input_dynamic(name):
     assert all(dim is dims[0] for dim in dims)  # one shared batch symbol
 
 
-@pytest.mark.parametrize("name", EXPECTED_NAMES)
+@pytest.mark.parametrize("name", ALL_NAMES)
 def test_example_inputs_satisfy_the_specs(name):
     model = zoo.get(name)
     inputs = model.example_inputs(batch=3)
@@ -75,7 +84,7 @@ def test_example_inputs_satisfy_the_specs(name):
 # ---- building and running every model (module-scoped: one build shared per model)
 
 
-@pytest.fixture(scope="module", params=EXPECTED_NAMES)
+@pytest.fixture(scope="module", params=ALL_NAMES)
 def built(request):
     return zoo.get(request.param), zoo.get(request.param).build()
 

@@ -1,0 +1,281 @@
+"""Streaming generation through the real server: the decoupled gpt2 model.
+
+The servers here hold only gpt2, and a small GPT-2 (2 layers, hidden 128,
+GPT-2's vocabulary and positions, `config_overrides`): GPT-2 small took 0.68 s
+per decoding step of 4 requests on this shared two-core CI machine, which
+would put this file far over its two-minute budget. The code path is the same;
+the oracle is transformers' own greedy `generate` on the same weights. The
+initializer range is 0.2 rather than 0.02: a small random GPT-2 at 0.02 repeats
+one token forever, which would let a wrong cache or mask pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import server_config
+from test_faults import make_repository
+
+from client.api import ClientError
+from client.generate import TokenStream, tokens
+from opara_core.serving.generation import small_gpt2
+from opara_core.serving.launcher import TritonServer
+
+pytestmark = pytest.mark.server
+
+SMALL = "n_layer=2,n_embd=128,n_head=4,initializer_range=0.2"
+SMALL_OVERRIDES = {"n_layer": 2, "n_embd": 128, "n_head": 4, "initializer_range": 0.2}
+
+
+@functools.lru_cache(maxsize=None)
+def oracle_model() -> torch.nn.Module:
+    lm = small_gpt2(SMALL_OVERRIDES).lm
+    lm.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    lm.generation_config.pad_token_id = 0
+    return lm
+
+
+def oracle(prompt: list[int], max_tokens: int, end_id: int | None = None) -> list[int]:
+    """transformers' greedy generate, cut after end_id as the server stops there."""
+    with torch.inference_mode():
+        out = oracle_model().generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
+    generated = out[0, len(prompt) :].tolist()
+    if end_id is not None and end_id in generated:
+        generated = generated[: generated.index(end_id) + 1]
+    return generated
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, admin_key):
+    """gpt2 with iteration-level scheduling, and gpt2_request with the
+    request-level baseline; both 4 slots of 128 positions and a queue of 6."""
+    root = tmp_path_factory.mktemp("generation")
+    parameters = {"config_overrides": SMALL, "max_active": "4", "max_context": "128", "max_queue": "6"}
+    repository = make_repository(root / "models", {"gpt2": "gpt2", "gpt2_request": "gpt2"}, parameters)
+    with open(repository / "gpt2_request" / "config.pbtxt", "a") as config:
+        config.write('parameters { key: "scheduling" value: { string_value: "request" } }\n')
+    with TritonServer(server_config(repository, exit_timeout_s=15), root / "server.log") as running:
+        yield running
+
+
+def generate(url: str, prompt: list[int], max_tokens: int, end_id: int | None = None, delay_s: float = 0.0, model: str = "gpt2") -> list[int]:
+    time.sleep(delay_s)
+    with TokenStream(url) as stream:
+        stream.send(model, prompt, max_tokens, end_id)
+        return [token for _, token in tokens(stream.events)]
+
+
+def test_greedy_tokens_equal_transformers_generate_for_a_staggered_mixed_batch(server):
+    """Ten requests of different prompt and output lengths, sent at staggered
+    times so that they join and leave a running batch of at most 4, one with
+    an end id: each gets exactly transformers' greedy tokens."""
+    rng = np.random.default_rng(7)
+    cases = []
+    for i in range(9):  # with the next one, 4 generating and 6 waiting at most: none is refused
+        prompt = rng.integers(0, 50257, int(rng.integers(1, 24))).tolist()
+        cases.append((prompt, int(rng.integers(1, 20)), None, 0.03 * i))
+    prompt, full = [11, 22, 33], oracle([11, 22, 33], 12)
+    stop = next(k for k in range(2, 12) if full[k] not in full[:k])
+    cases.append((prompt, 12, full[stop], 0.05))  # stops after stop + 1 tokens
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(lambda c: generate(server.grpc_url, *c), cases))
+    for (prompt, max_tokens, end_id, _), result in zip(cases, results):
+        assert result == oracle(prompt, max_tokens, end_id), (prompt, max_tokens, end_id)
+    assert len(results[-1]) == stop + 1
+
+
+def test_tokens_arrive_one_response_at_a_time(server):
+    """Streaming, not one answer at the end: the first token arrives well before the last."""
+    with TokenStream(server.grpc_url) as stream:
+        stream.send("gpt2", [1, 2, 3], 40)
+        times = [when for when, _ in tokens(stream.events)]
+    assert len(times) == 40 and len(set(times)) > 1
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "problem"),
+    [
+        ([1, 50257], 4, "position 1"),
+        ([], 4, "empty"),
+        ([1, 2], 0, "max_tokens"),
+        (list(range(100)), 100, "positions"),
+    ],
+)
+def test_bad_requests_get_a_clear_error(server, prompt, max_tokens, problem):
+    with pytest.raises(ClientError) as info:
+        generate(server.grpc_url, prompt, max_tokens)
+    message = str(info.value)
+    assert problem in message and "Traceback" not in message, message
+
+
+KILLED_CLIENT = """
+import sys
+from client.generate import TokenStream, tokens
+stream = TokenStream(sys.argv[1])
+stream.send("gpt2", [1, 2, 3, 4], 100)
+next(tokens(stream.events))
+print("first token", flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_cancelled_and_disconnected_clients_lose_no_other_request(server):
+    """Two clients go away mid-stream, one cancelling its stream, one killed
+    (its connection drops), beside three requests that must all be answered
+    in full. The server retires both at once, long before their 100 tokens,
+    and serves new requests afterwards."""
+    import subprocess
+    import sys
+
+    from opara_core.serving.launcher import REPO_ROOT
+
+    cases = [([5, 6, 7], 20), ([8, 9], 15), ([10], 20)]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        futures = [pool.submit(generate, server.grpc_url, prompt, n, None, 0.02) for prompt, n in cases]
+        stream = TokenStream(server.grpc_url)
+        stream.send("gpt2", [1, 2, 3, 4], 100)
+        next(tokens(stream.events))
+        stream.close(cancel=True)
+        killed = subprocess.Popen(
+            [sys.executable, "-c", KILLED_CLIENT, server.grpc_url], cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert killed.stdout.readline().strip() == "first token"
+        finally:
+            killed.kill()
+            killed.wait(30)
+        results = [f.result() for f in futures]
+    for (prompt, n), result in zip(cases, results):
+        assert result == oracle(prompt, n)
+    assert generate(server.grpc_url, [3, 1, 4], 6) == oracle([3, 1, 4], 6)
+    retired = re.findall(r"request \d+ cancelled after (\d+) tokens", server.log_tail(2000))
+    assert len(retired) == 2 and all(int(n) < 100 for n in retired), retired
+
+
+def test_overload_gets_a_clear_error_and_the_others_are_served(server):
+    """4 slots and a queue of 6: of 16 long requests sent at once, those past
+    the queue are refused with 'overloaded' at once; every accepted one is
+    answered in full."""
+    cases = [([i + 1, i + 2], 16) for i in range(16)]
+    results: list = [None] * len(cases)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = generate(server.grpc_url, *cases[i])
+        except ClientError as error:
+            results[i] = error
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    refused = [r for r in results if isinstance(r, ClientError)]
+    assert refused and all("overloaded" in str(r) and "queue limit 6" in str(r) for r in refused)
+    served = [(c, r) for c, r in zip(cases, results) if not isinstance(r, ClientError)]
+    assert len(served) >= 4 + 6
+    for (prompt, n), result in served:
+        assert result == oracle(prompt, n)
+
+
+def long_then_short(url: str, model: str) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+    """A long request, and a short one sent once the long one's first token is
+    in: (time, token) of each."""
+    with TokenStream(url) as long, TokenStream(url) as short:
+        long.send(model, [1, 2, 3], 60)
+        long_events = tokens(long.events)
+        long_got = [next(long_events)]
+        short.send(model, [4, 5], 3)
+        short_got = list(tokens(short.events))
+        long_got += list(long_events)
+    assert [t for _, t in long_got] == oracle([1, 2, 3], 60)
+    assert [t for _, t in short_got] == oracle([4, 5], 3)
+    return long_got, short_got
+
+
+def test_iteration_level_a_late_short_request_joins_and_leaves_before_the_long_one(server):
+    long_got, short_got = long_then_short(server.grpc_url, "gpt2")
+    assert short_got[-1][0] < long_got[-1][0]
+
+
+def test_request_level_baseline_makes_a_late_request_wait_for_the_whole_batch(server):
+    """The baseline: nobody joins a running batch; the tokens are still exactly the oracle's."""
+    long_got, short_got = long_then_short(server.grpc_url, "gpt2_request")
+    assert short_got[0][0] > long_got[-1][0]
+
+
+def test_http_generate_stream_streams_the_same_tokens(server):
+    """Triton 2.51's HTTP generate_stream endpoint (server-sent events) works
+    with the decoupled model: one event per token, errors as an error event."""
+    import json
+    import urllib.request
+
+    import urllib.error
+
+    def events(body: dict) -> tuple[int, list[dict]]:
+        request = urllib.request.Request(
+            f"http://{server.http_url}/v2/models/gpt2/generate_stream", data=json.dumps(body).encode(), method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                status, text = response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            status, text = error.code, error.read().decode()
+        return status, [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: ")]
+
+    status, got = events({"input_ids": [1, 2, 3], "max_tokens": 7})
+    assert status == 200 and [e["output_ids"] for e in got] == oracle([1, 2, 3], 7)
+    status, refused = events({"input_ids": [1, 2, 3], "max_tokens": 0})
+    assert status == 400 and len(refused) == 1 and "max_tokens" in refused[0]["error"]
+
+
+def test_the_client_cli_streams_tokens_and_runs_a_load(server, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from opara_core.serving.launcher import REPO_ROOT
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "client", "generate", "--model", "gpt2", "--url", server.grpc_url, *args]
+        return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+    one = cli("--ids", "1,2,3", "--max-tokens", "6")
+    assert one.returncode == 0, one.stderr
+    assert one.stdout.split("\n")[0].split() == [str(t) for t in oracle([1, 2, 3], 6)]
+    load = cli("--rate", "20", "--requests", "8", "--prompt-len", "2,6", "--output-len", "2,6", "--json", str(tmp_path / "load.json"))
+    assert load.returncode == 0, load.stderr
+    report = json.loads((tmp_path / "load.json").read_text())
+    assert report["summary"]["requests"] == 8 and report["summary"]["errors"] == 0
+    assert all(r["tokens"] == r["max_tokens"] for r in report["requests"])
+    bad = cli("--ids", "1,2", "--max-tokens", "500")
+    assert bad.returncode == 1 and bad.stderr.startswith("error:") and "positions" in bad.stderr
+
+
+# --- the model's parameters (no server) --------------------------------------------------------
+
+
+def test_parameters_parse_and_bad_ones_are_named():
+    from opara_core.serving.generation import GenerationSettings, graph_buckets
+
+    settings = GenerationSettings.from_parameters({"scheduling": "request", "max_active": "3", "config_overrides": "n_layer=2,initializer_range=0.2"})
+    assert settings.scheduling == "request" and settings.limits().kv_tokens == 3 * settings.max_context
+    assert settings.overrides() == {"n_layer": 2, "initializer_range": 0.2}
+    for params, problem in (
+        ({"max_slots": "3"}, "unknown parameters ['max_slots']"),
+        ({"max_active": "many"}, "max_active has an invalid value"),
+        ({"max_active": "0"}, "max_active must be >= 1"),
+        ({"scheduling": "orca"}, "scheduling must be one of"),
+        ({"config_overrides": "n_layer"}, "expected key=number"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            GenerationSettings.from_parameters(params)
+    assert graph_buckets(1) == (1,) and graph_buckets(12) == (1, 2, 4, 8, 12)
