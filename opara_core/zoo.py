@@ -260,35 +260,16 @@ def _image(size: int) -> tuple[TensorSpec, ...]:
 
 _LOGITS = (TensorSpec("logits", torch.float32, (1000,)),)
 
+
+def _ids(name: str, length: int, high: int) -> TensorSpec:
+    """Token ids (or a 0/1 mask, high=2) of one sequence length."""
+    return TensorSpec(name, torch.int64, (length,), value_range=(0, high))
+
 _MODELS: dict[str, ZooModel] = {
-    "googlenet": ZooModel(
-        name="googlenet",
-        builder=_googlenet,
-        inputs=_image(224),
-        outputs=_LOGITS,
-        description="torchvision GoogLeNet (Inception v1), no auxiliary heads",
-    ),
-    "inception_v3": ZooModel(
-        name="inception_v3",
-        builder=_inception_v3,
-        inputs=_image(299),
-        outputs=_LOGITS,
-        description="torchvision Inception v3, no auxiliary head",
-    ),
-    "resnet50": ZooModel(
-        name="resnet50",
-        builder=_resnet50,
-        inputs=_image(224),
-        outputs=_LOGITS,
-        description="torchvision ResNet-50",
-    ),
-    "nasnet": ZooModel(
-        name="nasnet",
-        builder=_nasnet,
-        inputs=_image(331),
-        outputs=_LOGITS,
-        description="timm nasnetalarge (NASNet-A Large)",
-    ),
+    "googlenet": ZooModel("googlenet", _googlenet, _image(224), _LOGITS, description="torchvision GoogLeNet (Inception v1), no auxiliary heads"),
+    "inception_v3": ZooModel("inception_v3", _inception_v3, _image(299), _LOGITS, description="torchvision Inception v3, no auxiliary head"),
+    "resnet50": ZooModel("resnet50", _resnet50, _image(224), _LOGITS, description="torchvision ResNet-50"),
+    "nasnet": ZooModel("nasnet", _nasnet, _image(331), _LOGITS, description="timm nasnetalarge (NASNet-A Large)"),
     "deepfm": ZooModel(
         name="deepfm",
         builder=_deepfm,
@@ -311,10 +292,7 @@ _MODELS: dict[str, ZooModel] = {
     "bert": ZooModel(
         name="bert",
         builder=_bert,
-        inputs=(
-            TensorSpec("input_ids", torch.int64, (BERT_SEQ_LEN,), value_range=(0, BERT_VOCAB)),
-            TensorSpec("attention_mask", torch.int64, (BERT_SEQ_LEN,), value_range=(0, 2)),
-        ),
+        inputs=(_ids("input_ids", BERT_SEQ_LEN, BERT_VOCAB), _ids("attention_mask", BERT_SEQ_LEN, 2)),
         outputs=(TensorSpec("last_hidden_state", torch.float32, (BERT_SEQ_LEN, 768)),),
         description=(
             "HuggingFace BertModel, BERT-base config (12 layers, hidden 768, 12 heads, "
@@ -325,9 +303,9 @@ _MODELS: dict[str, ZooModel] = {
         name="t5",
         builder=_t5,
         inputs=(
-            TensorSpec("input_ids", torch.int64, (T5_ENCODER_LEN,), value_range=(0, T5_VOCAB)),
-            TensorSpec("attention_mask", torch.int64, (T5_ENCODER_LEN,), value_range=(0, 2)),
-            TensorSpec("decoder_input_ids", torch.int64, (T5_DECODER_LEN,), value_range=(0, T5_VOCAB)),
+            _ids("input_ids", T5_ENCODER_LEN, T5_VOCAB),
+            _ids("attention_mask", T5_ENCODER_LEN, 2),
+            _ids("decoder_input_ids", T5_DECODER_LEN, T5_VOCAB),
         ),
         outputs=(TensorSpec("last_hidden_state", torch.float32, (T5_DECODER_LEN, T5_D_MODEL)),),
         description=(
@@ -340,7 +318,7 @@ _MODELS: dict[str, ZooModel] = {
     "gpt2": ZooModel(
         name="gpt2",
         builder=_gpt2,
-        inputs=(TensorSpec("input_ids", torch.int64, (GPT2_EXAMPLE_LEN,), value_range=(0, GPT2_VOCAB)),),
+        inputs=(_ids("input_ids", GPT2_EXAMPLE_LEN, GPT2_VOCAB),),
         outputs=(TensorSpec("logits", torch.float32, (GPT2_EXAMPLE_LEN, GPT2_VOCAB)),),
         description=(
             "HuggingFace GPT2LMHeadModel, GPT-2 small config (12 layers, hidden 768, 12 heads, "

@@ -132,26 +132,15 @@ def build_runner(
     torch.backends.cudnn.benchmark = settings.autotune
     graphs = traced_graphs(module, entry, device, settings, report)
     lane_pool = LanePool(device)
-    if graphs and settings.policy != "sequential":
-        try:
-            start = time.perf_counter()
-            if settings.fail_capture:
-                raise CaptureError("capture failure forced by the fail_capture switch")
-            captures = {c: PlanCapture(graphs[c.layout], plan, lane_pool) for c, plan in candidates(graphs, settings).items()}
-            chosen = capture_fastest(captures, entry, device, settings.buckets, report)
-            runner = runtime.GraphRunner(chosen, entry.inputs, entry.outputs, device, max_batch)
-            if settings.guard:
-                check_against_eager(runner, {b: graphs[c.layout].module for b, c in report.choices.items()}, entry, settings.guard_tolerance)
-            report.seconds["plan+capture"] = time.perf_counter() - start
-            report.runner = "multi-stream graph"
-            return runner, report
-        except (CaptureError, GuardError, RuntimeError) as error:
-            report.fallbacks.append(f"multi-stream graph: {error}")
-            log.warning("multi-stream graph failed, falling back to a sequential graph: %s", error)
-            report.choices.clear()
-            report.timings_ms.clear()
-    try:
-        start = time.perf_counter()
+
+    def multi_stream() -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
+        if settings.fail_capture:
+            raise CaptureError("capture failure forced by the fail_capture switch")
+        captures = {c: PlanCapture(graphs[c.layout], plan, lane_pool) for c, plan in candidates(graphs, settings).items()}
+        chosen = capture_fastest(captures, entry, device, settings.buckets, report)
+        return chosen, {b: graphs[c.layout].module for b, c in report.choices.items()}
+
+    def sequential() -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():  # no autograd state in the graphs or their outputs
             if graphs:
@@ -162,17 +151,29 @@ def build_runner(
             else:
                 captured = {b: capture_module(module, static_inputs(entry, b, device), pool) for b in sorted(settings.buckets)}
                 reference, choice = module, "module"
-        runner = runtime.GraphRunner(captured, entry.inputs, entry.outputs, device, max_batch)
-        report.choices = dict.fromkeys(runner.buckets, choice)
-        if settings.guard:
-            check_against_eager(runner, dict.fromkeys(runner.buckets, reference), entry, settings.guard_tolerance)
-        report.seconds["capture"] = time.perf_counter() - start
-        report.runner = "sequential graph"
+        report.choices = dict.fromkeys(captured, choice)
+        return captured, dict.fromkeys(captured, reference)
+
+    # each attempt: (what the runner is, its build-time key, how to capture it); a failure falls to the next
+    attempts = [("sequential graph", "capture", sequential)]
+    if graphs and settings.policy != "sequential":
+        attempts.insert(0, ("multi-stream graph", "plan+capture", multi_stream))
+    for kind, seconds_key, capture in attempts:
+        start = time.perf_counter()
+        try:
+            captured, references = capture()
+            runner = runtime.GraphRunner(captured, entry.inputs, entry.outputs, device, max_batch)
+            if settings.guard:
+                check_against_eager(runner, references, entry, settings.guard_tolerance)
+        except (CaptureError, GuardError, RuntimeError) as error:
+            report.fallbacks.append(f"{kind}: {error}")
+            log.warning("%s failed, falling back to %s: %s", kind, "a sequential graph" if kind != "sequential graph" else "eager", error)
+            report.choices.clear()
+            report.timings_ms.clear()
+            continue
+        report.seconds[seconds_key] = time.perf_counter() - start
+        report.runner = kind
         return runner, report
-    except (CaptureError, GuardError, RuntimeError) as error:
-        report.fallbacks.append(f"sequential graph: {error}")
-        log.warning("sequential graph failed, falling back to eager: %s", error)
-        report.choices.clear()
     report.runner = "eager"
     return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
 
