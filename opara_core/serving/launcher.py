@@ -304,7 +304,7 @@ class TritonServer:
     def failure(self, watched: dict[str, int]) -> tuple[str, str] | None:
         """(reason, what happened) if the server, the guard or a watched stub died."""
         if self.returncode is not None:
-            return "server exited", f"tritonserver {describe_exit(self.returncode)}{self._last_words()}"
+            return "server exited", f"tritonserver {describe_exit(self.returncode)}{self.last_words()}"
         if self.guard is not None and self.guard.poll() is not None:
             return "guard exited", f"the HTTP guard {describe_exit(self.guard.returncode)}"
         alive = self.stubs()
@@ -316,7 +316,7 @@ class TritonServer:
             )
         return None
 
-    def _last_words(self) -> str:
+    def last_words(self) -> str:
         """The log's last lines that say why a process ended (C++ exceptions, signals)."""
         if self.log_path is None:
             return ""
