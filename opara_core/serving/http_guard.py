@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import math
+import signal
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -237,6 +238,7 @@ class GuardState:
     session: aiohttp.ClientSession | None = None
     refused: Counter = field(default_factory=Counter)
     limits: dict[str, ModelLimits] = field(default_factory=dict)
+    active: int = 0  # requests being handled
 
 
 def _model_of(path: str) -> tuple[str, str] | None:
@@ -291,6 +293,14 @@ def _decode(body: bytes, encoding: str, limit: int) -> bytes:
 
 async def handle(request: web.Request) -> web.StreamResponse:
     state: GuardState = request.app[STATE_KEY]
+    state.active += 1
+    try:
+        return await _handle(request, state)
+    finally:
+        state.active -= 1
+
+
+async def _handle(request: web.Request, state: GuardState) -> web.StreamResponse:
     try:
         if request.method == "GET" and request.path == "/metrics":
             return web.Response(text=metrics_text(state), content_type="text/plain", charset="utf-8")
@@ -393,9 +403,33 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     host, port = _host_port(args.listen)
-    # SIGTERM: close the listener at once, let requests in flight finish
-    web.run_app(make_app(args.upstream, args.status_file), host=host, port=port, print=None, shutdown_timeout=60, access_log=None)
+    asyncio.run(serve(make_app(args.upstream, args.status_file), host, port))
     return 0
+
+
+async def serve(app: web.Application, host: str, port: int, shutdown_timeout_s: float = 60.0) -> None:
+    """Serve until SIGTERM or SIGINT, then close the port at once and let the
+    requests in flight finish. Unlike aiohttp's run_app, a second signal
+    changes nothing (run_app would drop the requests in flight)."""
+    runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout_s, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    log.info("guarding %s:%d", host, port)
+    await stop.wait()
+    for site in list(runner.sites):
+        await site.stop()  # the port closes at once
+    # aiohttp's own shutdown stops reading request bodies, so a request whose
+    # body was still arriving would hang: wait for a quiet moment first
+    state, quiet_since, deadline = app[STATE_KEY], loop.time(), loop.time() + shutdown_timeout_s
+    while loop.time() < deadline and loop.time() - quiet_since < 0.5:
+        if state.active:
+            quiet_since = loop.time()
+        await asyncio.sleep(0.05)
+    await runner.cleanup()
 
 
 if __name__ == "__main__":

@@ -254,6 +254,7 @@ class TritonServer:
         self.upstream = (LOOPBACK, free_port()) if config.guard else (config.address, config.http_port)
         self.status_file = Path(tempfile.gettempdir()) / f"{config.server_id}-status.json"
         self.restarts: dict[str, int] = {}
+        self._signalled: set[int] = set()  # pids sent SIGTERM or SIGINT already
 
     @property
     def http_url(self) -> str:
@@ -354,18 +355,28 @@ class TritonServer:
     def returncode(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
+    def interrupt(self, signum: int = signal.SIGTERM) -> None:
+        """Begin a clean stop: `signum` to the front process (the guard, which
+        closes its port at once and lets its requests in flight finish; else
+        tritonserver). `stop` does the rest."""
+        front = self.guard if self.guard is not None and self.guard.poll() is None else self.process
+        if front is not None and front.poll() is None:
+            front.send_signal(signum)
+            self._signalled.add(front.pid)
+
     def stop(self, timeout_s: float | None = None, keep_guard: bool = False) -> int | None:
-        """SIGTERM to both (the guard closes its port at once; both finish the
-        requests in flight, Triton unloads), then SIGKILL; then remove the
-        shared-memory regions a dead stub left behind. `keep_guard`: stop only
-        tritonserver (a restart)."""
+        """SIGTERM to the guard, which closes its port at once and waits for its
+        requests in flight (tritonserver still serves them); then SIGTERM to
+        tritonserver (it finishes its own and unloads); SIGKILL for either that
+        outlasts `timeout_s`. Then remove the shared-memory regions a dead stub
+        left behind. `keep_guard`: stop only tritonserver (a restart)."""
         timeout_s = self.config.exit_timeout_s + 10 if timeout_s is None else timeout_s
-        processes = [("tritonserver", self.process)] + ([] if keep_guard else [("the HTTP guard", self.guard)])
-        processes = [(name, p) for name, p in processes if p is not None]
-        for _, process in processes:
-            if process.poll() is None:
+        order = ([] if keep_guard else [("the HTTP guard", self.guard)]) + [("tritonserver", self.process)]
+        for name, process in order:
+            if process is None:
+                continue
+            if process.poll() is None and process.pid not in self._signalled:  # once: a second one may cut a drain short
                 process.send_signal(signal.SIGTERM)
-        for name, process in processes:
             try:
                 process.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -558,8 +569,8 @@ def supervise(
 def serve(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR, image: bool = False) -> int:
     """Run tritonserver (`image`: the container's own) and the HTTP guard in
     the foreground, their logs on this terminal, under `supervise`. SIGINT
-    and SIGTERM go on to the server, which finishes its in-flight requests and
-    unloads; the parent-death signal covers a killed `make`."""
+    and SIGTERM stop both: requests in flight finish, Triton unloads; the
+    parent-death signal covers a killed `make`."""
     server = TritonServer(config, log_path=None, workdir=workdir, image=image)
     behind = f" (guarded; tritonserver's own HTTP on {server.upstream[0]}:{server.upstream[1]})" if config.guard else ""
     print(
@@ -572,8 +583,7 @@ def serve(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR, image: bool = F
 
     def forward(signum, frame) -> None:
         stop.set()
-        if server.returncode is None and server.process is not None:
-            server.process.send_signal(signum)
+        server.interrupt(signum)
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
