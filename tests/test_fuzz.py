@@ -1,6 +1,7 @@
 """No single request takes the server down: a short seeded fuzz run over HTTP and
 gRPC (scripts/fuzz.py), and one named regression test per crash class the
-longer runs found (docs/reliability.md, "Requests that crashed Triton").
+longer runs found (docs/reliability.md, "Requests that crashed Triton"): JSON
+data shorter than its declared shape (plain and chunked) and deeply nested JSON.
 
 Each regression test sends the request that killed tritonserver 2.51 when it
 listened on the public HTTP port itself, then checks that the server is live
@@ -73,7 +74,7 @@ def _deepfm(dense_shape: list[int], dense_data: list, sparse_shape=(1, 26)) -> l
 # --- one test per crash class ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", [[1, 13, 2**40], [33, 2**32 + 1], [1, 2**31], [2**40, 13]])
+@pytest.mark.parametrize("shape", [[1, 13, 2**40], [33, 2**32 + 1], [2**40, 13]])
 def test_json_data_shorter_than_its_declared_shape(target, shape):
     """Triton allocates the declared shape before it counts the JSON values:
     a few values declaring 2^40 elements ended it with std::bad_alloc (SIGABRT)."""
@@ -97,10 +98,11 @@ def test_deeply_nested_json(target, where):
     assert survives(target, case) == "400"
 
 
-def test_a_chunk_size_beyond_64_bits(target):
-    """A chunk size of twenty hex digits made Triton's HTTP parser allocate it."""
+def test_a_chunk_size_beyond_64_bits_is_refused_at_once(target):
+    """Not a crash: Triton alone waits for the 2^80 bytes (the fuzzer's 15 s
+    timeout); the guard's HTTP parser refuses the chunk size at once."""
     case = fuzz.Case("chunked", "chunk size overflow", http=_json(_deepfm([1, 13], [0.5] * 13), how="chunked-overflow"))
-    assert survives(target, case) in ("400", "413", "recv: RemoteDisconnected", "recv: ConnectionResetError")
+    assert survives(target, case) == "400"
 
 
 # --- the seeded run ------------------------------------------------------------------------------
