@@ -255,7 +255,9 @@ def deep_nesting(model: Model, rng: random.Random) -> Case:
         raw = text[:-1] + ', "parameters": {"p": ' + nest + "}}"
     else:
         raw = text.replace(json.dumps(inputs[0]["shape"]), nest, 1)
-    return Case("deep nesting", f"{where}, depth {depth}", http=_post(model, None, raw=raw.encode()))
+    endpoint = rng.choice(["infer", "infer", "generate", "generate_stream", "repository"])
+    path = "/v2/repository/index" if endpoint == "repository" else f"/v2/models/{model.name}/{endpoint}"
+    return Case("deep nesting", f"{endpoint} {where}, depth {depth}", http=_post(model, None, raw=raw.encode(), path=path))
 
 
 def content_types(model: Model, rng: random.Random) -> Case:

@@ -305,7 +305,7 @@ async def _handle(request: web.Request, state: GuardState) -> web.StreamResponse
         if request.method == "GET" and request.path == "/metrics":
             return web.Response(text=metrics_text(state), content_type="text/plain", charset="utf-8")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        if request.method == "POST" and "infer" in request.raw_path.lower():
+        if request.method == "POST" and ("infer" in request.raw_path.lower() or "infer" in request.path.lower()):
             target = _model_of(request.path)
             limits = None if target is None else await _limits(state, target[0])
             header_length = request.headers.get("Inference-Header-Content-Length")
@@ -320,6 +320,7 @@ async def _handle(request: web.Request, state: GuardState) -> web.StreamResponse
             check_inference(body, _header_length(header_length), limits)
         else:
             body = await _read_body(request, OTHER_BODY_LIMIT)
+            _check_nesting(body)
         return await _forward(request, state, headers, body)
     except Refused as refused:
         state.refused[refused.reason] += 1
@@ -329,6 +330,20 @@ async def _handle(request: web.Request, state: GuardState) -> web.StreamResponse
         state.limits.clear()  # the server may come back with another repository
         state.refused["unavailable"] += 1
         return web.json_response({"error": f"the inference server is unavailable ({type(error).__name__})"}, status=503)
+
+
+def _check_nesting(body: bytes) -> None:
+    """Refuse JSON nested deeper than Python's parser goes (about 1,000 levels):
+    Triton's parser overflows its stack on a few hundred thousand, on every
+    endpoint that reads JSON (generate, the repository and settings APIs).
+    A body that is not JSON is Triton's to refuse."""
+    if body:
+        try:
+            json.loads(body)
+        except RecursionError:
+            raise Refused("failed to parse the request JSON buffer: nested too deeply", reason="json") from None
+        except ValueError:
+            pass
 
 
 def _header_length(value: str | None) -> int | None:
