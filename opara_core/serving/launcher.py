@@ -321,7 +321,7 @@ class TritonServer:
         """The log's last lines that say why a process ended (C++ exceptions, signals)."""
         if self.log_path is None:
             return ""
-        words = [line for line in self.log_tail(20).splitlines() if re.search(r"terminate called|what\(\)|Signal \(|Segmentation", line)]
+        words = [line for line in self.log_tail(80).splitlines() if re.search(r"terminate called|what\(\)|Signal \(|Segmentation", line)]
         return f" ({'; '.join(w.strip() for w in words[-2:])})" if words else ""
 
     def stubs(self) -> dict[str, int]:
