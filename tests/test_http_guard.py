@@ -9,7 +9,16 @@ import json
 
 import pytest
 
-from opara_core.serving.http_guard import HEADER_LIMIT, ModelLimits, Refused, _decode, _model_of, check_inference, metrics_text
+from opara_core.serving.http_guard import (
+    HEADER_LIMIT,
+    ModelLimits,
+    Refused,
+    _check_nesting,
+    _decode,
+    _model_of,
+    check_inference,
+    metrics_text,
+)
 
 # Triton's JSON model config, as /v2/models/deepfm/config returns it (int64 dims as strings)
 DEEPFM = ModelLimits.from_config(
@@ -134,3 +143,12 @@ def test_metrics_report_refusals_and_the_launchers_restarts(tmp_path):
     text = metrics_text(state)
     assert 'opara_guard_refused_total{reason="invalid"} 2' in text
     assert 'opara_server_restarts_total{reason="server exited"} 3' in text
+
+
+def test_every_json_body_is_refused_when_nested_too_deeply():
+    """generate, the repository and settings APIs: Triton's parser overflows
+    its stack on deep nesting wherever it reads JSON."""
+    with pytest.raises(Refused, match="nested too deeply"):
+        _check_nesting(b"[" * 300_000 + b"]" * 300_000)
+    _check_nesting(b'{"text_input": "hello", "parameters": {"a": [1, [2]]}}')
+    _check_nesting(b"not json: Triton's to refuse")

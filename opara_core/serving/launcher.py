@@ -12,10 +12,15 @@ the model-repository, shared-memory, logging and trace APIs need the key in
 OPARA_ADMIN_KEY (a random key nobody knows when it is unset: those APIs are
 then closed to everyone).
 
+The public HTTP port is served by the HTTP guard (`http_guard`), which checks
+inference requests before they reach tritonserver's own HTTP port on a free
+loopback port: Triton 2.51 crashes on some single requests.
+
 CLI: `python -m opara_core.serving.launcher prepare` lays out the backend directory;
-`python -m opara_core.serving.launcher serve [--model-repository DIR]` runs the server in
-the foreground (ports from HTTP_PORT, GRPC_PORT, METRICS_PORT) and restarts it
-if a model's backend process dies.
+`python -m opara_core.serving.launcher serve [--model-repository DIR] [--no-guard]`
+runs the server and the guard in the foreground (ports from HTTP_PORT, GRPC_PORT,
+METRICS_PORT) and restarts the server if it, the guard or a model's backend
+process dies; `container` does the same with the image's own tritonserver.
 """
 
 from __future__ import annotations
@@ -255,6 +260,7 @@ class TritonServer:
         self.status_file = Path(tempfile.gettempdir()) / f"{config.server_id}-status.json"
         self.restarts: dict[str, int] = {}
         self._signalled: set[int] = set()  # pids sent SIGTERM or SIGINT already
+        self._log_start = 0  # where this run of tritonserver begins in the log
 
     @property
     def http_url(self) -> str:
@@ -281,6 +287,7 @@ class TritonServer:
                      f"--upstream={self.upstream[0]}:{self.upstream[1]}", f"--status-file={self.status_file}"]  # fmt: skip
             self.guard = self._spawn(guard)
             log.info("started the HTTP guard pid %d on %s", self.guard.pid, self.http_url)
+        self._log_start = self.log_path.stat().st_size if self.log_path is not None and self.log_path.exists() else 0
         self.process = self._spawn(command)
         log.info("started tritonserver pid %d (%s)", self.process.pid, self.config.server_id)
         return self
@@ -321,7 +328,13 @@ class TritonServer:
         """The log's last lines that say why a process ended (C++ exceptions, signals)."""
         if self.log_path is None:
             return ""
-        words = [line for line in self.log_tail(80).splitlines() if re.search(r"terminate called|what\(\)|Signal \(|Segmentation", line)]
+        try:
+            with open(self.log_path, "rb") as log_file:  # this run's part of the log only
+                log_file.seek(self._log_start)
+                lines = log_file.read().decode(errors="replace").splitlines()[-80:]
+        except OSError:
+            return ""
+        words = [line for line in lines if re.search(r"terminate called|what\(\)|Signal \(|Segmentation", line)]
         return f" ({'; '.join(w.strip() for w in words[-2:])})" if words else ""
 
     def stubs(self) -> dict[str, int]:
