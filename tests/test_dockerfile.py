@@ -127,7 +127,7 @@ def test_serves_the_model_repository_with_model_control_none():
 
 
 def test_the_containers_server_has_the_safe_flags(monkeypatch, tmp_path):
-    """What the CMD execs: the image's tritonserver, model control none, the
+    """What the CMD runs: the image's tritonserver, model control none, the
     restricted APIs behind the admin key, all interfaces inside the container."""
     monkeypatch.setenv(ADMIN_KEY_ENV, "container-admin-key-0123")
     config = ServerConfig.from_env(model_repository=tmp_path, address="0.0.0.0")

@@ -85,8 +85,7 @@ class Supervised:
     def sigterm(self) -> None:
         """What serve() does on SIGTERM: stop supervising and pass the signal on."""
         self.stop.set()
-        if self.server.returncode is None and self.server.process is not None:
-            self.server.process.send_signal(signal.SIGTERM)
+        self.server.interrupt(signal.SIGTERM)
 
     def shutdown(self) -> None:
         self.sigterm()
@@ -133,8 +132,8 @@ def test_a_killed_backend_process_fails_fast_then_the_server_restarts(supervised
     assert_close(answered, eager("deepfm", arrays))
     new = server.stubs()["deepfm_0_0"]
     assert new != old and server.returncode is None and supervised.serving.is_set()
-    for message in errors:
-        assert message.startswith("connection: ") or message == "Stub process 'deepfm_0_0' is not healthy.", message
+    for message in errors:  # the HTTP guard answers 503 while tritonserver restarts
+        assert message.startswith(("connection: ", "the inference server is unavailable")) or message == "Stub process 'deepfm_0_0' is not healthy.", message
     assert any("deepfm_0_0 died" in r.getMessage() and "restarts" in r.getMessage() for r in caplog.records), caplog.text
     with grpcclient.InferenceServerClient(server.grpc_url) as grpc_client:
         x = example("googlenet", 1, seed=4)[0]

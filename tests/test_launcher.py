@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ import tritonclient.http as httpclient
 from serving import assert_close, eager, example, infer
 from tritonclient.utils import InferenceServerException
 
-from opara_core.serving.launcher import REPO_ROOT, ServerConfig, free_port, server_command, spawn
+from opara_core.serving.launcher import REPO_ROOT, ServerConfig, find_server, free_port, server_command, spawn
 
 pytestmark = pytest.mark.server
 
@@ -149,8 +150,11 @@ def test_server_config_reads_ports_from_the_environment():
     assert "--http-address=127.0.0.1" in command and "--grpc-address=127.0.0.1" in command
 
 
-def test_make_serve_runs_in_the_foreground_and_stops_on_sigterm(tmp_path):
-    """The README's first command, on free ports with a one-model repository."""
+def test_make_serve_runs_in_the_foreground_comes_back_after_sigkill_and_stops_on_sigterm(tmp_path):
+    """The README's first command, on free ports with a one-model repository.
+    tritonserver killed with SIGKILL comes back by itself (the HTTP guard keeps
+    the port and answers 503 meanwhile), the restart and its reason are in the
+    log and in the guard's /metrics; SIGTERM then stops everything."""
     repository = tmp_path / "models"
     (repository / MODEL / "1").mkdir(parents=True)
     source = REPO_ROOT / "model_repository" / MODEL
@@ -161,20 +165,34 @@ def test_make_serve_runs_in_the_foreground_and_stops_on_sigterm(tmp_path):
     log_path = tmp_path / "make_serve.log"
     with open(log_path, "wb") as log_file:
         make = subprocess.Popen(["make", "-s", "serve"], cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
-    try:
-        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP_PORT']}")
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['HTTP_PORT']}")
+
+    def wait_ready() -> None:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and make.poll() is None:
             try:
                 if client.is_model_ready(MODEL):
-                    break
+                    return
             except Exception:  # noqa: BLE001 - not up yet
                 pass
             time.sleep(0.5)
-        assert make.poll() is None, log_path.read_text()
+        assert make.poll() is None, log_path.read_text()[-3000:]
         assert client.is_model_ready(MODEL)
+
+    try:
+        wait_ready()
         x = images(1, seed=5)
         assert_close(infer_http(client, x), eager(MODEL, [x]))
+        first = find_server(ports["HTTP_PORT"])
+        assert first is not None and find_server(ports["GRPC_PORT"]) == first
+        os.kill(first, signal.SIGKILL)
+        wait_ready()
+        second = find_server(ports["HTTP_PORT"])
+        assert second not in (None, first)
+        assert_close(infer_http(client, x), eager(MODEL, [x]))
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports['HTTP_PORT']}/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+        assert 'opara_server_restarts_total{reason="server exited"} 1' in metrics, metrics
         client.close()
         make.send_signal(signal.SIGTERM)
         assert make.wait(60) != -signal.SIGKILL
@@ -182,9 +200,11 @@ def test_make_serve_runs_in_the_foreground_and_stops_on_sigterm(tmp_path):
         if make.poll() is None:
             make.kill()
     log = log_path.read_text()
+    assert "tritonserver was killed by SIGKILL; the server restarts in" in log, log[-3000:]
     assert "Successfully unloaded" in log or "successfully unloaded" in log.lower(), log[-2000:]
-    with socket.socket() as s:
-        assert s.connect_ex(("127.0.0.1", ports["HTTP_PORT"])) != 0, "server still running after SIGTERM"
+    for port in ports.values():
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still open after SIGTERM"
 
 
 PARENT = """

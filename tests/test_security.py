@@ -170,15 +170,16 @@ BIG = 64 << 20  # bytes: three times the largest valid googlenet request (32 ima
 
 @pytest.mark.server
 def test_an_oversized_http_request_is_refused_and_the_server_carries_on(server, http_client):
-    """Triton 2.51 has no HTTP body limit below 2 GiB: it reads the body, then
-    checks it against the model's shapes."""
+    """Triton 2.51 has no HTTP body limit below 2 GiB; the HTTP guard refuses a
+    body larger than the model can use (max_batch_size rows of its inputs,
+    plus 1 MiB of header) before reading it."""
     header = json.dumps(
         {"inputs": [{"name": "image", "shape": [1, 3, 224, 224], "datatype": "FP32", "parameters": {"binary_data_size": BIG}}]}
     ).encode()
     status, body = http_call(
         server, "POST", "/v2/models/googlenet/infer", {"Inference-Header-Content-Length": str(len(header))}, header + bytes(BIG)
     )
-    assert status == 400 and "byte size" in body, body
+    assert status == 413 and "larger than the" in body, body
     assert http_client.is_server_live() and http_client.is_model_ready("googlenet")
 
 

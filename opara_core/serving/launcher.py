@@ -12,10 +12,15 @@ the model-repository, shared-memory, logging and trace APIs need the key in
 OPARA_ADMIN_KEY (a random key nobody knows when it is unset: those APIs are
 then closed to everyone).
 
+The public HTTP port is served by the HTTP guard (`http_guard`), which checks
+inference requests before they reach tritonserver's own HTTP port on a free
+loopback port: Triton 2.51 crashes on some single requests.
+
 CLI: `python -m opara_core.serving.launcher prepare` lays out the backend directory;
-`python -m opara_core.serving.launcher serve [--model-repository DIR]` runs the server in
-the foreground (ports from HTTP_PORT, GRPC_PORT, METRICS_PORT) and restarts it
-if a model's backend process dies.
+`python -m opara_core.serving.launcher serve [--model-repository DIR] [--no-guard]`
+runs the server and the guard in the foreground (ports from HTTP_PORT, GRPC_PORT,
+METRICS_PORT) and restarts the server if it, the guard or a model's backend
+process dies; `container` does the same with the image's own tritonserver.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 import urllib.error
@@ -132,6 +138,9 @@ class ServerConfig:
     server_id: str = field(default_factory=lambda: f"opara-{uuid.uuid4().hex[:12]}")
     log_verbose: int = 0
     exit_timeout_s: int = 30
+    # the HTTP guard (opara_core.serving.http_guard) on http_port, tritonserver's
+    # own HTTP port on a free loopback port behind it; False: tritonserver on http_port
+    guard: bool = True
     extra_args: tuple[str, ...] = ()
     # the key for the restricted APIs; None: a random one per start, so nobody has it
     admin_key: str | None = field(default_factory=lambda: os.environ.get(ADMIN_KEY_ENV) or None, repr=False)
@@ -169,31 +178,33 @@ def restricted_api_args(key: str) -> list[str]:
     return [f"--http-restricted-api={apis}:{ADMIN_HEADER}={key}", f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={key}"]
 
 
-def server_command(config: ServerConfig, backends: Path) -> list[str]:
+def server_command(config: ServerConfig, backends: Path, http: tuple[str, int] | None = None) -> list[str]:
     """The tritonserver command line of the pytriton wheel's server: loopback
-    only, model control `none`, administrative APIs behind a key."""
+    only, model control `none`, administrative APIs behind a key. `http`:
+    where tritonserver's own HTTP port listens (default: the config's)."""
     binary = pytriton_root() / "tritonserver" / "bin" / "tritonserver"
     paths = [f"--backend-directory={backends}", f"--cache-directory={pytriton_root() / 'tritonserver' / 'caches'}"]
-    return [str(binary), *safe_args(config, paths)]
+    return [str(binary), *safe_args(config, paths, http)]
 
 
-def container_command(config: ServerConfig) -> list[str]:
+def container_command(config: ServerConfig, http: tuple[str, int] | None = None) -> list[str]:
     """The command line of the NGC image's own tritonserver (on PATH, with its
     own backends), with the same safe flags as `server_command`."""
     binary = shutil.which("tritonserver") or "/opt/tritonserver/bin/tritonserver"
-    return [binary, *safe_args(config, [])]
+    return [binary, *safe_args(config, [], http)]
 
 
-def safe_args(config: ServerConfig, paths: list[str]) -> list[str]:
+def safe_args(config: ServerConfig, paths: list[str], http: tuple[str, int] | None = None) -> list[str]:
     """Flags every server gets: model control `none`, the configured address
     and ports, restricted APIs behind the admin key (a random one if unset)."""
+    http_address, http_port = http or (config.address, config.http_port)
     return [
         f"--id={config.server_id}",
         f"--model-repository={Path(config.model_repository).resolve()}",
         "--model-control-mode=none",
         *paths,
-        f"--http-address={config.address}",
-        f"--http-port={config.http_port}",
+        f"--http-address={http_address}",
+        f"--http-port={http_port}",
         f"--grpc-address={config.address}",
         f"--grpc-port={config.grpc_port}",
         f"--metrics-address={config.address}",
@@ -221,21 +232,35 @@ class ServerError(RuntimeError):
 
 
 class TritonServer:
-    """A tritonserver child process: start, wait until ready, stop.
+    """A tritonserver child process, and the HTTP guard in front of it: start,
+    wait until ready, stop.
 
-    Readiness means: the process is alive, `/v2/health/ready` answers 200 and
-    the metadata's name is this server's id (so another server that happens to
-    hold the port cannot fool us).
+    Readiness means: both processes are alive, `/v2/health/ready` answers 200
+    on the public HTTP port and the metadata's name is this server's id (so
+    another server that happens to hold the port cannot fool us).
     """
 
     def __init__(
-        self, config: ServerConfig, log_path: Path | None, workdir: Path = DEFAULT_WORKDIR, wrapper: tuple[str, ...] = ()
+        self,
+        config: ServerConfig,
+        log_path: Path | None,
+        workdir: Path = DEFAULT_WORKDIR,
+        wrapper: tuple[str, ...] = (),
+        image: bool = False,
     ):
         self.config = config
         self.log_path = None if log_path is None else Path(log_path)  # None: this process's stdout
         self.workdir = workdir
         self.wrapper = wrapper  # a command that execs its arguments, e.g. ("prlimit", "--fsize=N", "--")
+        self.image = image  # the container's own tritonserver instead of the pytriton wheel's
         self.process: subprocess.Popen | None = None
+        self.guard: subprocess.Popen | None = None
+        # tritonserver's own HTTP port: behind the guard, loopback only, the same across restarts
+        self.upstream = (LOOPBACK, free_port()) if config.guard else (config.address, config.http_port)
+        self.status_file = Path(tempfile.gettempdir()) / f"{config.server_id}-status.json"
+        self.restarts: dict[str, int] = {}
+        self._signalled: set[int] = set()  # pids sent SIGTERM or SIGINT already
+        self._log_start = 0  # where this run of tritonserver begins in the log
 
     @property
     def http_url(self) -> str:
@@ -250,16 +275,67 @@ class TritonServer:
         return f"http://{self.config.address}:{self.config.metrics_port}/metrics"
 
     def start(self) -> "TritonServer":
-        backends = prepare_backends(self.workdir)
-        command = [*self.wrapper, *server_command(self.config, backends)]
-        if self.log_path is None:
-            self.process = spawn(command, server_env())
+        """Start tritonserver, and the guard unless it runs already (it stays up
+        across restarts of the server, answering 503 meanwhile)."""
+        if self.image:
+            command = container_command(self.config, self.upstream)
         else:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.log_path, "ab") as log_file:  # a restart appends
-                self.process = spawn(command, server_env(), log_file)
+            command = [*self.wrapper, *server_command(self.config, prepare_backends(self.workdir), self.upstream)]
+        if self.config.guard and (self.guard is None or self.guard.poll() is not None):
+            self.record_restart(None)
+            guard = [sys.executable, "-m", "opara_core.serving.http_guard", f"--listen={self.http_url}",
+                     f"--upstream={self.upstream[0]}:{self.upstream[1]}", f"--status-file={self.status_file}"]  # fmt: skip
+            self.guard = self._spawn(guard)
+            log.info("started the HTTP guard pid %d on %s", self.guard.pid, self.http_url)
+        self._log_start = self.log_path.stat().st_size if self.log_path is not None and self.log_path.exists() else 0
+        self.process = self._spawn(command)
         log.info("started tritonserver pid %d (%s)", self.process.pid, self.config.server_id)
         return self
+
+    def _spawn(self, command: list[str]) -> subprocess.Popen:
+        env = dict(os.environ) if self.image else server_env()  # the image's server needs no wheel paths
+        if self.log_path is None:
+            return spawn(command, env)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log_file:  # a restart appends
+            return spawn(command, env, log_file)
+
+    def record_restart(self, reason: str | None) -> None:
+        """Count a restart by `reason` (None: none) in the status file that the
+        guard's /metrics reports as opara_server_restarts_total."""
+        if reason is not None:
+            self.restarts[reason] = self.restarts.get(reason, 0) + 1
+        partial = self.status_file.with_suffix(".partial")
+        partial.write_text(json.dumps({"restarts": self.restarts}))
+        partial.replace(self.status_file)
+
+    def failure(self, watched: dict[str, int]) -> tuple[str, str] | None:
+        """(reason, what happened) if the server, the guard or a watched stub died."""
+        if self.returncode is not None:
+            return "server exited", f"tritonserver {describe_exit(self.returncode)}{self.last_words()}"
+        if self.guard is not None and self.guard.poll() is not None:
+            return "guard exited", f"the HTTP guard {describe_exit(self.guard.returncode)}"
+        alive = self.stubs()
+        dead = sorted(name for name, pid in watched.items() if alive.get(name) != pid)
+        if dead:
+            return "backend process died", (
+                f"the backend process of model instance {', '.join(dead)} died; Triton 2.51 neither restarts it "
+                "nor reports the model down"
+            )
+        return None
+
+    def last_words(self) -> str:
+        """The log's last lines that say why a process ended (C++ exceptions, signals)."""
+        if self.log_path is None:
+            return ""
+        try:
+            with open(self.log_path, "rb") as log_file:  # this run's part of the log only
+                log_file.seek(self._log_start)
+                lines = log_file.read().decode(errors="replace").splitlines()[-80:]
+        except OSError:
+            return ""
+        words = [line for line in lines if re.search(r"terminate called|what\(\)|Signal \(|Segmentation", line)]
+        return f" ({'; '.join(w.strip() for w in words[-2:])})" if words else ""
 
     def stubs(self) -> dict[str, int]:
         """This server's Python-backend stub processes: instance name -> pid."""
@@ -270,6 +346,8 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process is None or self.process.poll() is not None:
                 raise ServerError(f"tritonserver exited early (code {self.returncode}):\n{self.log_tail()}")
+            if self.guard is not None and self.guard.poll() is not None:
+                raise ServerError(f"the HTTP guard exited early (code {self.guard.returncode}):\n{self.log_tail()}")
             if self._answers_as_self():
                 return
             time.sleep(0.25)
@@ -290,23 +368,39 @@ class TritonServer:
     def returncode(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
-    def stop(self, timeout_s: float | None = None) -> int | None:
-        """SIGTERM (Triton finishes in-flight requests and unloads), then SIGKILL;
-        then remove the shared-memory regions a dead stub left behind."""
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            timeout_s = self.config.exit_timeout_s + 10 if timeout_s is None else timeout_s
-            self.process.send_signal(signal.SIGTERM)
+    def interrupt(self, signum: int = signal.SIGTERM) -> None:
+        """Begin a clean stop: `signum` to the front process (the guard, which
+        closes its port at once and lets its requests in flight finish; else
+        tritonserver). `stop` does the rest."""
+        front = self.guard if self.guard is not None and self.guard.poll() is None else self.process
+        if front is not None and front.poll() is None:
+            front.send_signal(signum)
+            self._signalled.add(front.pid)
+
+    def stop(self, timeout_s: float | None = None, keep_guard: bool = False) -> int | None:
+        """SIGTERM to the guard, which closes its port at once and waits for its
+        requests in flight (tritonserver still serves them); then SIGTERM to
+        tritonserver (it finishes its own and unloads); SIGKILL for either that
+        outlasts `timeout_s`. Then remove the shared-memory regions a dead stub
+        left behind. `keep_guard`: stop only tritonserver (a restart)."""
+        timeout_s = self.config.exit_timeout_s + 10 if timeout_s is None else timeout_s
+        order = ([] if keep_guard else [("the HTTP guard", self.guard)]) + [("tritonserver", self.process)]
+        for name, process in order:
+            if process is None:
+                continue
+            if process.poll() is None and process.pid not in self._signalled:  # once: a second one may cut a drain short
+                process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout_s)
+                process.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                log.warning("tritonserver did not stop in %.0f s; killing it", timeout_s)
-                self.process.kill()
-                self.process.wait()
+                log.warning("%s did not stop in %.0f s; killing it", name, timeout_s)
+                process.kill()
+                process.wait()
+        if not keep_guard:
+            self.status_file.unlink(missing_ok=True)
         for region in Path("/dev/shm").glob(f"{shm_prefix(self.config)}*"):  # the server is gone: all ours
             region.unlink(missing_ok=True)
-        return self.process.returncode
+        return None if self.process is None else self.process.returncode
 
     def log_tail(self, lines: int = 60) -> str:
         if self.log_path is None:
@@ -327,6 +421,16 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def describe_exit(code: int) -> str:
+    """`exited with code 1`, `was killed by SIGKILL` (a negative Popen code)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def stub_processes(server_pid: int) -> dict[str, int]:
@@ -353,7 +457,8 @@ def stub_processes(server_pid: int) -> dict[str, int]:
 
 def find_server(port: int) -> int | None:
     """The pid of the tritonserver on this machine listening on `port`
-    (matched on its --http-port / --grpc-port argument)."""
+    (matched on its --http-port / --grpc-port argument, or behind the HTTP
+    guard listening there)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -363,6 +468,9 @@ def find_server(port: int) -> int | None:
             continue
         if args and args[0].endswith("tritonserver") and any(a in (f"--http-port={port}", f"--grpc-port={port}") for a in args):
             return int(entry.name)
+        if "opara_core.serving.http_guard" in args and any(a.startswith("--listen=") and a.endswith(f":{port}") for a in args):
+            upstream = [a.rsplit(":", 1)[1] for a in args if a.startswith("--upstream=")]
+            return find_server(int(upstream[0])) if upstream else None
     return None
 
 
@@ -404,75 +512,91 @@ def supervise(
     server: TritonServer,
     stop: threading.Event,
     poll_s: float = 1.0,
-    max_restarts: int = 3,
+    max_restarts: int = 5,
     serving: threading.Event | None = None,
+    window_s: float = 600.0,
+    backoff_s: float = 1.0,
 ) -> int:
-    """Run `server` until `stop` is set (0), or until it fails (1); `serving`,
-    if given, is set while the server is ready and watched.
+    """Run `server` until `stop` is set (0), or until it keeps failing (1);
+    `serving`, if given, is set while the server is ready and watched.
 
-    Triton 2.51 neither restarts a Python-backend stub process that died (killed,
-    out of memory, a crash in native code) nor reports its model down: the model
-    stays ready and every request to it fails with "Stub process '<instance>' is
-    not healthy". Only a new server brings the model back, so a dead stub
-    restarts the server: SIGTERM (in-flight requests finish), then a fresh start,
-    at most `max_restarts` times.
+    Restarts the server when tritonserver dies (a crash in Triton's own code,
+    an out-of-memory kill, SIGKILL), when the HTTP guard dies, and when a
+    Python-backend stub dies: Triton 2.51 neither restarts a dead stub nor
+    reports its model down (the model stays ready and every request to it
+    fails with "Stub process '<instance>' is not healthy"), so only a new
+    server brings the model back. Each restart waits `backoff_s`, doubled
+    for each restart in the last `window_s` seconds; after `max_restarts` in
+    that window the supervisor gives up. The reason goes to the log and to
+    opara_server_restarts_total on the guard's /metrics. A server that does
+    not come up at the first start is not retried (a broken repository).
     """
-    restarts = 0
+    recent: list[float] = []
+    started_once = False
     while not stop.is_set():
         try:
             server.start()
             server.wait_ready()
         except ServerError as error:
-            server.stop()
+            server.stop(keep_guard=started_once)
             if stop.is_set():
                 break
-            log.error("%s", error)
-            return 1
-        watched = server.stubs()
-        log.info("serving; watching the backend processes of %s", ", ".join(sorted(watched)) or "no Python model")
-        if serving is not None:
-            serving.set()
-        dead: list[str] = []
-        while not dead and not stop.wait(poll_s):
-            if server.returncode is not None:
-                log.error("tritonserver exited with code %s", server.returncode)
+            if not started_once:
+                log.error("%s", error)
+                server.stop()
                 return 1
-            alive = server.stubs()
-            dead = sorted(name for name, pid in watched.items() if alive.get(name) != pid)
-        if serving is not None:
-            serving.clear()
-        if not dead:
-            break
-        give_up = restarts == max_restarts
-        log.error(
-            "the backend process of model instance %s died; Triton 2.51 neither restarts it nor reports the model "
-            "down, so %s", ", ".join(dead), f"the server stops after {restarts} restarts" if give_up else "the server restarts",
-        )  # fmt: skip
-        server.stop()
-        if give_up:
+            failure = ("server did not come back", str(error).splitlines()[0])
+        else:
+            started_once = True
+            watched = server.stubs()
+            log.info("serving; watching the backend processes of %s", ", ".join(sorted(watched)) or "no Python model")
+            if serving is not None:
+                serving.set()
+            failure = None
+            while failure is None and not stop.wait(poll_s):
+                failure = server.failure(watched)
+            if serving is not None:
+                serving.clear()
+            if failure is None:
+                break
+        now = time.monotonic()
+        recent = [t for t in recent if now - t < window_s]
+        if len(recent) >= max_restarts:
+            log.error("%s; the server stops after %d restarts in %.0f s", failure[1], len(recent), window_s)
+            server.stop()
             return 1
-        restarts += 1
+        delay = backoff_s * 2 ** len(recent)
+        log.error(
+            "%s; the server restarts in %.0f s (restart %d of at most %d in %.0f s)",
+            failure[1], delay, len(recent) + 1, max_restarts, window_s,
+        )  # fmt: skip
+        server.stop(keep_guard=True)
+        recent.append(now)
+        server.record_restart(failure[0])
+        if stop.wait(delay):
+            break
     server.stop()
     return 0
 
 
-def serve(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR) -> int:
-    """Run tritonserver in the foreground, its log on this terminal, under
-    `supervise`. SIGINT and SIGTERM go on to the server, which finishes its
-    in-flight requests and unloads; the parent-death signal covers a killed `make`."""
+def serve(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR, image: bool = False) -> int:
+    """Run tritonserver (`image`: the container's own) and the HTTP guard in
+    the foreground, their logs on this terminal, under `supervise`. SIGINT
+    and SIGTERM stop both: requests in flight finish, Triton unloads; the
+    parent-death signal covers a killed `make`."""
+    server = TritonServer(config, log_path=None, workdir=workdir, image=image)
+    behind = f" (guarded; tritonserver's own HTTP on {server.upstream[0]}:{server.upstream[1]})" if config.guard else ""
     print(
-        f"tritonserver: HTTP {config.address}:{config.http_port}, gRPC {config.address}:{config.grpc_port}, "
+        f"tritonserver: HTTP {config.address}:{config.http_port}{behind}, gRPC {config.address}:{config.grpc_port}, "
         f"metrics {config.address}:{config.metrics_port}, models from {config.model_repository}",
         flush=True,
     )
     _die_with_parent()
-    server = TritonServer(config, log_path=None, workdir=workdir)
     stop = threading.Event()
 
     def forward(signum, frame) -> None:
         stop.set()
-        if server.returncode is None and server.process is not None:
-            server.process.send_signal(signum)
+        server.interrupt(signum)
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
@@ -488,10 +612,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     run.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     run.add_argument("--log-verbose", type=int, default=0)
+    run.add_argument("--no-guard", action="store_true", help="tritonserver's own HTTP port on HTTP_PORT, no guard")
     container = sub.add_parser(
         "container",
-        help="exec the image's own tritonserver with the safe flags (the Dockerfile's CMD); "
-        "binds 0.0.0.0 inside the container: publish with -p 127.0.0.1:8000:8000 to keep it local",
+        help="run the image's own tritonserver with the safe flags, behind the HTTP guard, supervised (the "
+        "Dockerfile's CMD); binds 0.0.0.0 inside the container: publish with -p 127.0.0.1:8000:8000 to keep it local",
     )
     container.add_argument("--model-repository", type=Path, default=Path("/models"))
     container.add_argument("--log-verbose", type=int, default=0)
@@ -505,11 +630,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"model repository {args.model_repository} is not a directory")
         if args.command == "container":
             config = ServerConfig.from_env(model_repository=args.model_repository, log_verbose=args.log_verbose, address="0.0.0.0")
-            command = container_command(config)
             if not config.admin_key:
                 print(f"note: {ADMIN_KEY_ENV} is unset: the {', '.join(RESTRICTED_APIS)} APIs are closed to everyone", flush=True)
-            os.execv(command[0], command)  # tritonserver becomes the container's main process
-        return serve(ServerConfig.from_env(model_repository=args.model_repository, log_verbose=args.log_verbose), args.workdir)
+            return serve(config, image=True)
+        config = ServerConfig.from_env(model_repository=args.model_repository, log_verbose=args.log_verbose, guard=not args.no_guard)
+        return serve(config, args.workdir)
     except (RuntimeError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
