@@ -279,3 +279,25 @@ def test_spawning_beside_busy_grpc_clients_never_kills_the_child(tmp_path):
             client.close()
     failed = sum(code != 0 for code in codes)
     assert failed == 0, f"{failed} of 300 children died: {(tmp_path / 'children.log').read_text()[-500:]}"
+
+
+def test_serve_without_a_key_writes_a_new_one_where_the_client_reads_it(tmp_path):
+    from opara_core.serving.admin_key import read_admin_key
+    from opara_core.serving.launcher import with_admin_key
+
+    env = {"XDG_RUNTIME_DIR": str(tmp_path)}
+    config, where = with_admin_key(ServerConfig(admin_key=None), env)
+    assert config.admin_key and read_admin_key(env) == config.admin_key
+    path = tmp_path / "opara" / "admin-key"
+    assert str(path) in where and (path.stat().st_mode & 0o777) == 0o600
+    again, _ = with_admin_key(ServerConfig(admin_key=None), env)
+    assert again.admin_key != config.admin_key, "a new key per start"
+
+
+def test_serve_with_a_key_leaves_it_and_writes_nothing(tmp_path):
+    from opara_core.serving.launcher import with_admin_key
+
+    key = "k" * 32
+    config, where = with_admin_key(ServerConfig(admin_key=key), {"XDG_RUNTIME_DIR": str(tmp_path)})
+    assert config.admin_key == key and "OPARA_ADMIN_KEY" in where
+    assert not (tmp_path / "opara").exists()

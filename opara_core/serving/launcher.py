@@ -9,8 +9,9 @@ through here, so what the tests start is what a user starts.
 
 Safe defaults: every endpoint binds 127.0.0.1, model control is `none`, and
 the model-repository, shared-memory, logging and trace APIs need the key in
-OPARA_ADMIN_KEY (a random key nobody knows when it is unset: those APIs are
-then closed to everyone).
+OPARA_ADMIN_KEY (`serve` without it: a new random key per start, written 0600
+to the key file of `admin_key`, where the project's client reads it; the
+container without it: a random key nobody knows, so those APIs are closed).
 
 The public HTTP port is served by the HTTP guard (`http_guard`), which checks
 inference requests before they reach tritonserver's own HTTP port on a free
@@ -45,8 +46,10 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from opara_core.serving.admin_key import ADMIN_KEY_ENV, write_admin_key
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +60,6 @@ LOOPBACK = "127.0.0.1"
 
 # Triton's restricted APIs: a request to one of these must carry the header
 # `admin-key: <key>` (HTTP) or the metadata `triton-grpc-protocol-admin-key: <key>` (gRPC).
-ADMIN_KEY_ENV = "OPARA_ADMIN_KEY"
 ADMIN_HEADER = "admin-key"
 RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
 _ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]{16,}")
@@ -579,6 +581,19 @@ def supervise(
     return 0
 
 
+def with_admin_key(config: ServerConfig, env: dict[str, str] | None = None) -> tuple[ServerConfig, str]:
+    """`make serve`'s admin key: OPARA_ADMIN_KEY, else a new random key written
+    (mode 0600) to the key file, where the project's client finds it. Returns
+    the config with its key and a line that says where the key is."""
+    if config.admin_key:
+        return config, f"admin key: from {ADMIN_KEY_ENV}"
+    key = secrets.token_urlsafe(32)
+    path = write_admin_key(key, env)
+    return replace(config, admin_key=key), (
+        f"admin key: new for this start, in {path} (mode 0600; the client reads it there; set {ADMIN_KEY_ENV} to choose one)"
+    )
+
+
 def serve(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR, image: bool = False) -> int:
     """Run tritonserver (`image`: the container's own) and the HTTP guard in
     the foreground, their logs on this terminal, under `supervise`. SIGINT
@@ -634,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"note: {ADMIN_KEY_ENV} is unset: the {', '.join(RESTRICTED_APIS)} APIs are closed to everyone", flush=True)
             return serve(config, image=True)
         config = ServerConfig.from_env(model_repository=args.model_repository, log_verbose=args.log_verbose, guard=not args.no_guard)
+        config, where = with_admin_key(config)
+        print(where, flush=True)
         return serve(config, args.workdir)
     except (RuntimeError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
