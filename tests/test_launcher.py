@@ -301,3 +301,19 @@ def test_serve_with_a_key_leaves_it_and_writes_nothing(tmp_path):
     config, where = with_admin_key(ServerConfig(admin_key=key), {"XDG_RUNTIME_DIR": str(tmp_path)})
     assert config.admin_key == key and "OPARA_ADMIN_KEY" in where
     assert not (tmp_path / "opara").exists()
+
+
+def test_a_busy_port_is_refused_at_once_with_its_name(tmp_path):
+    """Before, tritonserver loaded every model first and failed only when it
+    opened its ports (minutes on a CPU)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {**os.environ, "HTTP_PORT": str(free_port()), "GRPC_PORT": str(port), "METRICS_PORT": str(free_port()), "XDG_RUNTIME_DIR": str(tmp_path)}
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "opara_core.serving.launcher", "serve"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"gRPC port {port} (GRPC_PORT) is in use" in done.stderr
+    assert time.monotonic() - start < 30
+    assert not (tmp_path / "opara").exists(), "no key written for a server that never started"

@@ -229,6 +229,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def busy_ports(config: ServerConfig) -> list[str]:
+    """The public ports that something else already listens on, each named with
+    its variable: checked before tritonserver starts, which would otherwise load
+    every model first and fail only when it opens its ports."""
+    busy = []
+    for name, var, port in (("HTTP", "HTTP_PORT", config.http_port), ("gRPC", "GRPC_PORT", config.grpc_port), ("metrics", "METRICS_PORT", config.metrics_port)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no conflict
+            try:
+                s.bind((config.address, port))
+            except OSError:
+                busy.append(f"{name} port {port} ({var}) is in use on {config.address}")
+    return busy
+
+
 class ServerError(RuntimeError):
     """The server did not come up; the message carries the tail of its log."""
 
@@ -645,16 +660,25 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"model repository {args.model_repository} is not a directory")
         if args.command == "container":
             config = ServerConfig.from_env(model_repository=args.model_repository, log_verbose=args.log_verbose, address="0.0.0.0")
+            _refuse_busy_ports(config)
             if not config.admin_key:
                 print(f"note: {ADMIN_KEY_ENV} is unset: the {', '.join(RESTRICTED_APIS)} APIs are closed to everyone", flush=True)
             return serve(config, image=True)
         config = ServerConfig.from_env(model_repository=args.model_repository, log_verbose=args.log_verbose, guard=not args.no_guard)
+        _refuse_busy_ports(config)
         config, where = with_admin_key(config)
         print(where, flush=True)
         return serve(config, args.workdir)
     except (RuntimeError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+
+
+
+def _refuse_busy_ports(config: ServerConfig) -> None:
+    busy = busy_ports(config)
+    if busy:
+        raise ValueError("; ".join(busy) + ": stop what holds it, or choose other ports with HTTP_PORT, GRPC_PORT and METRICS_PORT")
 
 
 if __name__ == "__main__":
