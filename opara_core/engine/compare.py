@@ -34,7 +34,7 @@ def max_relative_error(actual: Any, expected: Any) -> float:
             continue
         scale = float(want.abs().max()) or 1.0
         error = float((got.float() - want.float()).abs().max()) / scale
-        worst = error if error != error else max(worst, error)  # NaN wins
-        if worst != worst:
-            return worst
+        if error != error:  # NaN: wrong whatever else
+            return error
+        worst = max(worst, error)
     return worst
