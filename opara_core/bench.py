@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from opara_core import zoo
-from opara_core.engine.build import BuildReport, EngineSettings, build_runner, candidates, capture_fastest, traced_graphs
+from opara_core.engine.build import BuildReport, Candidate, EngineSettings, build_runner, candidates, capture_fastest, plan_capture, traced_graphs
 from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, capture_module, pool_mb
 from opara_core.engine.interpreter import plan_graph
 from opara_core.engine.trace import OpGraph, trace_zoo
@@ -138,7 +138,7 @@ def bench_model(
     primary = "nhwc" if layout == "nhwc" else "nchw"
     graph = graphs[primary]
     fused_note = f"fusion: {report.fusion}" if report.fusion else "fusion off"
-    floors = [f for f in (_critical_path(g, entry, device) for g in graphs.values()) if f is not None]
+    floors = [f for f in (_critical_path(g, entry, device) for k, g in graphs.items() if k != "inductor") if f is not None]
     rows = []
     for batch in batches:
         row = Row(name, batch, kernels=len(graph.dag))
@@ -158,11 +158,14 @@ def bench_model(
         variants += [(policy, graph, policy, max_streams) for policy in POLICIES]
         if "nhwc" in graphs and primary != "nhwc":
             variants.append(("sequential nhwc", graphs["nhwc"], "sequential", None))
+        if "inductor" in graphs:  # fused lanes: one segment (torch.compile's kernels), and the opara plan's segments
+            variants += [("fused sequential", graphs["inductor"], "sequential", None), ("fused opara", graphs["inductor"], "opara", max_streams)]
         with torch.inference_mode():
             for label, g, policy, lanes in variants:
                 plan = plan_graph(g, policy, lanes)
+                kind = Candidate("inductor" if label.startswith("fused") else primary, policy, plan.num_streams)
                 try:
-                    captured, peak = capture_measured(PlanCapture(g, plan, lane_pool), static_in)
+                    captured, peak = capture_measured(plan_capture(kind, g, plan, lane_pool), static_in)
                 except CaptureError as error:
                     row.notes.append(f"{label}: {error}")
                     progress.update()
@@ -174,7 +177,7 @@ def bench_model(
                 progress.update()
             # auto exactly as the serving build chooses, for this one bucket
             auto_report = BuildReport()
-            captures = {c: PlanCapture(graphs[c.layout], plan, lane_pool) for c, plan in candidates(graphs, EngineSettings(max_streams=max_streams)).items()}
+            captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool) for c, plan in candidates(graphs, EngineSettings(max_streams=max_streams)).items()}
             captured = capture_fastest(captures, entry, device, [batch], auto_report)[batch]
             row.timings["auto"] = time_calls(graph_call(captured, inputs))
             chosen = auto_report.choices[batch]
@@ -238,7 +241,7 @@ def _plan_capture_seconds(entry: zoo.ZooModel, device: torch.device, max_streams
 
 # ---- report ------------------------------------------------------------------------
 
-COLUMNS = ("eager", "compile", "compile max-autotune", "sequential (unfused)", "sequential", *POLICIES, "sequential nhwc", "auto")
+COLUMNS = ("eager", "compile", "compile max-autotune", "sequential (unfused)", "sequential", *POLICIES, "sequential nhwc", "fused sequential", "fused opara", "auto")
 
 
 def table(rows: Sequence[Row]) -> str:

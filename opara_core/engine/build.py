@@ -3,7 +3,8 @@
 On a GPU: trace the module, plan it, capture one CUDA graph per batch bucket
 (with `auto`, the fastest of several captured plans per bucket, never slower
 than the sequential graph of the same traced graph), and check a replay against
-eager. Any failure falls back, with the reason logged and kept in the runner's
+eager. The candidates run ATen kernels in NCHW or NHWC, or are fused lanes
+(`engine.fused_lanes`: each segment of a plan compiled by Inductor). Any failure falls back, with the reason logged and kept in the runner's
 info: multi-stream graph -> sequential graph -> eager. On a CPU: eager.
 """
 
@@ -22,6 +23,7 @@ from opara_core import zoo
 from opara_core.engine import runtime
 from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, capture_module, time_replays
 from opara_core.engine.interpreter import reordered_graph
+from opara_core.engine.fused_lanes import InductorCapture
 from opara_core.engine.fusion import CONV, CONV_ADD_RELU, CONV_RELU, FusionReport, fuse_graph
 from opara_core.engine.compare import max_relative_error
 from opara_core.engine.trace import OpGraph, trace_zoo
@@ -43,6 +45,13 @@ AUTO_CANDIDATES: tuple[tuple[str, int], ...] = (
     ("wavefront", 8),
 )
 AUTO_KEEP = 3
+# Fused lanes: the plans auto tries with Inductor-compiled segments (sequential
+# is one segment, i.e. torch.compile of the whole graph). On an H100 the
+# policies were within 2% of each other with Inductor (docs/benchmarks.md).
+FUSED_CANDIDATES: tuple[tuple[str, int], ...] = (("opara", 8),)
+# The graph Inductor compiles: the project's rewrites that Inductor does not
+# do itself; cuDNN's fused convolution ops would hide the convolutions from it.
+INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm")
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,13 @@ class EngineSettings:
     # cudnn.benchmark: time every convolution algorithm per shape (faster graphs,
     # slower builds: each new shape in each bucket and layout is autotuned)
     autotune: bool = True
+    # fused lanes: auto also tries plans whose segments Inductor compiles (GPU
+    # only; slower builds: every bucket compiles each segment once, cached on disk)
+    fused_lanes: bool = True
+    # Inductor picks other convolution algorithms and layouts than eager (TF32
+    # convolutions: 1.6e-2 relative on GoogLeNet against eager on an H100), so
+    # fused lanes are checked against eager with this tolerance
+    fused_tolerance: float = 5e-2
 
     def __post_init__(self) -> None:
         if self.policy not in (*POLICIES, "auto"):
@@ -76,15 +92,16 @@ class EngineSettings:
 
 @dataclass(frozen=True, order=True)
 class Candidate:
-    """One way to capture the model: a layout of the traced graph and a policy
-    with its lanes. Shown as `layout:policy/lanes` in reports."""
+    """One way to capture the model: which traced graph (ATen kernels in the
+    `nchw` or `nhwc` layout, or `inductor`: fused lanes) and a policy with its
+    lanes. Shown as `graph:policy/lanes` in reports."""
 
-    layout: str
+    graph: str
     policy: str
     lanes: int
 
     def __str__(self) -> str:
-        return f"{self.layout}:{self.policy}/{self.lanes}"
+        return f"{self.graph}:{self.policy}/{self.lanes}"
 
     @property
     def sequential(self) -> bool:
@@ -136,15 +153,15 @@ def build_runner(
     def multi_stream() -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
         if settings.fail_capture:
             raise CaptureError("capture failure forced by the fail_capture switch")
-        captures = {c: PlanCapture(graphs[c.layout], plan, lane_pool) for c, plan in candidates(graphs, settings).items()}
+        captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool) for c, plan in candidates(graphs, settings).items()}
         chosen = capture_fastest(captures, entry, device, settings.buckets, report)
-        return chosen, {b: graphs[c.layout].module for b, c in report.choices.items()}
+        return chosen, {b: graphs[c.graph].module for b, c in report.choices.items()}
 
     def sequential() -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():  # no autograd state in the graphs or their outputs
             if graphs:
-                layout, graph = next(iter(graphs.items()))
+                layout, graph = next(iter(graphs.items()))  # an ATen graph
                 capture = PlanCapture(graph, plan_graph(graph, "sequential"), lane_pool)
                 captured = {b: capture(static_inputs(entry, b, device), pool) for b in sorted(settings.buckets)}
                 reference, choice = graph.module, Candidate(layout, "sequential", 1)
@@ -164,7 +181,8 @@ def build_runner(
             captured, references = capture()
             runner = runtime.GraphRunner(captured, entry.inputs, entry.outputs, device, max_batch)
             if settings.guard:
-                check_against_eager(runner, references, entry, settings.guard_tolerance)
+                tolerances = {b: settings.fused_tolerance if str(c).startswith("inductor:") else settings.guard_tolerance for b, c in report.choices.items()}
+                check_against_eager(runner, references, entry, tolerances)
         except (CaptureError, GuardError, RuntimeError) as error:
             report.fallbacks.append(f"{kind}: {error}")
             log.warning("%s failed, falling back to %s: %s", kind, "a sequential graph" if kind != "sequential graph" else "eager", error)
@@ -247,7 +265,8 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
 
     The guard later compares each replay with its own graph run eagerly (same
     kernels): fusion is checked on its own here, against the unfused graph in
-    plain fp32, since with TF32 folded weights round differently.
+    plain fp32, since with TF32 folded weights round differently. With fused
+    lanes on a GPU, `inductor` is the graph for Inductor (INDUCTOR_PASSES only).
     """
     has_convs = any(isinstance(m, torch.nn.Conv2d) for m in module.modules())
     layouts = {"auto": ("nchw", "nhwc") if has_convs else ("nchw",), "nchw": ("nchw",), "nhwc": ("nhwc",)}[settings.layout]
@@ -258,10 +277,11 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
         report.fallbacks.append(f"tracing: {error}")
         return {}
     report.seconds["trace"] = time.perf_counter() - start
+    traced = graph
+    buckets = sorted({min(settings.buckets), max(settings.buckets)})
+    checks = [tuple(t.to(device) for t in entry.example_inputs(b, seed=7)) for b in buckets]
     if settings.fusion:
         start = time.perf_counter()
-        buckets = sorted({min(settings.buckets), max(settings.buckets)})
-        checks = [tuple(t.to(device) for t in entry.example_inputs(b, seed=7)) for b in buckets]
         try:
             graph, report.fusion = fuse_graph(graph, device, check_inputs=checks)
         except Exception as error:  # noqa: BLE001 - the unfused graph is still right
@@ -269,20 +289,28 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
         report.seconds["fusion"] = time.perf_counter() - start
     # NHWC is the same traced and fused graph with channels-last convolution
     # weights (tracing and fusing it again took as long as the first time)
-    return {layout: graph if layout == "nchw" else channels_last_graph(graph) for layout in layouts}
+    graphs = {layout: graph if layout == "nchw" else channels_last_graph(graph) for layout in layouts}
+    if settings.fused_lanes and torch.device(device).type == "cuda":
+        graphs["inductor"] = fuse_graph(traced, device, passes=INDUCTOR_PASSES, check_inputs=checks)[0] if settings.fusion else traced
+    return graphs
 
 
 def candidates(graphs: dict[str, OpGraph], settings: EngineSettings) -> dict[Candidate, Plan]:
     """What `auto` captures and times, with its plan: the sequential graph of
-    every layout, plus the configured policy (or, with `auto`, every
-    AUTO_CANDIDATES policy) per layout."""
-    wanted = AUTO_CANDIDATES if settings.policy == "auto" else ((settings.policy, settings.max_streams),)
+    every graph, plus the configured policy (or, with `auto`, every
+    AUTO_CANDIDATES policy, FUSED_CANDIDATES for fused lanes) per graph."""
     found: dict[Candidate, Plan] = {}
-    for layout, graph in graphs.items():
+    for name, graph in graphs.items():
+        wanted = (FUSED_CANDIDATES if name == "inductor" else AUTO_CANDIDATES) if settings.policy == "auto" else ((settings.policy, settings.max_streams),)
         for policy, lanes in (("sequential", 1), *wanted):
             plan = plan_graph(graph, policy, min(lanes, settings.max_streams))
-            found.setdefault(Candidate(layout, policy, plan.num_streams), plan)
+            found.setdefault(Candidate(name, policy, plan.num_streams), plan)
     return found
+
+
+def plan_capture(candidate: Candidate, graph: OpGraph, plan: Plan, lane_pool: LanePool) -> PlanCapture:
+    """The capture of one candidate: fused lanes compile their segments with Inductor."""
+    return (InductorCapture if candidate.graph == "inductor" else PlanCapture)(graph, plan, lane_pool)
 
 
 def channels_last_graph(graph: OpGraph) -> OpGraph:
@@ -306,14 +334,18 @@ def channels_last_graph(graph: OpGraph) -> OpGraph:
     return dataclasses.replace(graph, module=module)
 
 
-def check_against_eager(runner: runtime.Runner, references: dict[int, torch.nn.Module], entry: zoo.ZooModel, tolerance: float) -> None:
+def check_against_eager(
+    runner: runtime.Runner, references: dict[int, torch.nn.Module], entry: zoo.ZooModel, tolerance: float | dict[int, float]
+) -> None:
     """Replay every bucket on fresh random inputs and compare with the graph it
-    replays, run eagerly (`references`: bucket -> module)."""
+    replays, run eagerly (`references`: bucket -> module; `tolerance`: one for
+    all, or per bucket)."""
     for bucket, reference in references.items():
         inputs = entry.example_inputs(bucket, seed=1000 + bucket)
         outputs = [out.clone() for out in runner.run(inputs)]
         with torch.inference_mode():
             expected = runtime._as_tuple(reference(*(x.to(runner.device) for x in inputs)))
         error = max_relative_error(outputs, expected)
-        if not error <= tolerance:
-            raise GuardError(f"bucket {bucket}: replay differs from eager by {error:.2e} (relative), tolerance {tolerance:.0e}")
+        limit = tolerance[bucket] if isinstance(tolerance, dict) else tolerance
+        if not error <= limit:
+            raise GuardError(f"bucket {bucket}: replay differs from eager by {error:.2e} (relative), tolerance {limit:.0e}")

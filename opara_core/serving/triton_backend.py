@@ -70,6 +70,8 @@ def engine_settings(config: dict) -> EngineSettings:
         "fusion": _boolean,
         "layout": str,
         "autotune": _boolean,
+        "fused_lanes": _boolean,
+        "fused_tolerance": float,
     }
     unknown = sorted(set(params) - set(parsers))
     if unknown:

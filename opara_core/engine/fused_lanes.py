@@ -1,0 +1,161 @@
+"""Fused lanes: each segment of a plan compiled by Inductor, the segments on their lanes.
+
+`torch.compile` fuses elementwise chains, reductions and concatenations into
+generated kernels but runs one stream; the plans run ATen kernels on several
+streams. Here a plan is cut into segments (`planning.segments`), each segment's
+nodes become a submodule compiled by Inductor (default mode, static shapes, no
+Inductor CUDA graphs of its own: the whole schedule is captured into one graph by
+`capture`), and a top-level graph calls the segments. The result is an ordinary
+`OpGraph` whose kernels are the segments, with the segment-level plan:
+`capture.PlanCapture` runs and captures it like any other.
+
+Inductor launches on the stream that is current when a compiled segment is
+called, so each segment's kernels land on its lane. Compilation happens on the
+first call at a new shape (the capture's warm-up), under inference mode with
+Inductor's freezing, which turns weights into constants and folds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture
+from opara_core.engine.trace import OpGraph
+from opara_core.planning.plan import Plan
+from opara_core.planning.segments import Segmentation, segment_plan
+
+log = logging.getLogger(__name__)
+
+
+def split_into_segments(graph: OpGraph, segmentation: Segmentation) -> GraphModule:
+    """A top-level module that calls one submodule per segment, in segment order.
+
+    Kernel nodes and the `getitem`s of their results go to the kernel's segment.
+    Other free nodes (views, placeholders, weights) are copied into every segment
+    (and the top level) that reads them, so a segment reads only graph inputs,
+    weights and results of segments that the segment plan orders before it.
+    Every segment returns a tuple of the values read outside it.
+    """
+    gm = graph.module
+    nodes = list(gm.graph.nodes)
+    home: dict[Node, str] = {}
+    for node in nodes:
+        if node.name in segmentation.of:
+            home[node] = segmentation.of[node.name]
+        elif node.target is operator.getitem and node.args[0] in home:
+            home[node] = home[node.args[0]]
+    needed_by = _consumers(nodes, home)
+    members: dict[str, list[Node]] = {name: [] for name in segmentation.members}
+    for node in nodes:
+        if node in home:
+            members[home[node]].append(node)
+    outputs = {name: [n for n in group if needed_by[n] - {name}] for name, group in members.items()}
+
+    top = Graph()
+    top.set_codegen(gm.graph._codegen)  # the same pytree handling of inputs and outputs
+    top_env: dict[Node, Node] = {}
+    modules: dict[str, Any] = {}
+    for node in nodes:
+        if node.op == "placeholder":
+            top_env[node] = top.node_copy(node)
+    for name in segmentation.members:
+        module, inputs = _segment_module(gm, members[name], outputs[name], home)
+        modules[name] = module
+        call = top.call_module(name, tuple(_copied(top, top_env, i, gm) for i in inputs))
+        for k, produced in enumerate(outputs[name]):
+            top_env[produced] = top.call_function(operator.getitem, (call, k))
+    output = next(n for n in nodes if n.op == "output")
+    top.node_copy(output, lambda n: _copied(top, top_env, n, gm))
+    attributes = {n.target: operator.attrgetter(n.target)(gm) for n in top.nodes if n.op == "get_attr"}
+    return GraphModule({**attributes, **modules}, top)
+
+
+def _consumers(nodes: list[Node], home: dict[Node, str]) -> dict[Node, set[str]]:
+    """Which segments (or "output") read each node's value, looking through copied free nodes."""
+    needed: dict[Node, set[str]] = {}
+    for node in reversed(nodes):
+        where: set[str] = set()
+        for user in node.users:
+            if user.op == "output":
+                where.add("output")
+            elif user in home:
+                where.add(home[user])
+            else:
+                where |= needed[user]
+        needed[node] = where
+    return needed
+
+
+def _segment_module(gm: GraphModule, group: list[Node], outputs: list[Node], home: dict[Node, str]) -> tuple[GraphModule, list[Node]]:
+    """One segment as a GraphModule, and the outside nodes it takes as inputs (in
+    order): graph inputs and other segments' results; weights and free nodes are copied."""
+    inside = set(group)
+    inputs: list[Node] = []
+
+    def find_inputs(node: Node) -> None:
+        for arg in node.all_input_nodes:
+            if arg in inside or arg in inputs or arg.op == "get_attr":
+                continue
+            if arg.op == "placeholder" or arg in home:
+                inputs.append(arg)
+            else:  # a free node copied in: its own inputs come from outside
+                find_inputs(arg)
+
+    for node in group:
+        find_inputs(node)
+    sub = Graph()
+    env: dict[Node, Node] = {n: sub.placeholder(n.name) for n in inputs}
+    for node in group:
+        env[node] = sub.node_copy(node, lambda n: _copied(sub, env, n, gm))
+    sub.output(tuple(env[n] for n in outputs))
+    attributes = {n.target: operator.attrgetter(n.target)(gm) for n in sub.nodes if n.op == "get_attr"}
+    return GraphModule(attributes, sub), inputs
+
+
+def _copied(graph: Graph, env: dict[Node, Node], node: Node, gm: GraphModule) -> Node:
+    """`node` in `graph`: already there, or a copy of a weight or free node (inputs first)."""
+    if node not in env:
+        if node.op == "get_attr":
+            env[node] = graph.get_attr(node.target)
+        else:
+            env[node] = graph.node_copy(node, lambda n: _copied(graph, env, n, gm))
+    return env[node]
+
+
+def fused_lanes(graph: OpGraph, plan: Plan, compile_segments: bool = True) -> tuple[OpGraph, Plan]:
+    """The graph with each segment of `plan` as one (Inductor-compiled) submodule,
+    and the segment-level plan to run it with."""
+    segmentation = segment_plan(graph.dag, plan)
+    top = split_into_segments(graph, segmentation)
+    for node in top.graph.nodes:
+        node.meta["opara_free"] = node.op != "call_module"
+    if compile_segments:
+        for name in segmentation.members:
+            top.add_submodule(name, torch.compile(top.get_submodule(name), backend="inductor", fullgraph=True, dynamic=False))
+    log.info("%s: %d kernels in %d segments on %d lanes", plan.policy, len(plan.order), len(segmentation.members), plan.num_streams)
+    return dataclasses.replace(graph, module=top, dag=segmentation.dag), segmentation.plan
+
+
+class InductorCapture(PlanCapture):
+    """PlanCapture of a fused-lanes graph: segments compile at the warm-up of
+    each new batch size, under inference mode with Inductor's freezing."""
+
+    def __init__(self, graph: OpGraph, plan: Plan, lane_pool: LanePool, **kwargs: Any):
+        fused, segment_level = fused_lanes(graph, plan)
+        super().__init__(fused, segment_level, lane_pool, **kwargs)
+        self.segments = len(segment_level.order)
+
+    def __call__(self, static_in: Any, pool: Any) -> CapturedGraph:
+        try:
+            with torch.inference_mode(), torch._inductor.config.patch(freezing=True):
+                return super().__call__(static_in, pool)
+        except CaptureError:
+            raise
+        except Exception as error:  # noqa: BLE001 - an Inductor failure only drops this candidate
+            raise CaptureError(f"fused lanes ({self.plan.policy}, {self.segments} segments): {type(error).__name__}: {error}") from error

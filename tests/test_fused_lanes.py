@@ -1,0 +1,129 @@
+"""Fused lanes: a plan's segments as submodules (CPU), compiled by Inductor and
+captured on their lanes (GPU)."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from engine_helpers import traced
+
+from opara_core import zoo
+from opara_core.engine.build import Candidate, EngineSettings, build_runner, static_inputs
+from opara_core.engine.capture import LanePool, PlanCapture, time_replays
+from opara_core.engine.compare import max_relative_error
+from opara_core.engine.fused_lanes import InductorCapture, fused_lanes
+from opara_core.engine.interpreter import plan_graph, run_plan
+from opara_core.engine.trace import trace
+
+
+def _as_list(value):
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+@pytest.mark.parametrize("model, policy, lanes", [("googlenet", "opara", 8), ("deepfm", "asap", 4), ("bert", "wavefront", 8)])
+def test_the_segmented_graph_computes_exactly_what_the_traced_graph_does(model, policy, lanes):
+    graph = traced(model)
+    plan = plan_graph(graph, policy, lanes)
+    fused, segment_plan = fused_lanes(graph, plan, compile_segments=False)
+    assert 1 < len(segment_plan.order) < len(plan.order)
+    inputs = zoo.get(model).example_inputs(1, seed=4)
+    with torch.no_grad():
+        expected = _as_list(graph.module(*inputs))
+        got = _as_list(run_plan(fused, segment_plan, *inputs))
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_segments_read_only_graph_inputs_and_results_of_segments_before_them():
+    graph = traced("googlenet")
+    fused, segment_plan = fused_lanes(graph, plan_graph(graph, "opara", 8), compile_segments=False)
+    done: set[str] = set()
+    for node in fused.module.graph.nodes:
+        if node.op == "call_module":
+            for arg in node.all_input_nodes:
+                source = arg.args[0].target if arg.target is operator.getitem else None
+                assert arg.op == "placeholder" or source in done, (node.name, arg.name)
+            done.add(node.target)
+    assert done == set(segment_plan.order)
+
+
+class Branches(torch.nn.Module):
+    """Two convolution branches and a join: the smallest graph with parallel lanes."""
+
+    def __init__(self):
+        super().__init__()
+        self.left = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 1))
+        self.right = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 1), torch.nn.Sigmoid())
+
+    def forward(self, x):
+        return torch.cat([self.left(x), self.right(x)], dim=1).mean(dim=(2, 3)).softmax(-1)
+
+
+def test_inductor_compiled_segments_equal_eager_on_the_cpu():
+    module = Branches().eval()
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    graph = trace(module, (x,))
+    plan = plan_graph(graph, "opara", 4)
+    assert plan.num_streams > 1
+    fused, segment_plan = fused_lanes(graph, plan)
+    with torch.inference_mode(), torch._inductor.config.patch(freezing=True):
+        got = run_plan(fused, segment_plan, x)
+        expected = module(x)
+    assert max_relative_error(_as_list(got), [expected]) < 1e-4
+
+
+# ---- on the GPU -------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["googlenet", "bert"])
+def test_fused_lanes_replay_equals_eager_on_the_gpu(model, strict_fp32):
+    device = torch.device("cuda")
+    entry = zoo.get(model)
+    module = entry.build().to(device).eval()
+    from opara_core.engine.trace import trace_zoo
+
+    graph = trace_zoo(entry, module, device)
+    plan = plan_graph(graph, "opara", 8)
+    capture = InductorCapture(graph, plan, LanePool(device))
+    assert capture.segments > 1 and capture.plan.num_streams > 1
+    pool = torch.cuda.graph_pool_handle()
+    with torch.inference_mode():
+        captured = {b: capture(static_inputs(entry, b, device), pool) for b in (1, 4)}
+    for batch, graph_ in captured.items():
+        for seed in range(3):
+            inputs = [t.to(device) for t in entry.example_inputs(batch, seed=seed)]
+            for static, x in zip(graph_.inputs, inputs):
+                static.copy_(x)
+            graph_.replay()
+            with torch.inference_mode():
+                expected = _as_list(module(*inputs))
+            assert max_relative_error(list(graph_.outputs), expected) < 1e-3, (batch, seed)
+
+
+@pytest.mark.gpu
+def test_auto_offers_fused_lanes_and_is_never_slower_than_the_aten_sequential_graph():
+    device = torch.device("cuda")
+    entry = zoo.get("googlenet")
+    module = entry.build().to(device).eval()
+    settings = EngineSettings(buckets=(1, 8), layout="nchw")
+    runner, report = build_runner(module, entry, device, 8, settings)
+    assert report.runner == "multi-stream graph", report.summary()
+    timed = report.timings_ms[1]
+    assert any(c.graph == "inductor" and c.policy == "opara" for c in timed), report.summary()
+    chosen = {b: min(time_replays(runner.graphs[b], seconds=0.05) for _ in range(3)) for b in (1, 8)}
+    del runner
+    graph = trace_zoo_fused(entry, module, device)
+    capture, pool = PlanCapture(graph, plan_graph(graph, "sequential"), LanePool(device)), torch.cuda.graph_pool_handle()
+    with torch.inference_mode():
+        alone = {b: min(time_replays(capture(static_inputs(entry, b, device), pool), seconds=0.05) for _ in range(3)) for b in (1, 8)}
+    for bucket in (1, 8):
+        assert chosen[bucket] <= 1.03 * alone[bucket], (bucket, report.choices[bucket], chosen, alone)
+        assert isinstance(report.choices[bucket], Candidate)
+
+
+def trace_zoo_fused(entry, module, device):
+    from opara_core.engine.build import BuildReport, traced_graphs
+
+    return traced_graphs(module, entry, device, EngineSettings(layout="nchw", fused_lanes=False), BuildReport())["nchw"]
