@@ -247,6 +247,7 @@ class OparaModel:
         with turn:
             self.runner, self.report = build_runner(module, self.entry, self.device, self.max_batch, settings)
         self.range_check = RangeCheck(self.entry.inputs, self.device)
+        self.name, self.gpu_path_seen = args["model_name"], False
         self.metrics = ServingMetrics(pb_utils, args["model_name"], self.runner, self.report)
         log.info("model %s ready on %s:\n%s", args["model_name"], self.device, self.report.summary())
 
@@ -264,6 +265,9 @@ class OparaModel:
                 responses[i] = _error(pb_utils, str(error), pb_utils.TritonError.INVALID_ARG)
         on_device = self._place(good)
         if on_device:
+            if not self.gpu_path_seen:  # once: where a test or an operator sees that CUDA shared memory arrived as such
+                self.gpu_path_seen = True
+                log.info("model %s: a batch arrived on %s: the GPU path (inputs device to device)", self.name, self.device)
             for (i, _), problem in zip(list(good), self.range_check.problems([tensors for _, tensors in good])):
                 if problem:
                     responses[i] = _error(pb_utils, problem, pb_utils.TritonError.INVALID_ARG)
