@@ -270,23 +270,33 @@ def test_bench_over_shared_memory_leaves_nothing_behind(server):
     assert our_leftovers(server, os.getpid()) == ([], [])
 
 
-def test_ctrl_c_unregisters_shared_memory(server):
-    command = [sys.executable, "-m", "client", "bench", "--model", MODEL, "--url", server.grpc_url, "--concurrency", "2",
-               "--requests", "1000000", "--shared-memory", "system", "--no-progress"]  # fmt: skip
+def interrupt_a_bench(url: str, kind: str, registered) -> int:
+    """Start `bench --shared-memory KIND` with two workers, Ctrl-C it once its four
+    regions are registered (`registered(pid)` lists them), and check that it
+    exits as interrupted with none left registered. Returns its pid."""
+    command = [sys.executable, "-m", "client", "bench", "--model", MODEL, "--url", url, "--concurrency", "2",
+               "--requests", "1000000", "--shared-memory", kind, "--no-progress"]  # fmt: skip
     process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(our_leftovers(server, process.pid)[0]) < 4:
+        while time.monotonic() < deadline and len(registered(process.pid)) < 4:
             assert process.poll() is None, process.communicate()
             time.sleep(0.2)
-        assert len(our_leftovers(server, process.pid)[0]) == 4, "two workers, one input and one output region each"
+        assert len(registered(process.pid)) == 4, "two workers, one input and one output region each"
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
             process.kill()
     assert process.returncode == 130 and stderr.strip().splitlines()[-1] == "error: interrupted"
-    assert our_leftovers(server, process.pid) == ([], [])
+    assert registered(process.pid) == []
+    return process.pid
+
+
+def test_ctrl_c_unregisters_shared_memory(server):
+    pid = interrupt_a_bench(server.grpc_url, "system", lambda pid: our_leftovers(server, pid)[0])
+    assert our_leftovers(server, pid) == ([], [])
+
 
 
 # --- CUDA shared memory and the adapter's GPU path (GPU host) -------------------------------
@@ -368,19 +378,4 @@ def test_bad_ids_on_the_gpu_are_refused_per_request_while_others_succeed(gpu_ser
 def test_the_cli_over_cuda_shared_memory_and_ctrl_c_cleans_up(gpu_server):
     done = cli("infer", "--model", "googlenet", "--url", gpu_server.grpc_url, "--shared-memory", "cuda")
     assert done.returncode == 0 and "cuda shared memory" in done.stdout, done.stderr
-    command = [sys.executable, "-m", "client", "bench", "--model", "googlenet", "--url", gpu_server.grpc_url, "--concurrency", "2",
-               "--requests", "1000000", "--shared-memory", "cuda", "--no-progress"]  # fmt: skip
-    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(cuda_leftovers(gpu_server, process.pid)) < 4:
-            assert process.poll() is None, process.communicate()
-            time.sleep(0.2)
-        assert len(cuda_leftovers(gpu_server, process.pid)) == 4, "two workers, one input and one output region each"
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 130 and stderr.strip().splitlines()[-1] == "error: interrupted"
-    assert cuda_leftovers(gpu_server, process.pid) == []
+    interrupt_a_bench(gpu_server.grpc_url, "cuda", lambda pid: cuda_leftovers(gpu_server, pid))

@@ -10,8 +10,9 @@ import sys
 import numpy as np
 import pytest
 from conftest import server_config
-from serving import example, infer
+from serving import example
 
+from client.api import Client, result_arrays
 from opara_core import zoo
 from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, TritonServer
 
@@ -67,12 +68,13 @@ def floor_server(tmp_path_factory):
 @pytest.mark.server
 @pytest.mark.parametrize("model", FLOORED)
 def test_the_floor_answers_zeros_of_the_models_output_shapes(floor_server, model):
-    import tritonclient.grpc as grpcclient
-
-    with grpcclient.InferenceServerClient(floor_server.grpc_url) as client:
-        output = infer(client, f"{model}_floor", example(model, batch=3, seed=1))
-    spec = zoo.get(model).outputs[0]
-    np.testing.assert_array_equal(output, np.zeros((3, *spec.shape), dtype=np.float32))
+    entry = zoo.get(model)
+    with Client(floor_server.grpc_url) as client:
+        arrays = dict(zip((s.name for s in entry.inputs), example(model, batch=3, seed=1)))
+        request = client.request(f"{model}_floor", arrays)
+        outputs = result_arrays(request, client.infer(request), [s.name for s in entry.outputs])
+    for spec in entry.outputs:
+        np.testing.assert_array_equal(outputs[spec.name], np.zeros((3, *spec.shape), dtype=np.float32))
 
 
 def test_the_table_puts_the_floor_beside_each_row():
