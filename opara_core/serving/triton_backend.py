@@ -294,10 +294,10 @@ class OparaModel:
     def _place(self, good: list[tuple[int, list[torch.Tensor]]]) -> bool:
         """Put the whole batch on one device, in place; True when that is the
         instance's GPU. A GPU instance takes the GPU path as soon as one request
-        came on its GPU (the host requests of a mixed batch are copied up);
-        anything on another device is moved to the instance's."""
+        came on a GPU (the host requests of a mixed batch are copied up, a block
+        on another GPU copied over); a CPU instance takes everything to the host."""
         gpu = self.device.type == "cuda"
-        on_device = gpu and any(t.device == self.device for _, tensors in good for t in tensors)
+        on_device = gpu and any(t.is_cuda for _, tensors in good for t in tensors)
         target = self.device if on_device else torch.device("cpu")
         for _, tensors in good:
             for k, tensor in enumerate(tensors):
