@@ -17,6 +17,11 @@
 #   serving    the same for the models in $MODELS (default resnet50,inception_v3,deepfm,bert,t5);
 #              $OUT/serving.json, $OUT/server.log
 #              (both benchmark steps start no level later than 45 s before their limit, $BUDGET to change)
+#   instances  GoogLeNet at concurrency 16 with 1, 2 and 4 instances per GPU ($INSTANCES), batching
+#              $BATCHING (preferred or greedy), queue delay $QUEUE_DELAY us (default: the config's),
+#              tensors in the message and CUDA shared memory; $OUT/instances_<n>.json, each its own server
+#   twogpu     GoogLeNet at concurrency 16, 32 and 64 on one GPU (CUDA_VISIBLE_DEVICES=0) and then on
+#              every GPU of the machine (one instance each): $OUT/twogpu_one.json, $OUT/twogpu_all.json
 #   soak       GoogLeNet served by `python -m opara_core.serving.launcher serve` on ports 18000-18002,
 #              scripts/soak.py over gRPC at 1, 8 and 64 ($SOAK_SECONDS each, default 30, and as long a warm-up): errors, wrong
 #              answers, host and GPU memory growth
@@ -64,7 +69,27 @@ else:
     return $rc
 }
 
-export -f soak
+instances() {
+    local rc=0 n
+    for n in ${INSTANCES:-1 2 4}; do
+        python3 scripts/serving_bench.py --models googlenet --concurrency 16 --shared-memory none,cuda --requests 400 \
+            --instances "$n" --batching "${BATCHING:-preferred}" ${QUEUE_DELAY:+--queue-delay "$QUEUE_DELAY"} \
+            --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" --json "$out/instances_$n.json" --log "$out/instances_${n}_server.log" || rc=1
+    done
+    return $rc
+}
+
+twogpu() {
+    local rc=0 where
+    for where in one all; do
+        ( [ "$where" = one ] && export CUDA_VISIBLE_DEVICES=0
+          python3 scripts/serving_bench.py --models googlenet --concurrency 16,32,64 --shared-memory none,system --requests 400 \
+              --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" --json "$out/twogpu_$where.json" --log "$out/twogpu_${where}_server.log" ) || rc=1
+    done
+    return $rc
+}
+
+export -f soak instances twogpu
 export out
 
 for spec in "$@"; do
@@ -88,6 +113,8 @@ for spec in "$@"; do
         --concurrency 1,16 --shared-memory none,system,cuda --requests 200 --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
         --budget "${BUDGET:-$((limit - 45))}" --json "$out/serving.json" --log "$out/server.log" ;;
     soak) step soak "$limit" bash -c soak ;;
-    *) echo "unknown step $name (tests, servertests, csan, racecheck, transporttests, transport, serving, soak)" >&2; exit 2 ;;
+    instances) step instances "$limit" bash -c instances ;;
+    twogpu) step twogpu "$limit" bash -c twogpu ;;
+    *) echo "unknown step $name (tests, servertests, csan, racecheck, transporttests, transport, serving, instances, twogpu, soak)" >&2; exit 2 ;;
     esac
 done

@@ -65,12 +65,15 @@ def add_floor_model(repository: Path, model: str) -> str:
     return name
 
 
-def make_repository(models: list[str], root: Path, instances: int = 1, batching: str = "preferred") -> Path:
+def make_repository(
+    models: list[str], root: Path, instances: int = 1, batching: str = "preferred", queue_delay_us: int | None = None
+) -> Path:
     """A copy of the selected models, each with `instances` model instances
     (stub processes, each with its own graphs) and its floor model beside it.
     batching "greedy" drops the preferred batch sizes, so that Triton sends
     every queued request (up to max_batch_size) instead of the largest
-    preferred size it can form (7 queued: 4 now, 3 later)."""
+    preferred size it can form (7 queued: 4 now, 3 later); `queue_delay_us`
+    replaces the configs' max_queue_delay_microseconds."""
     repository = root / "models"
     for name in models:
         shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, repository / name)
@@ -82,6 +85,10 @@ def make_repository(models: list[str], root: Path, instances: int = 1, batching:
             text, found = re.subn(r"\n  preferred_batch_size: \[[\d, ]+\]", "", text)
             if found != 1:
                 raise SystemExit(f"{config}: no single `preferred_batch_size` line to drop")
+        if queue_delay_us is not None:
+            text, found = re.subn(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {queue_delay_us}", text)
+            if found != 1:
+                raise SystemExit(f"{config}: no single `max_queue_delay_microseconds` line to set")
         config.write_text(text)
         add_floor_model(repository, name)
     return repository
@@ -212,6 +219,7 @@ def main() -> int:
         "--batching", choices=("preferred", "greedy"), default="preferred",
         help="preferred: the configs' preferred batch sizes (the graph buckets); greedy: none, every queued request goes",
     )  # fmt: skip
+    parser.add_argument("--queue-delay", type=int, default=None, metavar="US", help="max_queue_delay_microseconds (default: the configs')")
     parser.add_argument("--requests", type=int, default=1000, help="requests per measurement window")
     parser.add_argument("--perf-analyzer", default=None, help="default: the one of the tritonclient wheel, else on PATH")
     parser.add_argument("--budget", type=float, default=None, metavar="S", help="start no measurement after S seconds; the rest is listed as skipped")
@@ -236,7 +244,7 @@ def main() -> int:
     started = time.perf_counter()
     models = [zoo.get(m).name for m in args.models.split(",")]
     work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
-    repository = make_repository(models, work, args.instances, args.batching)
+    repository = make_repository(models, work, args.instances, args.batching, args.queue_delay)
     # the server is ours: its admin key (for the shared-memory API) is OPARA_ADMIN_KEY or a new one
     config = ServerConfig(
         model_repository=repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
@@ -245,7 +253,8 @@ def main() -> int:
     log_path = args.log or work / "server.log"
     meta = {
         "date": time.strftime("%Y-%m-%d"), "device": device_name(), "command": " ".join(sys.argv), "instances": args.instances,
-        "batching": args.batching, "requests_per_window": args.requests,
+        "batching": args.batching, "queue_delay_us": args.queue_delay, "requests_per_window": args.requests,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }  # fmt: skip
     rows: list[dict] = []
     skipped: list[str] = []

@@ -32,7 +32,7 @@ FLOORED = ("googlenet", "deepfm")
 
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory):
-    return serving_bench.make_repository(list(FLOORED), tmp_path_factory.mktemp("bench"), instances=2, batching="greedy")
+    return serving_bench.make_repository(list(FLOORED), tmp_path_factory.mktemp("bench"), instances=2, batching="greedy", queue_delay_us=500)
 
 
 def without_name(text: str) -> str:
@@ -47,7 +47,7 @@ def test_each_model_gets_a_floor_with_its_own_config(repository, model):
     floor = (repository / f"{model}_floor" / "config.pbtxt").read_text()
     assert f'name: "{model}_floor"' in floor
     assert without_name(floor) == without_name(config)
-    assert "count: 2" in floor and "preferred_batch_size" not in floor
+    assert "count: 2" in floor and "preferred_batch_size" not in floor and "max_queue_delay_microseconds: 500" in floor
     assert "FloorModel" in (repository / f"{model}_floor" / "1" / "model.py").read_text()
 
 
