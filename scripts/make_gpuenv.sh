@@ -56,8 +56,10 @@ fi
 if [ ! -d /tmp/cudapy/cuda ]; then
   mkdir -p /tmp/cudapy && tar -C /tmp/cudapy -xJf .gpuenv/cuda-python.tar.xz
 fi
-# /tmp/cudapy last: a cuda-python the machine has itself comes first
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:/tmp/tc:$PWD:/tmp/cudapy OPARA_ADMIN_KEY=gpu-session-admin-key-0123
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:/tmp/tc:$PWD OPARA_ADMIN_KEY=gpu-session-admin-key-0123
+# cuda-python 12.6 only where the machine has no `cuda.cudart` of its own (on PYTHONPATH it
+# would shadow any `cuda` package of the machine's, e.g. cuda-bindings 13)
+python3 -c "from cuda import cudart" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:/tmp/cudapy
 export PERF_ANALYZER=/tmp/pa/perf_analyzer/bin/perf_analyzer
 EOF
 du -sh "$out"
