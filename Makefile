@@ -33,12 +33,15 @@ test: setup
 # the admin key), perf_analyzer's output streamed, one CSV per model in
 # out/perf/. PERF_URL is the gRPC HOST:PORT; PERF_MODELS picks models; PERF_ARGS
 # adds options of `python -m client.perf run` (e.g. "--max-trials 40" where a
-# level does not settle). `.venv/bin/opara-perf-analyzer` runs perf_analyzer by hand.
+# level does not settle). PERF_SHM: none, system or cuda (perf_analyzer's
+# --shared-memory; cuda on the server's GPU host: the tensors never touch the host).
+# `.venv/bin/opara-perf-analyzer` runs perf_analyzer by hand.
 PERF_URL ?= localhost:8001
 PERF_MODELS ?= $(notdir $(patsubst %/config.pbtxt,%,$(wildcard $(MODEL_REPOSITORY)/*/config.pbtxt)))
 PERF_ARGS ?=
+PERF_SHM ?= none
 perf: setup
-	$(PY) -m client.perf run --url $(PERF_URL) --out-dir out/perf $(addprefix --model ,$(PERF_MODELS)) $(PERF_ARGS)
+	$(PY) -m client.perf run --url $(PERF_URL) --out-dir out/perf --shared-memory $(PERF_SHM) $(addprefix --model ,$(PERF_MODELS)) $(PERF_ARGS)
 
 clean:
 	rm -rf .triton .pytest_cache .hypothesis

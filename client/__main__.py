@@ -1,8 +1,9 @@
 """python -m client: send a request, or measure latency over a concurrency sweep.
 
   python -m client infer --model M --protocol grpc|http --url HOST:PORT [--input FILE.npy] [--batch B] [--classes K]
+                         [--shared-memory none|system|cuda]
   python -m client bench --model M --protocol grpc|http --url HOST:PORT --concurrency 1,2,4
-                         (--requests N | --duration S) [--batch B] [--shared-memory none|system]
+                         (--requests N | --duration S) [--batch B] [--shared-memory none|system|cuda]
                          [--json F] [--csv F] [--plot F.png]
   python -m client generate --model gpt2 --url HOST:PORT --ids 1,2,3 --max-tokens N [--end-id ID]
   python -m client generate --model gpt2 --url HOST:PORT --rate R --requests N [--json F] [--plot F.png]
@@ -17,13 +18,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from client import bench
-from client.api import PROTOCOLS, Client, ClientError, result_arrays
+from client.api import PROTOCOLS, Client, ClientError, SharedMemoryRegions, check_shared_memory, result_arrays
 from client.cli import INTERRUPTED, UsageError, run_main, server_url, unreachable
 from client.inputs import TensorInfo, load_inputs, random_inputs
 from opara_core.cli_helpers import Parser, config_from_args, positive_int, positive_int_list
@@ -51,6 +53,13 @@ def _parser() -> Parser:
         p.add_argument(
             "--timeout", type=float, default=60.0, metavar="S", help="per-request timeout in seconds (default 60)"
         )
+        p.add_argument(
+            "--shared-memory",
+            choices=bench.SHARED_MEMORY_MODES,
+            default="none",
+            help="none: tensors in the message; system: /dev/shm regions (client on the server's host); "
+            "cuda: GPU memory shared by CUDA IPC (client on the server's GPU host)",
+        )
 
     infer = sub.add_parser("infer", help="send one request and summarise the outputs")
     common(infer)
@@ -59,7 +68,8 @@ def _parser() -> Parser:
         type=int,
         default=5,
         metavar="K",
-        help="top K classes of each class-score output, by Triton's classification extension (default 5; 0: the tensors)",
+        help="top K classes of each class-score output, by Triton's classification extension (default 5; 0: the "
+        "tensors; with --shared-memory the outputs always come back whole)",
     )
 
     run = sub.add_parser("bench", help="closed-loop latency and throughput at each concurrency")
@@ -68,7 +78,6 @@ def _parser() -> Parser:
     amount = run.add_mutually_exclusive_group(required=True)
     amount.add_argument("--requests", type=positive_int, help="measured requests per concurrency level")
     amount.add_argument("--duration", type=float, metavar="S", help="measured seconds per concurrency level")
-    run.add_argument("--shared-memory", choices=bench.SHARED_MEMORY_MODES, default="none")
     run.add_argument(
         "--warmup", type=int, default=2, help="unmeasured requests per worker before each level (default 2)"
     )
@@ -84,21 +93,27 @@ def _parser() -> Parser:
 
 def infer(args: argparse.Namespace) -> int:
     url = server_url(args.url, args.protocol)
-    with Client(url, args.protocol, args.timeout) as client:
+    check_shared_memory(args.shared_memory)
+    with Client(url, args.protocol, args.timeout) as client, ExitStack() as regions:
         try:
             info = client.model_info(args.model)
             arrays = load_inputs(info, args.input, args.batch) if args.input else random_inputs(info, args.batch or 1)
-            classes = {t.name: args.classes if class_scores(t) else 0 for t in info.outputs}
-            request = client.request(args.model, arrays, class_count=classes)
+            batch = next(iter(arrays.values())).shape[0] if info.batching else 1
+            shm, classes = None, {t.name: args.classes if class_scores(t) else 0 for t in info.outputs}
+            if args.shared_memory != "none":  # Triton's classification extension cannot write into a region
+                outputs = {t.name: (t.dtype, info.full_shape(t, batch)) for t in info.outputs}
+                shm = regions.enter_context(SharedMemoryRegions(client, arrays, outputs, args.shared_memory))
+                classes = dict.fromkeys(classes, 0)
+            request = client.request(args.model, arrays, shm, class_count=None if shm else classes)
             start = time.perf_counter()
             result = client.infer(request)
             elapsed_ms = (time.perf_counter() - start) * 1000
+            outputs = result_arrays(request, result, [t.name for t in info.outputs])
         except ClientError as error:
             raise unreachable(error, url, args.protocol) from None
-        outputs = result_arrays(request, result, [t.name for t in info.outputs])
-    batch = next(iter(arrays.values())).shape[0] if info.batching else 1
     shapes = ", ".join(f"{name} {list(a.shape)}" for name, a in arrays.items())
-    print(f"{args.model} over {args.protocol} at {url}: {elapsed_ms:.1f} ms; inputs {shapes}")
+    memory = "" if args.shared_memory == "none" else f", {args.shared_memory} shared memory"
+    print(f"{args.model} over {args.protocol} at {url}{memory}: {elapsed_ms:.1f} ms; inputs {shapes}")
     for tensor in info.outputs:
         array = outputs[tensor.name]
         if classes[tensor.name]:

@@ -1,7 +1,7 @@
 """One small interface over tritonclient's gRPC and HTTP clients.
 
 `Client` offers the same calls for both protocols: health, metadata, config,
-statistics, system shared memory and inference with binary tensors. They hide what differs between the protocols
+statistics, system and CUDA shared memory and inference with binary tensors. They hide what differs between the protocols
 (gRPC's JSON gives int64 values as strings, HTTP sets its timeout on the
 connection, the two report an unreachable server differently) and raise one
 exception type, `ClientError`, whose `kind` says whether retrying can help.
@@ -19,6 +19,7 @@ import logging
 import os
 import time
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -329,6 +330,17 @@ class Client:
     def unregister_shm(self, name: str) -> None:
         self._call(lambda: self._raw.unregister_system_shared_memory(name, **self._admin))
 
+    def cuda_shm_regions(self) -> list[str]:
+        return normalize_shm_status(
+            self._call(lambda: self._raw.get_cuda_shared_memory_status(**self._json, **self._admin))
+        )
+
+    def register_cuda_shm(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        self._call(lambda: self._raw.register_cuda_shared_memory(name, raw_handle, device_id, byte_size, **self._admin))
+
+    def unregister_cuda_shm(self, name: str) -> None:
+        self._call(lambda: self._raw.unregister_cuda_shared_memory(name, **self._admin))
+
     def request(
         self,
         model: str,
@@ -354,31 +366,76 @@ class Client:
         self.close()
 
 
-# --- system shared memory ------------------------------------------------------------
+# --- system and CUDA shared memory ---------------------------------------------------
 
 SHM_PREFIX = "opara_client_"
+SHARED_MEMORY_KINDS = ("system", "cuda")
 _region_ids = itertools.count()
 
 
 def shared_memory_module() -> types.ModuleType:
     """tritonclient.utils.shared_memory, imported on first use (it loads a
     native library and needs setuptools' pkg_resources, pinned below 81)."""
-    import tritonclient.utils.shared_memory as shm
+    return _quiet_import("tritonclient.utils.shared_memory")
 
-    return shm
+
+def _quiet_import(name: str) -> types.ModuleType:
+    """Import without pkg_resources' and cuda-python's deprecation warnings,
+    which say nothing to a user of the client."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return importlib.import_module(name)
+
+
+def cuda_shared_memory_module(device_id: int = 0) -> types.ModuleType:
+    """tritonclient.utils.cuda_shared_memory, once it is clear that CUDA
+    device `device_id` is there: on a machine without one the module fails
+    deep inside cuda-python ("unable to create cuda shared memory handle");
+    this says why in one line instead."""
+    try:
+        cudart = _quiet_import("cuda.cudart")
+        cudashm = _quiet_import("tritonclient.utils.cuda_shared_memory")
+    except (ImportError, RuntimeError) as error:
+        raise ClientError(f"--shared-memory cuda needs the cuda-python package (pip install '.[client]'): {error}") from None
+    try:
+        status, count = cudart.cudaGetDeviceCount()
+    except RuntimeError as error:  # no driver: "Failed to dlopen libcuda.so.1"
+        raise ClientError(f"--shared-memory cuda needs an NVIDIA GPU and its driver on this machine ({error})") from None
+    if status != cudart.cudaError_t.cudaSuccess or count <= device_id:
+        found = "no CUDA device" if status != cudart.cudaError_t.cudaSuccess else f"{count} CUDA device(s)"
+        raise ClientError(f"--shared-memory cuda needs CUDA device {device_id} on this machine; found {found}")
+    return cudashm
+
+
+def check_shared_memory(kind: str) -> None:
+    """Fail early, with the reason, when this machine cannot give `kind` shared memory."""
+    if kind == "cuda":
+        cuda_shared_memory_module()
 
 
 class SharedMemoryRegions:
-    """One system shared-memory region holding a worker's inputs and one for
-    its outputs, registered with the server under names unique to this
-    process. `close()` unregisters and destroys both, and is safe to call
-    twice; build it in a `with` or try/finally so Ctrl-C cleans up too.
+    """One shared-memory region holding a worker's inputs and one for its
+    outputs, registered with the server under names unique to this process:
+    system shared memory (/dev/shm, for a client on the server's host) or CUDA
+    memory on GPU `device_id` shared by CUDA IPC (for a client on the server's
+    GPU host: the tensors never touch the host). `close()` unregisters and
+    destroys both, and is safe to call twice; build it in a `with` or
+    try/finally so Ctrl-C cleans up too.
     """
 
     def __init__(
-        self, client: Client, arrays: dict[str, np.ndarray], outputs: dict[str, tuple[np.dtype, tuple[int, ...]]]
+        self,
+        client: Client,
+        arrays: dict[str, np.ndarray],
+        outputs: dict[str, tuple[np.dtype, tuple[int, ...]]],
+        kind: str = "system",
+        device_id: int = 0,
     ):
-        self._shm = shared_memory_module()
+        if kind not in SHARED_MEMORY_KINDS:
+            raise ValueError(f"shared memory kind must be one of {', '.join(SHARED_MEMORY_KINDS)}, got {kind!r}")
+        self.kind, self.device_id = kind, device_id
+        self._shm = cuda_shared_memory_module(device_id) if kind == "cuda" else shared_memory_module()
         self._client = client
         self._made: list[tuple[str, Any, bool]] = []  # (name, handle, registered)
         tag = f"{SHM_PREFIX}{os.getpid()}_{next(_region_ids)}"
@@ -407,16 +464,24 @@ class SharedMemoryRegions:
     def _create(self, name: str, byte_size: int) -> Any:
         if byte_size == 0:
             return None
-        handle = self._shm.create_shared_memory_region(name, "/" + name, byte_size)
-        self._made.append((name, handle, False))
-        self._client.register_shm(name, "/" + name, byte_size)
+        if self.kind == "cuda":
+            handle = self._shm.create_shared_memory_region(name, byte_size, self.device_id)
+            self._made.append((name, handle, False))
+            self._client.register_cuda_shm(name, self._shm.get_raw_handle(handle), self.device_id, byte_size)
+        else:
+            handle = self._shm.create_shared_memory_region(name, "/" + name, byte_size)
+            self._made.append((name, handle, False))
+            self._client.register_shm(name, "/" + name, byte_size)
         self._made[-1] = (name, handle, True)
         return handle
 
     def read_output(self, name: str) -> np.ndarray:
-        offset, _, dtype, shape = self.output_slots[name]
+        """An output, copied out of its region (CUDA regions have no offsets to
+        read at: the region's bytes come back whole and the slot is cut out)."""
+        offset, nbytes, dtype, shape = self.output_slots[name]
         handle = next(h for n, h, _ in self._made if n == self.output_name)
-        return np.array(self._shm.get_contents_as_numpy(handle, dtype, shape, offset=offset))
+        raw = self._shm.get_contents_as_numpy(handle, np.uint8, [sum(s[1] for s in self.output_slots.values())])
+        return np.array(raw[offset : offset + nbytes]).view(dtype).reshape(shape)
 
     def close(self) -> None:
         while self._made:
@@ -432,9 +497,10 @@ class SharedMemoryRegions:
         """Unregister, waiting while the server says the region is in use:
         Triton lets go of a region just after sending the response that used it."""
         deadline = time.monotonic() + wait_s
+        unregister = self._client.unregister_cuda_shm if self.kind == "cuda" else self._client.unregister_shm
         while True:
             try:
-                self._client.unregister_shm(name)
+                unregister(name)
                 return
             except ClientError as error:
                 if "in use" not in str(error) or time.monotonic() > deadline:

@@ -37,13 +37,14 @@ from client.api import (
     ClientError,
     InferRequest,
     SharedMemoryRegions,
+    check_shared_memory,
     describe,
 )
 from client.inputs import ModelInfo, load_inputs, random_inputs
 
 log = logging.getLogger(__name__)
 
-SHARED_MEMORY_MODES = ("none", "system")
+SHARED_MEMORY_MODES = ("none", "system", "cuda")
 SERVER_COMPONENTS = ("queue", "compute_input", "compute_infer", "compute_output")
 LATENCY_NOTE = (
     "client-side latency per request (monotonic clock, warm-up excluded); "
@@ -188,9 +189,9 @@ class _Worker:
 
     def _open(self, config: BenchConfig, info: ModelInfo, arrays: dict[str, np.ndarray], batch: int) -> None:
         self.client = Client(config.url, config.protocol, config.timeout_s, retry=NO_RETRY)
-        if config.shared_memory == "system":
+        if config.shared_memory != "none":
             outputs = {t.name: (t.dtype, info.full_shape(t, batch)) for t in info.outputs}
-            self.shm = SharedMemoryRegions(self.client, arrays, outputs)
+            self.shm = SharedMemoryRegions(self.client, arrays, outputs, config.shared_memory)
         self.request: InferRequest = self.client.request(config.model, arrays, self.shm)
 
     def submit(self, fn, *args) -> Future:
@@ -358,6 +359,7 @@ def run(config: BenchConfig, stop: threading.Event | None = None) -> BenchResult
     clients are released on the way out, whatever happens. Setting `stop`
     (the CLI passes its interrupt flag) ends the run after the requests in flight."""
     stop = threading.Event() if stop is None else stop
+    check_shared_memory(config.shared_memory)
     with Client(config.url, config.protocol, config.timeout_s) as control, ExitStack() as stack:
         if not control.live():
             raise ClientError(f"server at {control.url} is not live", UNAVAILABLE)

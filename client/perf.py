@@ -38,7 +38,7 @@ from typing import TextIO
 
 import numpy as np
 
-from client.api import PROTOCOLS, Client, ClientError, parse_url
+from client.api import PROTOCOLS, SHARED_MEMORY_KINDS, Client, ClientError, check_shared_memory, parse_url
 from client.bench import read_json
 from client.cli import UsageError, run_main, server_url, unreachable
 from client.inputs import InputError, ModelInfo, random_inputs
@@ -359,7 +359,12 @@ def _parser() -> Parser:
         help=f"how far 3 windows in a row may differ (default {PerfConfig.stability_percentage}; perf_analyzer's own: 10)",
     )
     run.add_argument("--max-trials", type=positive_int, default=PerfConfig.max_trials, help="windows before giving up")
-    run.add_argument("--shared-memory", choices=("none", "system"), default="none")
+    run.add_argument(
+        "--shared-memory",
+        choices=("none", *SHARED_MEMORY_KINDS),
+        default="none",
+        help="perf_analyzer's --shared-memory: system (same host) or cuda (same GPU host: tensors stay on the GPU)",
+    )
     run.add_argument("--out-dir", type=Path, default=Path("out/perf"))
     plot = sub.add_parser("plot", help="perf_analyzer CSVs and bench JSONs on one latency-vs-throughput plot")
     plot.add_argument("--perf-csv", type=Path, action="append", default=[], help="a `run` CSV (repeatable)")
@@ -380,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plot":
         return _plot(args)
     url = server_url(args.url, args.protocol)
+    check_shared_memory(args.shared_memory)
     with Client(url, args.protocol) as client:
         try:
             models = args.model or client.ready_models()

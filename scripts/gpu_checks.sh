@@ -8,7 +8,20 @@
 #              model over HTTP and gRPC against the eager oracle, faults); ~400 s on an H100
 #   csan       every model's eager multi-stream schedule under PyTorch's CUDA sanitizer
 #   racecheck  GoogLeNet's graphs under compute-sanitizer --tool racecheck (no autotuning)
-#   serving    scripts/serving_bench.py for the models in $MODELS (default nasnet,deepfm)
+#   transporttests the GPU path's tests: CUDA shared memory through the client against googlenet and
+#              deepfm on the GPU (tests/test_client.py -m gpu), the batch id check's one synchronisation
+#              (tests/test_triton_backend.py -m gpu), and the numpy-2 stub test (uses the machine's numpy 2)
+#   transport  scripts/serving_bench.py for GoogLeNet alone: batch 1 over gRPC at concurrency 1 and 16,
+#              tensors in the message, system and CUDA shared memory, each level beside the no-op floor
+#              model; $OUT/transport.json, $OUT/transport_server.log
+#   serving    the same for the models in $MODELS (default resnet50,inception_v3,deepfm,bert,t5);
+#              $OUT/serving.json, $OUT/server.log
+#              (both benchmark steps start no level later than 45 s before their limit, $BUDGET to change)
+#   instances  GoogLeNet at concurrency 16 with 1, 2 and 4 instances per GPU ($INSTANCES), batching
+#              $BATCHING (preferred or greedy), queue delay $QUEUE_DELAY us (default: the config's),
+#              tensors in the message and CUDA shared memory; $OUT/instances_<n>.json, each its own server
+#   twogpu     GoogLeNet at concurrency 16, 32 and 64 on one GPU (CUDA_VISIBLE_DEVICES=0) and then on
+#              every GPU of the machine (one instance each): $OUT/twogpu_one.json, $OUT/twogpu_all.json
 #   soak       GoogLeNet served by `python -m opara_core.serving.launcher serve` on ports 18000-18002,
 #              scripts/soak.py over gRPC at 1, 8 and 64 ($SOAK_SECONDS each, default 30, and as long a warm-up): errors, wrong
 #              answers, host and GPU memory growth
@@ -56,7 +69,27 @@ else:
     return $rc
 }
 
-export -f soak
+instances() {
+    local rc=0 n
+    for n in ${INSTANCES:-1 2 4}; do
+        python3 scripts/serving_bench.py --models googlenet --concurrency 16 --shared-memory none,cuda --requests 400 \
+            --instances "$n" --batching "${BATCHING:-preferred}" ${QUEUE_DELAY:+--queue-delay "$QUEUE_DELAY"} \
+            --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" --json "$out/instances_$n.json" --log "$out/instances_${n}_server.log" || rc=1
+    done
+    return $rc
+}
+
+twogpu() {
+    local rc=0 where
+    for where in one all; do
+        ( [ "$where" = one ] && export CUDA_VISIBLE_DEVICES=0
+          python3 scripts/serving_bench.py --models googlenet --concurrency 16,32,64 --shared-memory none,system --requests 400 \
+              --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" --json "$out/twogpu_$where.json" --log "$out/twogpu_${where}_server.log" ) || rc=1
+    done
+    return $rc
+}
+
+export -f soak instances twogpu
 export out
 
 for spec in "$@"; do
@@ -70,10 +103,18 @@ for spec in "$@"; do
     csan) step csan "$limit" python3 scripts/race_check.py eager --sanitizer --runs 2 --json "$out/race_eager.json" ;;
     racecheck) step racecheck "$limit" compute-sanitizer --tool racecheck --print-limit 20 \
         python3 scripts/race_check.py graph --model googlenet --replays 2 --autotune off --json "$out/racecheck.json" ;;
-    serving) step serving "$limit" python3 scripts/serving_bench.py --models "${MODELS:-nasnet,deepfm}" --concurrency 1,16 \
-        --shared-memory none,system --requests 200 --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
-        --json "$out/serving.json" --log "$out/server.log" ;;
+    transporttests) step transporttests "$limit" bash -c "python3 -m pytest -p no:cacheprovider -m gpu -q -rfEs \
+        tests/test_client.py tests/test_triton_backend.py; a=\$?; python3 -m pytest -p no:cacheprovider -q -rfEs \
+        tests/test_models.py -k numpy_2; b=\$?; exit \$((a || b))" ;;
+    transport) step transport "$limit" python3 scripts/serving_bench.py --models googlenet --concurrency 1,16 \
+        --shared-memory none,system,cuda --requests 200 --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
+        --budget "${BUDGET:-$((limit - 45))}" --json "$out/transport.json" --log "$out/transport_server.log" ;;
+    serving) step serving "$limit" python3 scripts/serving_bench.py --models "${MODELS:-resnet50,inception_v3,deepfm,bert,t5}" \
+        --concurrency 1,16 --shared-memory none,system,cuda --requests 200 --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
+        --budget "${BUDGET:-$((limit - 45))}" --json "$out/serving.json" --log "$out/server.log" ;;
     soak) step soak "$limit" bash -c soak ;;
-    *) echo "unknown step $name (tests, servertests, csan, racecheck, serving, soak)" >&2; exit 2 ;;
+    instances) step instances "$limit" bash -c instances ;;
+    twogpu) step twogpu "$limit" bash -c twogpu ;;
+    *) echo "unknown step $name (tests, servertests, csan, racecheck, transporttests, transport, serving, instances, twogpu, soak)" >&2; exit 2 ;;
     esac
 done

@@ -7,6 +7,8 @@
 #   tritonclient.tar.gz  the tritonclient 2.51 package from .venv
 #   *.whl                perf_analyzer 2.60.0 and, for Python 3.12, python-rapidjson and
 #                        the HTTP client's gevent stack (downloaded from PyPI)
+#   cuda-python.tar.xz   cuda-python 12.6 for Python 3.12 (tritonclient's CUDA shared memory),
+#                        its compiled modules only: the wheel is 24 MB, this 11 MB
 #   setup_env.sh         `source .gpuenv/setup_env.sh` on the GPU machine: unpacks all of
 #                        it under /tmp and sets PYTHONPATH and OPARA_ADMIN_KEY
 #
@@ -33,6 +35,14 @@ tar -C "$site" --exclude=__pycache__ -czf "$out/tritonclient.tar.gz" tritonclien
     --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux1_x86_64 -d "$out" \
     python-rapidjson geventhttpclient gevent greenlet zope.event zope.interface brotli certifi six
 
+tmp=$(mktemp -d)
+.venv/bin/pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_17_x86_64 -d "$tmp" "$(grep -o 'cuda-python==[^"]*' pyproject.toml)"
+(cd "$tmp" && python3 -m zipfile -e cuda_python-*.whl unpacked)
+XZ_OPT=-9 tar -C "$tmp/unpacked" --exclude='*.cpp' --exclude='*.pyx' --exclude='*.pxd' --exclude='*.h' \
+    -cJf "$out/cuda-python.tar.xz" cuda
+rm -rf "$tmp"
+
 cat >"$out/setup_env.sh" <<'EOF'
 # source me on the GPU machine, in the repository root (made by scripts/make_gpuenv.sh)
 if [ ! -d /tmp/site/pytriton ]; then
@@ -43,7 +53,13 @@ if [ ! -d /tmp/site/pytriton ]; then
     .gpuenv/greenlet-*.whl .gpuenv/zope*.whl .gpuenv/brotli-*.whl .gpuenv/certifi-*.whl .gpuenv/six-*.whl 2>/dev/null
   tar -C /tmp/tc -xzf .gpuenv/tritonclient.tar.gz
 fi
+if [ ! -d /tmp/cudapy/cuda ]; then
+  mkdir -p /tmp/cudapy && tar -C /tmp/cudapy -xJf .gpuenv/cuda-python.tar.xz
+fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:/tmp/tc:$PWD OPARA_ADMIN_KEY=gpu-session-admin-key-0123
+# cuda-python 12.6 only where the machine has no `cuda.cudart` of its own (on PYTHONPATH it
+# would shadow any `cuda` package of the machine's, e.g. cuda-bindings 13)
+python3 -c "from cuda import cudart" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:/tmp/cudapy
 export PERF_ANALYZER=/tmp/pa/perf_analyzer/bin/perf_analyzer
 EOF
 du -sh "$out"

@@ -1,15 +1,21 @@
-"""Serving benchmark: perf_analyzer over gRPC against the real server, per model.
+"""Serving benchmark: perf_analyzer over gRPC against the real server, per model,
+each row beside the Python backend's floor measured in the same run.
 
     python scripts/serving_bench.py --models googlenet,resnet50 --concurrency 1,16 \
-        --shared-memory none,system --json out/serving.json
+        --shared-memory none,system,cuda --json out/serving.json
 
-Starts tritonserver through the project's launcher on a copy of
-model_repository/ (plus `googlenet_dlpack`, GoogLeNet returning its outputs as
-GPU tensors through DLPack instead of one host copy), waits until every model
-is ready (on a GPU host: traced, planned and captured), then runs perf_analyzer
-at batch 1 for each model, concurrency and shared-memory mode, with rotating
-seeded random inputs (valid ids for embedding inputs). Prints a markdown table
-with the latency percentiles and Triton's server-side split, and writes JSON.
+Starts tritonserver through the project's launcher on a copy of the selected
+models of model_repository/, plus for each model `<model>_floor`: a Python model
+that does no work (opara_core.serving.floor), made from the model's own config
+(same inputs and outputs, instance kind, dynamic batching, GPU inputs). It waits
+until every model is ready (on a GPU host: traced, planned and captured), then
+runs perf_analyzer at batch 1 for each model, shared-memory mode (none: tensors
+in the gRPC message; system; cuda: the tensors stay on the GPU, GPU host only)
+and concurrency, and right after it the same level against the floor model, with
+rotating seeded random inputs (valid ids for embedding inputs). Prints a
+markdown table with the latency percentiles, Triton's server-side split, the
+floor and the model's time above it, and writes JSON after every row (a run cut
+short keeps what it measured).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from client.api import Client
+from client.api import Client, ClientError, check_shared_memory
 from client.inputs import ModelInfo
 from client.perf import PerfConfig, output_bytes, perf_analyzer_command, perf_row, read_perf_csv, write_input_data
 from client.perf import run_perf_analyzer as perf_run
@@ -34,15 +40,40 @@ from opara_core import zoo
 from opara_core.serving.launcher import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
 from opara_core.serving.triton_backend import StageClock
 
-DLPACK_VARIANT = "googlenet_dlpack"
+FLOOR_SUFFIX = "_floor"
+FLOOR_MODEL_PY = '''"""The Python backend's floor beside {model}: no work, zeros out (made by scripts/serving_bench.py)."""
+
+from opara_core.serving.floor import FloorModel
 
 
-def make_repository(models: list[str], root: Path, instances: int = 1, batching: str = "preferred") -> Path:
-    """A copy of the selected models, plus the DLPack-output variant of googlenet,
-    each with `instances` model instances (stub processes, each with its own
-    graphs). batching "greedy" drops the preferred batch sizes, so that Triton
-    sends every queued request (up to max_batch_size) instead of the largest
-    preferred size it can form (7 queued: 4 now, 3 later)."""
+class TritonPythonModel(FloorModel):
+    pass
+'''
+
+
+def add_floor_model(repository: Path, model: str) -> str:
+    """`<model>_floor` beside `model` in `repository`: the model's config under
+    the new name (so the same inputs, outputs, instance group, batching and
+    parameters) with the floor model's model.py. Returns its name."""
+    name = model + FLOOR_SUFFIX
+    text, found = re.subn(rf'^name: "{model}"$', f'name: "{name}"', (repository / model / "config.pbtxt").read_text(), flags=re.M)
+    if found != 1:
+        raise SystemExit(f"{model}/config.pbtxt: no single `name: \"{model}\"` line to rename")
+    (repository / name / "1").mkdir(parents=True)
+    (repository / name / "config.pbtxt").write_text(text)
+    (repository / name / "1" / "model.py").write_text(FLOOR_MODEL_PY.format(model=model))
+    return name
+
+
+def make_repository(
+    models: list[str], root: Path, instances: int = 1, batching: str = "preferred", queue_delay_us: int | None = None
+) -> Path:
+    """A copy of the selected models, each with `instances` model instances
+    (stub processes, each with its own graphs) and its floor model beside it.
+    batching "greedy" drops the preferred batch sizes, so that Triton sends
+    every queued request (up to max_batch_size) instead of the largest
+    preferred size it can form (7 queued: 4 now, 3 later); `queue_delay_us`
+    replaces the configs' max_queue_delay_microseconds."""
     repository = root / "models"
     for name in models:
         shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, repository / name)
@@ -54,13 +85,12 @@ def make_repository(models: list[str], root: Path, instances: int = 1, batching:
             text, found = re.subn(r"\n  preferred_batch_size: \[[\d, ]+\]", "", text)
             if found != 1:
                 raise SystemExit(f"{config}: no single `preferred_batch_size` line to drop")
+        if queue_delay_us is not None:
+            text, found = re.subn(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {queue_delay_us}", text)
+            if found != 1:
+                raise SystemExit(f"{config}: no single `max_queue_delay_microseconds` line to set")
         config.write_text(text)
-    if "googlenet" in models:
-        variant = repository / DLPACK_VARIANT
-        shutil.copytree(repository / "googlenet", variant)
-        config = (variant / "config.pbtxt").read_text().replace('name: "googlenet"', f'name: "{DLPACK_VARIANT}"')
-        config += 'parameters { key: "output_memory" value: { string_value: "gpu" } }\n'
-        (variant / "config.pbtxt").write_text(config)
+        add_floor_model(repository, name)
     return repository
 
 
@@ -68,10 +98,12 @@ def run_perf_analyzer(
     binary: str, url: str, info: ModelInfo, concurrency: int, shm: str, data: Path, requests: int, out: Path, admin_key: str
 ) -> dict:
     """One level through client.perf's driver (its command, input format and CSV
-    parser); stabilised on the mean, as before the driver was shared."""
+    parser); stabilised on p50 within 20% over up to 10 windows (on the mean, 6
+    windows, T5's concurrency-1 row never settled on the H100: the odd slow
+    request moved the mean)."""
     config = PerfConfig(
         model=info.name, url=url, protocol="grpc", concurrency=(concurrency,), batch=1, request_count=requests,
-        stability_percentage=20, max_trials=6, percentile=None, shared_memory=shm, admin_key=admin_key, binary=binary,
+        stability_percentage=20, max_trials=10, percentile=50, shared_memory=shm, admin_key=admin_key, binary=binary,
     )  # fmt: skip
     command = perf_analyzer_command(config, concurrency, data, out, max(output_bytes(info, 1), 4096))
     started = time.perf_counter()
@@ -129,43 +161,68 @@ def replay_medians(log: str) -> dict[str, float]:
     return medians
 
 
+def server_ms(result: dict) -> float:
+    """Triton's time per request: queue and compute input, infer and output."""
+    return sum(result[f"server_{k}_ms"] for k in ("queue", "compute_input", "compute_infer", "compute_output"))
+
+
 def table(rows: list[dict], replay: dict[str, float]) -> str:
-    """Markdown: perf_analyzer's numbers, Triton's split, the bucket-1 replay and execute's own split."""
-    lines = []
-    lines.append(
+    """Markdown: perf_analyzer's numbers, Triton's split, the bucket-1 replay,
+    the floor model's p50 and server time in the same run and the model's time
+    above them, and execute's own split."""
+    lines = [
         "| model | shm | conc | infer/s | p50 ms | p99 ms | queue | compute input | compute infer | compute output "
-        "| bucket-1 replay | outside replay | mean batch | execute: validate / stage / run / respond |"
-    )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "| bucket-1 replay | outside replay | floor p50 | floor server | p50 above floor | outside replay above floor "
+        "| floor infer/s | mean batch | execute: validate / stage / run / respond |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['shared_memory']} | {r['concurrency']} | error: {r['error'][-120:]!r} |")
             continue
-        server_ms = r["server_queue_ms"] + r["server_compute_input_ms"] + r["server_compute_infer_ms"] + r["server_compute_output_ms"]
-        graph = replay.get("googlenet" if r["model"] == DLPACK_VARIANT else r["model"])
-        outside = f"{server_ms - graph:.3f}" if graph else "-"
+        graph = replay.get(r["model"])
+        outside = server_ms(r) - graph if graph else None
+        floor = r.get("floor") or {}
+        measured = "error" not in floor and bool(floor)
         stages = r.get("execute_ms") or {}
         split = " / ".join(f"{stages[k]:.3f}" for k in StageClock.STAGES if k in stages) or "-"
-        lines.append(
-            f"| {r['model']} | {r['shared_memory']} | {r['concurrency']} | {r['throughput_rps']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
-            f"| {r['server_queue_ms']:.3f} | {r['server_compute_input_ms']:.3f} | {r['server_compute_infer_ms']:.3f} "
-            f"| {r['server_compute_output_ms']:.3f} | {graph if graph else '-'} | {outside} | {r.get('mean_batch') or '-'} | {split} |"
-        )
+        cells = [
+            r["model"], r["shared_memory"], r["concurrency"], f"{r['throughput_rps']:.0f}", f"{r['p50_ms']:.3f}", f"{r['p99_ms']:.3f}",
+            *(f"{r[f'server_{k}_ms']:.3f}" for k in ("queue", "compute_input", "compute_infer", "compute_output")),
+            graph or "-",
+            "-" if outside is None else f"{outside:.3f}",
+            f"{floor['p50_ms']:.3f}" if measured else "error" if floor else "-",
+            f"{server_ms(floor):.3f}" if measured else "-",
+            f"{r['p50_ms'] - floor['p50_ms']:.3f}" if measured else "-",
+            f"{outside - server_ms(floor):.3f}" if measured and outside is not None else "-",
+            f"{floor['throughput_rps']:.0f}" if measured else "-",
+            r.get("mean_batch") or "-",
+            split,
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (no CUDA device)"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(zoo.names()))
     parser.add_argument("--concurrency", default="1,16")
-    parser.add_argument("--shared-memory", default="none,system")
+    parser.add_argument("--shared-memory", default="none,system", help="modes, of none, system and cuda (GPU host)")
     parser.add_argument("--instances", type=int, default=1, help="model instances per model (instance_group count)")
     parser.add_argument(
         "--batching", choices=("preferred", "greedy"), default="preferred",
         help="preferred: the configs' preferred batch sizes (the graph buckets); greedy: none, every queued request goes",
     )  # fmt: skip
+    parser.add_argument("--queue-delay", type=int, default=None, metavar="US", help="max_queue_delay_microseconds (default: the configs')")
     parser.add_argument("--requests", type=int, default=1000, help="requests per measurement window")
     parser.add_argument("--perf-analyzer", default=None, help="default: the one of the tritonclient wheel, else on PATH")
+    parser.add_argument("--budget", type=float, default=None, metavar="S", help="start no measurement after S seconds; the rest is listed as skipped")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, help="where the server log goes")
     parser.add_argument("--report", type=Path, help="no run: print the table of this JSON (replay times from --log if given)")
@@ -175,50 +232,78 @@ def main() -> int:
         replay = replay_medians(args.log.read_text(errors="replace")) if args.log else stored["meta"].get("replay_ms", {})
         print(table(stored["rows"], replay))
         return 0
+    modes = args.shared_memory.split(",")
+    unknown = sorted(set(modes) - {"none", "system", "cuda"})
+    if unknown:
+        raise SystemExit(f"error: unknown shared-memory modes {unknown}; use none, system, cuda")
+    if "cuda" in modes:
+        try:
+            check_shared_memory("cuda")
+        except ClientError as error:
+            raise SystemExit(f"error: {error}") from None
+    started = time.perf_counter()
     models = [zoo.get(m).name for m in args.models.split(",")]
     work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
-    repository = make_repository(models, work, args.instances, args.batching)
-    served = models + ([DLPACK_VARIANT] if "googlenet" in models else [])
+    repository = make_repository(models, work, args.instances, args.batching, args.queue_delay)
     # the server is ours: its admin key (for the shared-memory API) is OPARA_ADMIN_KEY or a new one
     config = ServerConfig(
         model_repository=repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
         admin_key=os.environ.get(ADMIN_KEY_ENV) or secrets.token_hex(32),
     )  # fmt: skip
     log_path = args.log or work / "server.log"
-    rows = []
-    started = time.perf_counter()
+    meta = {
+        "date": time.strftime("%Y-%m-%d"), "device": device_name(), "command": " ".join(sys.argv), "instances": args.instances,
+        "batching": args.batching, "queue_delay_us": args.queue_delay, "requests_per_window": args.requests,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }  # fmt: skip
+    rows: list[dict] = []
+    skipped: list[str] = []
+
+    def save() -> None:
+        if args.json:
+            args.json.write_text(json.dumps({"meta": meta, "rows": rows, "skipped": skipped}, indent=1))
+
     server = TritonServer(config, log_path).start()
     try:
         server.wait_ready(timeout_s=900)
-        load_s = time.perf_counter() - started
-        print(f"server ready with {len(served)} models in {load_s:.0f} s", flush=True)
-        for model in served:
+        meta["load_seconds"] = time.perf_counter() - started
+        print(f"server ready with {len(models)} models and their floors in {meta['load_seconds']:.0f} s", flush=True)
+
+        def measure(model: str, info: ModelInfo, data: Path, shm: str, concurrency: int) -> dict:
+            out = work / f"{model}_{shm}_{concurrency}.csv"
+            before = execute_counters(server.metrics_url).get(model, {})
+            counts = batch_counts(server.http_url, model)
+            result = run_perf_analyzer(args.perf_analyzer, server.grpc_url, info, concurrency, shm, data, args.requests, out, config.admin_key)
+            result["mean_batch"] = mean_batch(counts, batch_counts(server.http_url, model))
+            # a mean over the whole run, perf_analyzer's warm-up included; the model
+            # pushes its counts on a later execute (at most every 0.5 s), so the last
+            # moments of a run land in the next run of the same model
+            result["execute_ms"] = execute_split(before, execute_counters(server.metrics_url).get(model, {}))
+            return result
+
+        for model in models:
+            floor = model + FLOOR_SUFFIX
             with Client(server.grpc_url) as client:
-                info = client.model_info(model)
+                info, floor_info = client.model_info(model), client.model_info(floor)
             data = write_input_data(info, work / f"{model}.json", count=4, seed=200)
-            for shm in args.shared_memory.split(","):
+            for shm in modes:
                 for concurrency in (int(c) for c in args.concurrency.split(",")):
-                    out = work / f"{model}_{shm}_{concurrency}.csv"
-                    before = execute_counters(server.metrics_url).get(model, {})
-                    counts = batch_counts(server.http_url, model)
-                    result = run_perf_analyzer(
-                        args.perf_analyzer, server.grpc_url, info, concurrency, shm, data, args.requests, out, config.admin_key
-                    )
-                    result["mean_batch"] = mean_batch(counts, batch_counts(server.http_url, model))
-                    # a mean over the whole run, perf_analyzer's warm-up included; the model
-                    # pushes its counts on a later execute (at most every 0.5 s), so the last
-                    # moments of a run land in the next run of the same model
-                    result["execute_ms"] = execute_split(before, execute_counters(server.metrics_url).get(model, {}))
+                    if args.budget is not None and time.perf_counter() - started > args.budget:
+                        skipped.append(f"{model} {shm} c={concurrency}")
+                        continue
+                    result = measure(model, info, data, shm, concurrency)
+                    result["floor"] = {k: v for k, v in measure(floor, floor_info, data, shm, concurrency).items() if k != "execute_ms"}
                     rows.append({"model": model, "shared_memory": shm, "concurrency": concurrency, **result})
                     print(json.dumps(rows[-1]), flush=True)
+                    save()
     finally:
         server.stop()
-    replay = replay_medians(log_path.read_text(errors="replace"))
+    meta["replay_ms"] = replay_medians(log_path.read_text(errors="replace"))
+    save()
     print()
-    print(table(rows, replay))
-    if args.json:
-        meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "instances": args.instances, "batching": args.batching, "load_seconds": load_s, "replay_ms": replay}
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(table(rows, meta["replay_ms"]))
+    if skipped:
+        print(f"skipped (past --budget {args.budget:g} s): {', '.join(skipped)}")
     return 0
 
 

@@ -9,20 +9,24 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import server_config
+from serving import assert_close, eager
 
 from client import bench, perf
 from client.__main__ import main as client_main
-from client.api import SHM_PREFIX, Client, SharedMemoryRegions, result_arrays
+from client.api import SHM_PREFIX, Client, ClientError, SharedMemoryRegions, result_arrays
 from client.inputs import random_inputs
-from opara_core.serving.launcher import REPO_ROOT, free_port
+from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, TritonServer, free_port
 
 pytestmark = pytest.mark.server
 
@@ -266,20 +270,113 @@ def test_bench_over_shared_memory_leaves_nothing_behind(server):
     assert our_leftovers(server, os.getpid()) == ([], [])
 
 
-def test_ctrl_c_unregisters_shared_memory(server):
-    command = [sys.executable, "-m", "client", "bench", "--model", MODEL, "--url", server.grpc_url, "--concurrency", "2",
-               "--requests", "1000000", "--shared-memory", "system", "--no-progress"]  # fmt: skip
+def interrupt_a_bench(url: str, kind: str, registered) -> int:
+    """Start `bench --shared-memory KIND` with two workers, Ctrl-C it once its four
+    regions are registered (`registered(pid)` lists them), and check that it
+    exits as interrupted with none left registered. Returns its pid."""
+    command = [sys.executable, "-m", "client", "bench", "--model", MODEL, "--url", url, "--concurrency", "2",
+               "--requests", "1000000", "--shared-memory", kind, "--no-progress"]  # fmt: skip
     process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(our_leftovers(server, process.pid)[0]) < 4:
+        while time.monotonic() < deadline and len(registered(process.pid)) < 4:
             assert process.poll() is None, process.communicate()
             time.sleep(0.2)
-        assert len(our_leftovers(server, process.pid)[0]) == 4, "two workers, one input and one output region each"
+        assert len(registered(process.pid)) == 4, "two workers, one input and one output region each"
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
             process.kill()
     assert process.returncode == 130 and stderr.strip().splitlines()[-1] == "error: interrupted"
-    assert our_leftovers(server, process.pid) == ([], [])
+    assert registered(process.pid) == []
+    return process.pid
+
+
+def test_ctrl_c_unregisters_shared_memory(server):
+    pid = interrupt_a_bench(server.grpc_url, "system", lambda pid: our_leftovers(server, pid)[0])
+    assert our_leftovers(server, pid) == ([], [])
+
+
+
+# --- CUDA shared memory and the adapter's GPU path (GPU host) -------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu_server(tmp_path_factory, admin_key):
+    """googlenet and deepfm only, on the GPU: their configs let GPU inputs through."""
+    root = tmp_path_factory.mktemp("gpu_server")
+    for model in ("googlenet", "deepfm"):
+        shutil.copytree(DEFAULT_MODEL_REPOSITORY / model, root / "models" / model)
+    with TritonServer(server_config(root / "models"), root / "server.log") as running:
+        yield running
+
+
+def cuda_leftovers(server, pid: int) -> list[str]:
+    with Client(server.grpc_url) as client:
+        return [name for name in client.cuda_shm_regions() if name.startswith(f"{SHM_PREFIX}{pid}_")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["googlenet", "deepfm"])
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_cuda_shared_memory_answers_as_the_message_does_and_cleans_up(gpu_server, model, protocol):
+    """The inputs reach the adapter on the GPU (its log says so), the outputs come
+    back through the client's CUDA region, equal to the same request sent in the message."""
+    url = gpu_server.grpc_url if protocol == "grpc" else gpu_server.http_url
+    with Client(url, protocol) as client:
+        info = client.model_info(model)
+        arrays = random_inputs(info, 3, seed=5)
+        plain = client.request(model, arrays)
+        names = [t.name for t in info.outputs]
+        expected = result_arrays(plain, client.infer(plain), names)
+        outputs = {t.name: (t.dtype, info.full_shape(t, 3)) for t in info.outputs}
+        with SharedMemoryRegions(client, arrays, outputs, "cuda") as shm:
+            assert {shm.input_name, shm.output_name} <= set(client.cuda_shm_regions())
+            request = client.request(model, arrays, shm)
+            got = result_arrays(request, client.infer(request), names)
+    for name in names:
+        assert_close(got[name], expected[name])
+    assert cuda_leftovers(gpu_server, os.getpid()) == []
+    assert f"model {model}: a batch arrived on cuda" in Path(gpu_server.log_path).read_text()
+
+
+@pytest.mark.gpu
+def test_bad_ids_on_the_gpu_are_refused_per_request_while_others_succeed(gpu_server):
+    """Requests through CUDA shared memory batched together, every third with an id
+    outside its field's vocabulary, and some in the message among them (batches
+    that mix host and GPU inputs): each bad one gets INVALID_ARGUMENT naming the
+    position, the good ones their answers, and the model stays ready."""
+    model = "deepfm"
+
+    def send(k: int):
+        with Client(gpu_server.grpc_url) as client:
+            info = client.model_info(model)
+            arrays = random_inputs(info, 1, seed=60 + k)
+            if k % 3 == 0:
+                arrays["sparse"][0, 8] = 3  # field 8 has a vocabulary of 3
+            outputs = {t.name: (t.dtype, info.full_shape(t, 1)) for t in info.outputs}
+            with SharedMemoryRegions(client, arrays, outputs, "cuda") as shm:
+                request = client.request(model, arrays, None if k % 4 == 1 else shm)
+                try:
+                    return arrays, result_arrays(request, client.infer(request), ["probability"])["probability"]
+                except ClientError as error:
+                    return arrays, error
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(send, range(24)))
+    for k, (arrays, result) in enumerate(results):
+        if k % 3 == 0:
+            assert isinstance(result, ClientError) and "position 8" in str(result), result
+        else:
+            assert_close(result, eager(model, [arrays["dense"], arrays["sparse"]]))
+    with Client(gpu_server.grpc_url) as client:
+        assert client.model_ready(model)
+    assert cuda_leftovers(gpu_server, os.getpid()) == []
+
+
+@pytest.mark.gpu
+def test_the_cli_over_cuda_shared_memory_and_ctrl_c_cleans_up(gpu_server):
+    done = cli("infer", "--model", "googlenet", "--url", gpu_server.grpc_url, "--shared-memory", "cuda")
+    assert done.returncode == 0 and "cuda shared memory" in done.stdout, done.stderr
+    interrupt_a_bench(gpu_server.grpc_url, "cuda", lambda pid: cuda_leftovers(gpu_server, pid))

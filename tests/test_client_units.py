@@ -245,7 +245,7 @@ def test_bench_config_rejects_contradictions():
     with pytest.raises(ValueError, match="exactly one"):
         bench.BenchConfig(model="m", url="h:1", requests=1, duration_s=1.0)
     with pytest.raises(ValueError, match="shared-memory"):
-        bench.BenchConfig(model="m", url="h:1", requests=1, shared_memory="cuda")
+        bench.BenchConfig(model="m", url="h:1", requests=1, shared_memory="gpu")
 
 
 # --- errors and retries ----------------------------------------------------------------
@@ -371,6 +371,39 @@ def test_shared_memory_needs_fixed_output_shapes():
             RecordingServer(), {"a": np.zeros(4, np.float32)}, {"out": (np.dtype(np.float32), (-1,))}
         )
     assert our_shm_files() == []
+
+
+def cuda_device_here() -> bool:
+    try:
+        api.cuda_shared_memory_module()
+        return True
+    except api.ClientError:
+        return False
+
+
+@pytest.mark.skipif(cuda_device_here(), reason="a CUDA device is here: the cuda mode works")
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["client", "infer", "--model", "googlenet"],
+        ["client", "bench", "--model", "googlenet", "--concurrency", "1", "--requests", "1"],
+        ["client.perf", "run", "--model", "googlenet"],
+    ],
+)
+def test_cuda_shared_memory_without_a_gpu_is_one_error_line(command):
+    """No GPU here: `--shared-memory cuda` says so before it looks for a server,
+    instead of cuda-python's "unable to create cuda shared memory handle"."""
+    done = subprocess.run(
+        [sys.executable, "-m", *command, "--url", "127.0.0.1:1", "--shared-memory", "cuda"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("error: --shared-memory cuda needs") and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_a_region_kind_must_be_known():
+    with pytest.raises(ValueError, match="system, cuda"):
+        api.SharedMemoryRegions(RecordingServer(), {"a": np.zeros(4, np.float32)}, {"out": (np.dtype(np.float32), (4,))}, kind="gpu")
 
 
 # --- perf_analyzer plumbing and plots ---------------------------------------------------
@@ -520,7 +553,7 @@ def test_perf_plot_command_draws_both_tools(tmp_path):
         (["bench", "--model", "m", "--concurrency", "0,1", "--requests", "1"], "--concurrency"),
         (["bench", "--model", "m", "--concurrency", "1", "--requests", "1", "--protocol", "udp"], "--protocol"),
         (
-            ["bench", "--model", "m", "--concurrency", "1", "--requests", "1", "--shared-memory", "cuda"],
+            ["bench", "--model", "m", "--concurrency", "1", "--requests", "1", "--shared-memory", "gpu"],
             "--shared-memory",
         ),
         (["infer"], "--model"),

@@ -7,13 +7,24 @@ import multiprocessing
 import re
 import time
 
+import warnings
+
 import torch
 import pytest
 
 from opara_core import zoo
 from opara_core.engine.build import EngineSettings
 from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY
-from opara_core.serving.triton_backend import RequestError, check_config, check_ranges, engine_settings, exclusive_lock, request_tensors
+from opara_core.serving.triton_backend import (
+    RangeCheck,
+    RequestError,
+    check_config,
+    check_ranges,
+    engine_settings,
+    exclusive_lock,
+    output_memory,
+    request_tensors,
+)
 
 
 def config_of(model: str) -> dict:
@@ -37,6 +48,28 @@ def test_every_repository_config_passes_the_load_checks(model):
     check_config(entry, config)
     check_ranges(entry, config)
     assert isinstance(engine_settings(config), EngineSettings)
+    assert output_memory(config) == "auto"
+
+
+@pytest.mark.parametrize("model", zoo.names())
+def test_batch_models_let_gpu_inputs_through(model):
+    """FORCE_CPU_ONLY_INPUT_TENSORS "no" is Triton's own parameter: the adapter
+    lets it through (before, any parameter it did not know failed the load)."""
+    if zoo.get(model).serving != zoo.BATCH:
+        pytest.skip("gpt2 reads its inputs in the generation loop")
+    assert config_of(model)["parameters"]["FORCE_CPU_ONLY_INPUT_TENSORS"] == {"string_value": "no"}
+
+
+@pytest.mark.parametrize(
+    ("parameters", "problem"),
+    [
+        ({"FORCE_CPU_ONLY_INPUT_TENSORS": "false"}, "FORCE_CPU_ONLY_INPUT_TENSORS must be 'yes' or 'no'"),
+        ({"output_memory": "device"}, "output_memory must be one of auto, host, gpu"),
+    ],
+)
+def test_bad_transport_parameters_are_named(parameters, problem):
+    with pytest.raises(ValueError, match=problem):
+        output_memory({"parameters": {k: {"string_value": v} for k, v in parameters.items()}})
 
 
 def test_a_config_that_differs_from_the_model_fails_at_load():
@@ -105,6 +138,47 @@ def test_a_good_request_comes_back_in_model_order():
     tensors = good_bert()
     checked = request_tensors(zoo.get("bert"), dict(reversed(list(tensors.items()))))
     assert [a is tensors[s.name] for a, s in zip(checked, zoo.get("bert").inputs)] == [True, True]
+
+
+def bert_requests(count: int, device: str) -> list[list[torch.Tensor]]:
+    entry = zoo.get("bert")
+    return [[t.to(device) for t in entry.example_inputs(1 + k % 3, seed=k)] for k in range(count)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_batch_range_check_names_the_same_problems_as_a_check_per_request(device):
+    requests = bert_requests(6, device)
+    requests[1][0][0, 7] = 30522
+    requests[4][1][1, 3] = -1
+    problems = RangeCheck(zoo.get("bert").inputs, torch.device(device)).problems(requests)
+    assert problems == [next(filter(None, (s.check(t) for s, t in zip(zoo.get("bert").inputs, r))), None) for r in requests]
+    assert [p is not None for p in problems] == [False, True, False, False, True, False]
+    assert "position 7" in problems[1] and "attention_mask" in problems[4]
+
+
+def test_ids_on_a_gpu_are_left_to_the_batch_check():
+    """request_tensors checks host ids itself and leaves device ids to RangeCheck
+    (a meta tensor stands in for a GPU one: it has a device and no data)."""
+    tensors = {name: t.to("meta") for name, t in good_bert().items()}
+    assert [t.device.type for t in request_tensors(zoo.get("bert"), tensors)] == ["meta", "meta"]
+
+
+@pytest.mark.gpu
+def test_a_batch_on_the_gpu_is_checked_with_one_synchronisation():
+    """The old check (TensorSpec.check per request and input) waited on the GPU
+    once per ranged input of every request: 16 here."""
+    requests = bert_requests(8, "cuda")
+    check = RangeCheck(zoo.get("bert").inputs, torch.device("cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert check.problems(requests) == [None] * 8
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    synchronising = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(synchronising) == 1, [str(w.message) for w in caught]
 
 
 def _hold(path, seconds, ready):

@@ -5,9 +5,13 @@ a GPU instance, eager on a CPU instance); `execute` validates each request,
 hands the good ones to the runner as torch tensors (read through DLPack, on the
 host or, with FORCE_CPU_ONLY_INPUT_TENSORS "no", on the GPU), which copies them
 once into place and runs the batch once, and splits the outputs, which leave
-through DLPack too. A bad request gets its own INVALID_ARG error; the
-others in the batch are still answered; no Python traceback ever reaches a
-client.
+through DLPack too. Two paths, chosen per batch by where Triton put the inputs:
+host inputs are checked on the host and copied once into pinned staging memory;
+GPU inputs (a client's CUDA shared memory) are checked on the GPU with one
+synchronisation for the whole batch, copied device to device into the graph's
+static inputs, and the outputs go back as GPU tensors (`output_memory` "auto").
+A bad request gets its own INVALID_ARG error; the others in the batch are still
+answered; no Python traceback ever reaches a client.
 """
 
 from __future__ import annotations
@@ -50,6 +54,13 @@ class RequestError(ValueError):
 # bound per position) publish valid ids to clients; they must match the model.
 ADAPTER_PARAMETERS = ("weights", "output_memory")
 RANGE_PREFIXES = ("value_range.", "upper_bounds.")
+# Read by Triton's Python backend itself: "no" hands the model inputs where the
+# client put them (GPU tensors from CUDA shared memory) instead of copying every
+# input to the host first.
+BACKEND_PARAMETERS = ("FORCE_CPU_ONLY_INPUT_TENSORS",)
+# output_memory: "auto" returns GPU tensors for a batch whose inputs came on the
+# GPU and host tensors otherwise; "host" and "gpu" force one or the other.
+OUTPUT_MEMORY = ("auto", "host", "gpu")
 
 
 def parameters(config: dict) -> dict[str, str]:
@@ -59,7 +70,8 @@ def parameters(config: dict) -> dict[str, str]:
 
 def engine_settings(config: dict) -> EngineSettings:
     """EngineSettings from config.pbtxt `parameters` (all values are strings there)."""
-    params = {k: v for k, v in parameters(config).items() if k not in ADAPTER_PARAMETERS and not k.startswith(RANGE_PREFIXES)}
+    ours = (*ADAPTER_PARAMETERS, *BACKEND_PARAMETERS)
+    params = {k: v for k, v in parameters(config).items() if k not in ours and not k.startswith(RANGE_PREFIXES)}
     parsers = {
         "policy": str,
         "max_streams": int,
@@ -75,7 +87,7 @@ def engine_settings(config: dict) -> EngineSettings:
     }
     unknown = sorted(set(params) - set(parsers))
     if unknown:
-        raise ValueError(f"unknown parameters {unknown}; known: {sorted([*parsers, *ADAPTER_PARAMETERS])}")
+        raise ValueError(f"unknown parameters {unknown}; known: {sorted([*parsers, *ours])}")
     values = {}
     for key, text in params.items():
         try:
@@ -91,6 +103,19 @@ def _boolean(text: str) -> bool:
     if text.lower() in ("false", "no", "0", "off"):
         return False
     raise ValueError(text)
+
+
+def output_memory(config: dict) -> str:
+    """The `output_memory` parameter, checked; FORCE_CPU_ONLY_INPUT_TENSORS is
+    checked here too, since the Python backend reads it without a word on a typo."""
+    params = parameters(config)
+    force_cpu = params.get("FORCE_CPU_ONLY_INPUT_TENSORS", "yes")
+    if force_cpu not in ("yes", "no"):
+        raise ValueError(f"parameter FORCE_CPU_ONLY_INPUT_TENSORS must be 'yes' or 'no', got {force_cpu!r}")
+    value = params.get("output_memory", "auto")
+    if value not in OUTPUT_MEMORY:
+        raise ValueError(f"parameter output_memory must be one of {', '.join(OUTPUT_MEMORY)}, got {value!r}")
+    return value
 
 
 def check_config(entry: zoo.ZooModel, config: dict) -> None:
@@ -128,6 +153,8 @@ def check_ranges(entry: zoo.ZooModel, config: dict) -> None:
 def request_tensors(entry: zoo.ZooModel, tensors: dict[str, torch.Tensor | None]) -> list[torch.Tensor]:
     """Validate one request's inputs against the model; return them in model order.
 
+    Ids on the host are range-checked here (numpy, no copy); ids on a GPU are
+    left to `RangeCheck`, which checks a whole batch with one synchronisation.
     Raises RequestError with a message that names the input and the problem.
     """
     unknown = sorted(set(tensors) - {s.name for s in entry.inputs})
@@ -149,11 +176,44 @@ def request_tensors(entry: zoo.ZooModel, tensors: dict[str, torch.Tensor | None]
         rows = tensor.shape[0]
         if rows == 0:
             raise RequestError(f"input {spec.name!r} has an empty batch")
-        problem = spec.check(tensor)
+        problem = spec.check(tensor) if tensor.device.type == "cpu" else None
         if problem:
             raise RequestError(problem)
         checked.append(tensor)
     return checked
+
+
+class RangeCheck:
+    """Id ranges of a batch's GPU inputs, checked where the ids are, with one
+    synchronisation for the whole batch (a check per request and input would
+    wait on the GPU for each). Only a request that fails pays for its message."""
+
+    def __init__(self, specs: tuple[zoo.TensorSpec, ...], device: torch.device):
+        self._ranged = []
+        for k, spec in enumerate(specs):
+            limits = spec.limits()
+            if limits is not None:
+                low, high = limits
+                self._ranged.append((k, spec, low, torch.as_tensor(high, device=device)))
+
+    def problems(self, batch: list[list[torch.Tensor]]) -> list[str | None]:
+        """Per request (its inputs in model order, all on the device): the first
+        bad id described, or None."""
+        if not self._ranged or not batch:
+            return [None] * len(batch)
+        bad_rows = []
+        for k, _, low, high in self._ranged:
+            blocks = [tensors[k] for tensors in batch]
+            ids = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+            bad_rows.append(((ids < low) | (ids >= high)).flatten(1).any(1))
+        bad = torch.stack(bad_rows).any(0).tolist()  # the batch's one synchronisation
+        problems, offset = [], 0
+        for tensors in batch:
+            rows = tensors[0].shape[0]
+            failed = any(bad[offset : offset + rows])
+            offset += rows
+            problems.append(next(filter(None, (spec.check(tensors[k]) for k, spec, _, _ in self._ranged))) if failed else None)
+        return problems
 
 
 class OparaModel:
@@ -176,6 +236,7 @@ class OparaModel:
             check_config(self.entry, config)
             check_ranges(self.entry, config)
             settings = engine_settings(config)
+            self.output_memory = output_memory(config)
             weights_file = parameters(config).get("weights")
             version_dir = Path(args["model_repository"]) / args["model_version"]
             module = weights.load_module(self.entry, weights.weights_path(version_dir, weights_file) if weights_file else None)
@@ -187,12 +248,8 @@ class OparaModel:
         turn = exclusive_lock(gpu_lock_path(self.device)) if self.device.type == "cuda" else contextlib.nullcontext()
         with turn:
             self.runner, self.report = build_runner(module, self.entry, self.device, self.max_batch, settings)
-        # "gpu": hand Triton the graph's output buffers through DLPack; "host"
-        # (default): one batched device-to-host copy, then numpy slices
-        output_memory = parameters(config).get("output_memory", "host")
-        if output_memory not in ("host", "gpu"):
-            raise pb_utils.TritonModelException(f"model {args['model_name']}: output_memory must be 'host' or 'gpu'")
-        self.outputs_on_device = output_memory == "gpu" and self.device.type == "cuda"
+        self.range_check = RangeCheck(self.entry.inputs, self.device)
+        self.name, self.gpu_path_seen = args["model_name"], False
         self.metrics = ServingMetrics(pb_utils, args["model_name"], self.runner, self.report)
         log.info("model %s ready on %s:\n%s", args["model_name"], self.device, self.report.summary())
 
@@ -208,11 +265,20 @@ class OparaModel:
                 good.append((i, request_tensors(self.entry, tensors)))
             except RequestError as error:
                 responses[i] = _error(pb_utils, str(error), pb_utils.TritonError.INVALID_ARG)
+        on_device = self._place(good)
+        if on_device:
+            if not self.gpu_path_seen:  # once: where a test or an operator sees that CUDA shared memory arrived as such
+                self.gpu_path_seen = True
+                log.info("model %s: a batch arrived on %s: the GPU path (inputs device to device)", self.name, self.device)
+            for (i, _), problem in zip(list(good), self.range_check.problems([tensors for _, tensors in good])):
+                if problem:
+                    responses[i] = _error(pb_utils, problem, pb_utils.TritonError.INVALID_ARG)
+            good = [(i, tensors) for i, tensors in good if responses[i] is None]
         clock.lap("validate")
         if good:
             try:
                 with torch.inference_mode():
-                    outputs = self._run(good)
+                    outputs = self._run(good, on_device)
                 for (i, _), tensors in zip(good, outputs):
                     responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
                 clock.lap("respond")
@@ -227,7 +293,21 @@ class OparaModel:
     def finalize(self) -> None:
         self.metrics.close()
 
-    def _run(self, good: list[tuple[int, list[torch.Tensor]]]) -> list[list]:
+    def _place(self, good: list[tuple[int, list[torch.Tensor]]]) -> bool:
+        """Put the whole batch on one device, in place; True when that is the
+        instance's GPU. A GPU instance takes the GPU path as soon as one request
+        came on a GPU (the host requests of a mixed batch are copied up, a block
+        on another GPU copied over); a CPU instance takes everything to the host."""
+        gpu = self.device.type == "cuda"
+        on_device = gpu and any(t.is_cuda for _, tensors in good for t in tensors)
+        target = self.device if on_device else torch.device("cpu")
+        for _, tensors in good:
+            for k, tensor in enumerate(tensors):
+                if tensor.device != target:
+                    tensors[k] = tensor.to(target, non_blocking=on_device)
+        return on_device
+
+    def _run(self, good: list[tuple[int, list[torch.Tensor]]], on_device: bool = False) -> list[list]:
         """Run the requests as one batch, split the outputs per request."""
         pb_utils = self._pb
         sizes = [tensors[0].shape[0] for _, tensors in good]
@@ -236,7 +316,8 @@ class OparaModel:
         batch = [[tensors[k] for _, tensors in good] for k in range(len(self.entry.inputs))]
         self.metrics.clock.lap("stage")
         # outputs leave through DLPack, never pb_utils.Tensor(name, ndarray): see input_tensor
-        outputs = self.runner.run(batch, outputs_on_device=self.outputs_on_device)
+        gpu_outputs = self.device.type == "cuda" and (self.output_memory == "gpu" or (self.output_memory == "auto" and on_device))
+        outputs = self.runner.run(batch, outputs_on_device=gpu_outputs)
         self.metrics.clock.lap("run")
         results, offset = [], 0
         for size in sizes:

@@ -1,0 +1,89 @@
+"""scripts/serving_bench.py's repository and table, and the floor model it serves
+beside every model (opara_core.serving.floor), against the real server."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+
+import numpy as np
+import pytest
+from conftest import server_config
+from serving import example
+
+from client.api import Client, result_arrays
+from opara_core import zoo
+from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, TritonServer
+
+
+def _load_bench():
+    """scripts/serving_bench.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("serving_bench", REPO_ROOT / "scripts" / "serving_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["serving_bench"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+serving_bench = _load_bench()
+FLOORED = ("googlenet", "deepfm")
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory):
+    return serving_bench.make_repository(list(FLOORED), tmp_path_factory.mktemp("bench"), instances=2, batching="greedy", queue_delay_us=500)
+
+
+def without_name(text: str) -> str:
+    return re.sub(r'^name: ".*"$', "", text, flags=re.M)
+
+
+@pytest.mark.parametrize("model", FLOORED)
+def test_each_model_gets_a_floor_with_its_own_config(repository, model):
+    """Same inputs, outputs, instance group, batching and parameters (GPU inputs
+    included): only the name and the model.py differ."""
+    config = (repository / model / "config.pbtxt").read_text()
+    floor = (repository / f"{model}_floor" / "config.pbtxt").read_text()
+    assert f'name: "{model}_floor"' in floor
+    assert without_name(floor) == without_name(config)
+    assert "count: 2" in floor and "preferred_batch_size" not in floor and "max_queue_delay_microseconds: 500" in floor
+    assert "FloorModel" in (repository / f"{model}_floor" / "1" / "model.py").read_text()
+
+
+@pytest.fixture(scope="module")
+def floor_server(tmp_path_factory):
+    """The floor models alone (the real ones are not needed to serve them)."""
+    root = tmp_path_factory.mktemp("floors") / "models"
+    for model in FLOORED:
+        (root / model).mkdir(parents=True)
+        (root / model / "config.pbtxt").write_text((DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt").read_text())
+        serving_bench.add_floor_model(root, model)
+        (root / model / "config.pbtxt").unlink()
+        (root / model).rmdir()
+    with TritonServer(server_config(root), root.parent / "server.log") as running:
+        yield running
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", FLOORED)
+def test_the_floor_answers_zeros_of_the_models_output_shapes(floor_server, model):
+    entry = zoo.get(model)
+    with Client(floor_server.grpc_url) as client:
+        arrays = dict(zip((s.name for s in entry.inputs), example(model, batch=3, seed=1)))
+        request = client.request(f"{model}_floor", arrays)
+        outputs = result_arrays(request, client.infer(request), [s.name for s in entry.outputs])
+    for spec in entry.outputs:
+        np.testing.assert_array_equal(outputs[spec.name], np.zeros((3, *spec.shape), dtype=np.float32))
+
+
+def test_the_table_puts_the_floor_beside_each_row():
+    split = {"server_queue_ms": 0.05, "server_compute_input_ms": 0.05, "server_compute_infer_ms": 0.8, "server_compute_output_ms": 0.1}
+    floor = {"throughput_rps": 1500.0, "p50_ms": 0.7, "p99_ms": 0.9, **dict.fromkeys(split, 0.1)}
+    row = {"model": "googlenet", "shared_memory": "cuda", "concurrency": 1, "throughput_rps": 800.0, "p50_ms": 1.2, "p99_ms": 1.5,
+           **split, "mean_batch": 1.0, "execute_ms": {}, "floor": floor}  # fmt: skip
+    header, _, line = serving_bench.table([row], {"googlenet": 0.4}).splitlines()
+    cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in line.split("|")]))
+    assert cells["outside replay"] == "0.600"  # 1.0 ms in Triton - 0.4 replay
+    assert cells["floor p50"] == "0.700" and cells["floor server"] == "0.400"
+    assert cells["p50 above floor"] == "0.500" and cells["outside replay above floor"] == "0.200"
