@@ -17,6 +17,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from client import bench
 from conftest import server_config
 from serving import assert_close, eager
 from test_faults import make_repository
@@ -62,7 +63,7 @@ def varlen_server(tmp_path_factory, admin_key):
     with TritonServer(server_config(root), tmp_path_factory.mktemp("varlen-log") / "tritonserver.log") as running:
         http = httpclient.InferenceServerClient(running.http_url)
         grpc = grpcclient.InferenceServerClient(running.grpc_url)
-        yield http, grpc, running.http_url
+        yield http, grpc, running
         http.close()
         grpc.close()
 
@@ -82,7 +83,7 @@ def executions(client, model: str) -> tuple[int, int]:
     ],
 )
 def test_mixed_lengths_batch_together_and_each_answer_is_its_own_eager_run(varlen_server, model, shapes):
-    http, grpc, url = varlen_server
+    http, grpc, running = varlen_server
     sent = [request(model, lengths, rows, seed=50 + i) for i, (lengths, rows) in enumerate(shapes)]
     before = executions(grpc, model)
     barrier = threading.Barrier(len(sent))
@@ -92,7 +93,7 @@ def test_mixed_lengths_batch_together_and_each_answer_is_its_own_eager_run(varle
             barrier.wait()
             return send(grpc, model, sent[i])
         # an HTTP client belongs to the thread that made it (gevent)
-        with httpclient.InferenceServerClient(url) as own:
+        with httpclient.InferenceServerClient(running.http_url) as own:
             barrier.wait()
             return send(own, model, sent[i])
 
@@ -130,6 +131,27 @@ def test_a_request_above_the_limit_is_refused_naming_input_length_and_limit(varl
             send(client, model, arrays)
         assert problem in raised.value.message(), raised.value.message()
         assert "Traceback" not in raised.value.message()
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_bench_sends_seeded_lengths_with_a_scheduler_parameter(varlen_server, protocol):
+    _, grpc, running = varlen_server
+    before = executions(grpc, "bert")
+    config = bench.BenchConfig(
+        model="bert",
+        url=running.http_url if protocol == "http" else running.grpc_url,
+        protocol=protocol,
+        concurrency=(2,),
+        requests=4,
+        warmup=0,
+        lengths="lognormal:mean=6,cap=24,seed=1",
+        parameters=(("scheduler", "greedy"),),
+        progress=False,
+    )
+    result = bench.run(config)
+    assert result.errors == 0 and result.rows[0].requests == 4
+    assert executions(grpc, "bert")[0] - before[0] == 4
 
 
 @pytest.mark.server
