@@ -203,3 +203,35 @@ def test_a_fixed_length_config_is_refused():
     config["input"][0]["dims"] = [128]
     with pytest.raises(ValueError, match=r"'input_ids' is TYPE_INT64 \[128\], the model needs TYPE_INT64 \[-1\]"):
         check_config(zoo.get("bert"), config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["bert", "t5"])
+def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(model, strict_fp32):
+    """The CUDA graphs of a few shapes (a short grid, first use for T5's), mixed
+    lengths through every scheduler, each row against its own eager run."""
+    from opara_core.engine.build import EngineSettings
+    from opara_core.serving.varlen import VarLenRunners, VarLenSettings
+
+    entry = zoo.get(model)
+    device = torch.device("cuda")
+    module = entry.build().to(device)
+    axes = ((16, 64, 512),) if model == "bert" else ((16, 512), (16, 128))
+    capture = "load" if model == "bert" else "first_use"
+    runners = VarLenRunners(module, entry, device, EngineSettings(policy="opara", buckets=(1, 2, 4)), VarLenSettings(axes, capture=capture))
+    assert runners.info.kind == "cuda-graph"
+    assert bool(runners.report.measured) == (capture == "load")
+    shapes = [(3,), (40,), (17,), (300,), (9,)] if model == "bert" else [(3, 2), (40, 100), (17, 9), (300, 5), (9, 1)]
+    requests = [check_request(entry, dict(zip((s.name for s in entry.inputs), entry.at(n).example_inputs(1, seed=k))), "dp") for k, n in enumerate(shapes)]
+    for request in requests:
+        request.tensors[1][:] = 1  # attention masks without padding of their own
+    cpu_module = entry.build()
+    with torch.inference_mode():
+        expected = [cpu_module(*r.tensors) for r in requests]
+    for scheduler in ("dp", "greedy", "padded", "single"):
+        for request in requests:
+            request.scheduler = scheduler
+        answers = runners.run(requests)
+        for answer, reference in zip(answers, expected):
+            assert answer[0].shape == reference.shape
+            assert_close(answer[0].numpy(), reference.numpy(), zoo.oracle_tolerance())
