@@ -9,6 +9,8 @@
 #   csan       every model's eager multi-stream schedule under PyTorch's CUDA sanitizer
 #   racecheck  GoogLeNet's graphs under compute-sanitizer --tool racecheck (no autotuning)
 #   serving    scripts/serving_bench.py for the models in $MODELS (default nasnet,deepfm)
+#   varlen     scripts/varlen_bench.py: BERT ($VARLEN_MODELS, default bert) with seeded lengths (mean 50, cap 512)
+#              at concurrency 1, 16, 64 under the padded, single, greedy and dp schedulers
 #   soak       GoogLeNet served by `python -m opara_core.serving.launcher serve` on ports 18000-18002,
 #              scripts/soak.py over gRPC at 1, 8 and 64 ($SOAK_SECONDS each, default 30, and as long a warm-up): errors, wrong
 #              answers, host and GPU memory growth
@@ -74,6 +76,8 @@ for spec in "$@"; do
         --shared-memory none,system --requests 200 --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
         --json "$out/serving.json" --log "$out/server.log" ;;
     soak) step soak "$limit" bash -c soak ;;
-    *) echo "unknown step $name (tests, servertests, csan, racecheck, serving, soak)" >&2; exit 2 ;;
+    varlen) step varlen "$limit" python3 scripts/varlen_bench.py --models "${VARLEN_MODELS:-bert}" --concurrency 1,16,64 \
+        --json "$out/varlen_bench.json" --log "$out/varlen_server.log" ;;
+    *) echo "unknown step $name (tests, servertests, csan, racecheck, serving, soak, varlen)" >&2; exit 2 ;;
     esac
 done
