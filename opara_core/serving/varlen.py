@@ -170,7 +170,8 @@ class VarLenReport:
 
     @property
     def fallbacks(self) -> list[str]:
-        return [f"shape {_label(s)}: {reason}" for s, report in self.shapes.items() for reason in report.fallbacks]
+        # the reason first: the metrics label a fallback by the text before its first colon
+        return [f"{reason} (shape {_label(s)})" for s, report in self.shapes.items() for reason in report.fallbacks]
 
     def summary(self) -> str:
         lines = [f"variable lengths: runner {self.runner}, capture {self.capture}, scheduler {self.scheduler}"]
