@@ -9,6 +9,7 @@ Short lengths and few requests: BERT on this CPU takes about a second per batch.
 from __future__ import annotations
 
 import threading
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import tritonclient.http as httpclient
 from client import bench
 from conftest import server_config
 from serving import assert_close, eager
-from test_faults import make_repository
+from test_faults import make_repository, wait_for
 from test_triton_backend import config_of
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
@@ -111,9 +112,17 @@ def test_mixed_lengths_batch_together_and_each_answer_is_its_own_eager_run(varle
 @pytest.mark.server
 @pytest.mark.parametrize("scheduler", ["greedy", "single", "padded"])
 def test_every_scheduler_answers_each_request_as_eager(varlen_server, scheduler):
-    http, grpc, _ = varlen_server
+    http, grpc, running = varlen_server
     arrays = request("t5", (33, 12), 1, seed=60)
     assert_close(send(http if scheduler == "greedy" else grpc, "t5", arrays, scheduler), eager("t5", arrays))
+    # the request's parameter chose the shape it ran at: padded runs at the largest
+    shape = "512,128" if scheduler == "padded" else "64,16"
+    wait_for(lambda: f'bucket="{shape}x1"' in scrape_t5_batches(running), 10, f"a t5 batch at {shape} in the metrics")
+
+
+def scrape_t5_batches(running) -> str:
+    with urllib.request.urlopen(running.metrics_url, timeout=10) as response:
+        return "\n".join(line for line in response.read().decode().splitlines() if line.startswith("opara_batches_total{") and 't5' in line)
 
 
 @pytest.mark.server
