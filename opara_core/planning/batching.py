@@ -114,13 +114,19 @@ def dp(lengths: Sequence[Length], table: CostTable) -> list[Group]:
     runs of at most `table.max_batch`; O(n * max_batch * axes)."""
     order = _sorted(lengths)
     n = len(order)
+    # the inner loop runs n * max_batch times inside `execute`: plain lookups only
+    # (the bucket of the longest is the largest bucket, axis by axis)
+    shapes = [table.shape_for(lengths[i]) for i in order]
+    batch_of = [0] + [table.batch_for(rows) for rows in range(1, table.max_batch + 1)]
+    seconds = table.seconds
     states = [0.0] + [float("inf")] * n
     split = [0] * (n + 1)
     for end in range(1, n + 1):
-        longest = lengths[order[end - 1]]
+        shape = shapes[end - 1]
         for start in range(end - 1, max(end - table.max_batch, 0) - 1, -1):
-            longest = tuple(map(max, longest, lengths[order[start]]))
-            total = states[start] + table.cost(table.shape_for(longest), end - start)
+            if shapes[start] != shape:
+                shape = tuple(map(max, shape, shapes[start]))
+            total = states[start] + seconds[(shape, batch_of[end - start])]
             if total < states[end]:
                 states[end], split[end] = total, start
     groups = []
