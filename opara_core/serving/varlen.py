@@ -212,7 +212,7 @@ class VarLenRunners:
         varlen: VarLenSettings,
     ):
         self.module, self.entry, self.device = module, entry, device
-        self.engine_settings, self.settings = settings, varlen
+        self.engine_settings = settings
         self.max_batch = max(settings.buckets)
         self.report = VarLenReport(capture=varlen.capture, scheduler=varlen.scheduler)
         self.runners: dict[tuple[int, ...], Runner] = {}
@@ -280,9 +280,11 @@ class VarLenRunners:
                 row = request.tensors[k][r]
                 batch[i, ..., : row.shape[-1]] = row
             inputs.append(batch)
-        outputs = self.runner_for(group.shape).run(inputs)
-        self.batches[f"{_label(group.shape)}x{group.batch}"] += 1
-        self.padded_rows += group.batch - len(rows)
+        runner = self.runner_for(group.shape)
+        outputs = runner.run(inputs)
+        ran = runner.bucket_for(len(rows)) if isinstance(runner, GraphRunner) else len(rows)  # eager runs the rows as they are
+        self.batches[f"{_label(group.shape)}x{ran}"] += 1
+        self.padded_rows += ran - len(rows)
         along = {n: a for a, axis in enumerate(self.entry.lengths) for n in axis.outputs}
         cut = []
         for i, request in enumerate(requests):
