@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from client import lengths
 from client.api import (
     DEFAULT_TIMEOUT_S,
     NO_RETRY,
@@ -40,7 +41,6 @@ from client.api import (
     SharedMemoryRegions,
     describe,
 )
-from client import lengths
 from client.inputs import ModelInfo, load_inputs, random_inputs
 
 log = logging.getLogger(__name__)
