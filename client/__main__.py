@@ -5,6 +5,8 @@
   python -m client bench --model M --protocol grpc|http --url HOST:PORT --concurrency 1,2,4
                          (--requests N | --duration S) [--batch B] [--shared-memory none|system|cuda]
                          [--json F] [--csv F] [--plot F.png]
+                         [--lengths lognormal:mean=50,cap=512,seed=1 | fixed:N | file:PATH] [--parameter KEY=VALUE]
+                         (--lengths: variable-length models get seeded random lengths; see client/lengths.py)
   python -m client generate --model gpt2 --url HOST:PORT --ids 1,2,3 --max-tokens N [--end-id ID]
   python -m client generate --model gpt2 --url HOST:PORT --rate R --requests N [--json F] [--plot F.png]
                             (streams tokens over gRPC; see client/generate.py)
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from client import bench
+from client import bench, lengths
 from client.api import PROTOCOLS, Client, ClientError, SharedMemoryRegions, check_shared_memory, result_arrays
 from client.cli import INTERRUPTED, UsageError, run_main, server_url, unreachable
 from client.inputs import TensorInfo, load_inputs, random_inputs
@@ -78,6 +80,14 @@ def _parser() -> Parser:
     amount = run.add_mutually_exclusive_group(required=True)
     amount.add_argument("--requests", type=positive_int, help="measured requests per concurrency level")
     amount.add_argument("--duration", type=float, metavar="S", help="measured seconds per concurrency level")
+    run.add_argument(
+        "--lengths",
+        metavar="SPEC",
+        help="variable-length models: seeded request lengths, lognormal:mean=50,cap=512,seed=1 | fixed:N | file:PATH",
+    )
+    run.add_argument(
+        "--parameter", action="append", default=[], metavar="KEY=VALUE", help="a request parameter sent with every request (repeatable)"
+    )
     run.add_argument(
         "--warmup", type=int, default=2, help="unmeasured requests per worker before each level (default 2)"
     )
@@ -152,6 +162,13 @@ def summarize_classes(name: str, array: np.ndarray, described: str, rows_shown: 
     return "\n".join(lines)
 
 
+def request_parameter(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--parameter {text!r}: give KEY=VALUE")
+    return key, value
+
+
 def run_bench(args: argparse.Namespace) -> int:
     url = server_url(args.url, args.protocol)
     try:
@@ -163,13 +180,15 @@ def run_bench(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             input_files=tuple(args.input),
             progress=not args.no_progress,
+            parameters=tuple(request_parameter(p) for p in args.parameter),
         )
     except ValueError as error:
         raise UsageError(str(error)) from None
     amount = f"{args.requests} requests" if args.requests else f"{args.duration:g} s"
     batch = args.batch or ("from --input" if args.input else 1)
+    shapes = f", lengths {lengths.parse(args.lengths).describe()}" if args.lengths else ""
     print(
-        f"{args.model} over {args.protocol} at {url}: batch {batch}, shared memory {config.shared_memory}, "
+        f"{args.model} over {args.protocol} at {url}: batch {batch}{shapes}, shared memory {config.shared_memory}, "
         f"{amount} per level, concurrency {','.join(map(str, config.concurrency))}",
         flush=True,
     )

@@ -200,6 +200,7 @@ class InferRequest:
     inputs: tuple
     outputs: tuple | None
     shm: "SharedMemoryRegions | None" = None
+    parameters: tuple[tuple[str, str], ...] = ()  # request parameters, e.g. (("scheduler", "dp"),)
 
 
 def build_request(
@@ -353,7 +354,9 @@ class Client:
     def infer(self, request: InferRequest) -> Any:
         """Send one request; returns tritonclient's result (see `result_arrays`)."""
         return self._call(
-            lambda: self._raw.infer(request.model, list(request.inputs), outputs=_outputs(request), **self._kw)
+            lambda: self._raw.infer(
+                request.model, list(request.inputs), outputs=_outputs(request), parameters=dict(request.parameters) or None, **self._kw
+            )
         )
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ requests are counted in `requests` and `errors` and excluded from throughput.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import logging
 import sys
@@ -29,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from client import lengths
 from client.api import (
     DEFAULT_TIMEOUT_S,
     NO_RETRY,
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 
 SHARED_MEMORY_MODES = ("none", "system", "cuda")
 SERVER_COMPONENTS = ("queue", "compute_input", "compute_infer", "compute_output")
+# distinct requests per worker with --lengths (cycled; drawn before the run)
+LENGTHS_PER_WORKER = 64
 LATENCY_NOTE = (
     "client-side latency per request (monotonic clock, warm-up excluded); "
     "p50/p90/p99/mean over successful requests; throughput_rps counts successful requests per second; "
@@ -69,6 +73,8 @@ class BenchConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     input_files: tuple[str, ...] = ()
     progress: bool = True
+    lengths: str | None = None  # a client.lengths SPEC: each worker cycles through seeded lengths
+    parameters: tuple[tuple[str, str], ...] = ()  # request parameters sent with every request
 
     def __post_init__(self) -> None:
         if (self.requests is None) == (self.duration_s is None):
@@ -85,6 +91,10 @@ class BenchConfig:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         if self.batch is not None and self.batch < 1:
             raise ValueError(f"--batch must be >= 1, got {self.batch}")
+        if self.lengths is not None:
+            if self.shared_memory != "none" or self.input_files:
+                raise ValueError("--lengths draws random inputs of many shapes: it takes neither --shared-memory nor --input")
+            lengths.parse(self.lengths)  # a bad SPEC fails here, before any request
 
 
 @dataclass(frozen=True)
@@ -126,6 +136,8 @@ class BenchResult:
             "url": self.config.url,
             "batch": self.batch,
             "shared_memory": self.config.shared_memory,
+            "lengths": self.config.lengths,
+            "parameters": dict(self.config.parameters),
             "latency": LATENCY_NOTE,
             "results": [asdict(row) for row in self.rows],
             "error_messages": list(self.error_messages),
@@ -177,7 +189,7 @@ class _Worker:
     client is neither thread-safe nor movable between threads (gevent binds
     its sockets to the thread that made them)."""
 
-    def __init__(self, config: BenchConfig, info: ModelInfo, arrays: dict[str, np.ndarray], batch: int):
+    def __init__(self, config: BenchConfig, info: ModelInfo, arrays: list[dict[str, np.ndarray]], batch: int):
         self.client: Client | None = None
         self.shm: SharedMemoryRegions | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-worker")
@@ -187,12 +199,16 @@ class _Worker:
             self.close()
             raise
 
-    def _open(self, config: BenchConfig, info: ModelInfo, arrays: dict[str, np.ndarray], batch: int) -> None:
+    def _open(self, config: BenchConfig, info: ModelInfo, arrays: list[dict[str, np.ndarray]], batch: int) -> None:
+        """`arrays`: the requests this worker sends in turn (one, unless --lengths)."""
         self.client = Client(config.url, config.protocol, config.timeout_s, retry=NO_RETRY)
         if config.shared_memory != "none":
             outputs = {t.name: (t.dtype, info.full_shape(t, batch)) for t in info.outputs}
-            self.shm = SharedMemoryRegions(self.client, arrays, outputs, config.shared_memory)
-        self.request: InferRequest = self.client.request(config.model, arrays, self.shm)
+            self.shm = SharedMemoryRegions(self.client, arrays[0], outputs, config.shared_memory)
+        self.requests: list[InferRequest] = [
+            dataclasses.replace(self.client.request(config.model, a, self.shm), parameters=config.parameters) for a in arrays
+        ]
+        self._sent = 0
 
     def submit(self, fn, *args) -> Future:
         """Run fn(self, *args) on this worker's thread."""
@@ -200,8 +216,10 @@ class _Worker:
 
     def send(self) -> str | None:
         """One request; the error message, or None on success."""
+        request = self.requests[self._sent % len(self.requests)]
+        self._sent += 1
         try:
-            self.client.infer(self.request)
+            self.client.infer(request)
             return None
         except Exception as error:  # noqa: BLE001 - every failure is counted, none stops the run
             return describe(error)
@@ -332,8 +350,8 @@ def _measure(
     return row, tally.messages
 
 
-def _model_inputs(control: Client, config: BenchConfig) -> tuple[ModelInfo, dict[str, np.ndarray], int]:
-    """The model's description, one request's arrays, and its batch size.
+def _model_inputs(control: Client, config: BenchConfig) -> tuple[ModelInfo, list[list[dict[str, np.ndarray]]], int]:
+    """The model's description, each worker's requests' arrays, and the batch size.
 
     A model the server does not know still gets its requests sent (with no
     inputs), so that each one is counted as the error the server returns.
@@ -345,13 +363,21 @@ def _model_inputs(control: Client, config: BenchConfig) -> tuple[ModelInfo, dict
             raise
         log.warning("model %r: %s; sending requests anyway, each will be counted as an error", config.model, error)
         batch = config.batch or 1
-        return ModelInfo(config.model, batch, (), ()), {}, batch
+        return ModelInfo(config.model, batch, (), ()), [[{}]] * max(config.concurrency), batch
+    workers = max(config.concurrency)
+    if config.lengths is not None:
+        drawn = lengths.parse(config.lengths).lengths(workers * LENGTHS_PER_WORKER)
+        per_worker = [
+            [random_inputs(info, config.batch or 1, seed=int(k), length=int(drawn[k])) for k in range(w, len(drawn), workers)]
+            for w in range(workers)
+        ]
+        return info, per_worker, config.batch or 1
     if config.input_files:
         arrays = load_inputs(info, list(config.input_files), config.batch)
     else:
         arrays = random_inputs(info, config.batch or 1)
     batch = next(iter(arrays.values())).shape[0] if info.batching and arrays else 1
-    return info, arrays, batch
+    return info, [[arrays]] * workers, batch
 
 
 def run(config: BenchConfig, stop: threading.Event | None = None) -> BenchResult:
@@ -363,9 +389,9 @@ def run(config: BenchConfig, stop: threading.Event | None = None) -> BenchResult
     with Client(config.url, config.protocol, config.timeout_s) as control, ExitStack() as stack:
         if not control.live():
             raise ClientError(f"server at {control.url} is not live", UNAVAILABLE)
-        info, arrays, batch = _model_inputs(control, config)
+        info, per_worker, batch = _model_inputs(control, config)
         workers = []
-        for _ in range(max(config.concurrency)):
+        for arrays in per_worker:
             workers.append(_Worker(config, info, arrays, batch))
             stack.callback(workers[-1].close)
         rows, messages = [], Counter()

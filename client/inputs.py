@@ -21,6 +21,12 @@ from tritonclient.utils import triton_to_np_dtype
 # position along the last axis (one embedding table per field).
 RANGE_KEY = "value_range."
 BOUNDS_KEY = "upper_bounds."
+# The longest sequence a variable-length input takes (its -1 dimension):
+#   parameters { key: "max_length.input_ids" value: { string_value: "512" } }
+MAX_LENGTH_KEY = "max_length."
+# The length random requests get on a variable dimension unless told otherwise:
+# what the fixed-length BERT and T5 took before they took any length.
+DEFAULT_LENGTH = 128
 
 # Integer inputs with no declared range get ids 0 and 1: valid for any
 # embedding table and any mask, and the server rejects bad ids clearly anyway.
@@ -41,6 +47,13 @@ class TensorInfo:
     shape: tuple[int, ...]
     value_range: tuple[int, int] | None = None
     upper_bounds: tuple[int, ...] | None = None
+    max_length: int | None = None  # the longest a variable (-1) dimension may be
+
+    def sized(self, length: int) -> tuple[int, ...]:
+        """The per-row shape with every variable dimension at `length`, capped at max_length."""
+        if self.max_length is not None:
+            length = min(length, self.max_length)
+        return tuple(length if d < 0 else d for d in self.shape)
 
     @property
     def dtype(self) -> np.dtype:
@@ -100,6 +113,7 @@ def model_info(metadata: dict, config: dict) -> ModelInfo:
                     shape=shape,
                     value_range=_ints(params.get(RANGE_KEY + name), name, 2),
                     upper_bounds=_ints(params.get(BOUNDS_KEY + name), name),
+                    max_length=_length(params.get(MAX_LENGTH_KEY + name), name),
                 )
             )
         return tuple(found)
@@ -117,6 +131,14 @@ def _ints(text: str | None, name: str, count: int | None = None) -> tuple[int, .
     if count is not None and len(values) != count:
         raise InputError(f"config value_range for {name!r} must be 'low,high', got {text!r}")
     return values
+
+
+def _length(text: str | None, name: str) -> int | None:
+    if not text:
+        return None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise InputError(f"config parameter {MAX_LENGTH_KEY}{name} must be a positive integer, got {text!r}")
+    return int(text)
 
 
 def id_limits(tensor: TensorInfo) -> tuple[int, np.ndarray]:
@@ -151,16 +173,24 @@ def random_array(tensor: TensorInfo, shape: tuple[int, ...], rng: np.random.Gene
     raise InputError(f"{tensor.name!r}: cannot generate data for datatype {tensor.datatype}")
 
 
-def random_inputs(info: ModelInfo, batch: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
-    """One random request for every input of the model."""
+def random_inputs(info: ModelInfo, batch: int = 1, seed: int = 0, length: int | None = None) -> dict[str, np.ndarray]:
+    """One random request for every input of the model. A variable dimension
+    gets `length` (DEFAULT_LENGTH if None), capped at the input's max_length;
+    an input named like a mask gets ones (no padding) there."""
     info.check_batch(batch)
     rng = np.random.default_rng(seed)
     arrays = {}
     for tensor in info.inputs:
         if not tensor.fixed:
-            raise InputError(
-                f"input {tensor.name!r} has a variable shape {list(tensor.shape)}; pass real data with --input"
-            )
+            if tensor.max_length is None:
+                raise InputError(
+                    f"input {tensor.name!r} has a variable shape {list(tensor.shape)} and the config publishes no "
+                    f"{MAX_LENGTH_KEY}{tensor.name}; pass real data with --input"
+                )
+            sized = TensorInfo(tensor.name, tensor.datatype, tensor.sized(length or DEFAULT_LENGTH), tensor.value_range)
+            shape = info.full_shape(sized, batch)
+            arrays[tensor.name] = np.ones(shape, tensor.dtype) if "mask" in tensor.name else random_array(sized, shape, rng)
+            continue
         arrays[tensor.name] = random_array(tensor, info.full_shape(tensor, batch), rng)
     return arrays
 

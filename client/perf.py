@@ -38,6 +38,7 @@ from typing import TextIO
 
 import numpy as np
 
+from client import lengths
 from client.api import PROTOCOLS, SHARED_MEMORY_KINDS, Client, ClientError, check_shared_memory, parse_url
 from client.bench import read_json
 from client.cli import UsageError, run_main, server_url, unreachable
@@ -72,6 +73,7 @@ class PerfConfig:
     admin_key: str | None = field(default=None, repr=False)  # for the shared-memory API
     binary: str | None = None  # default: the perf_analyzer of the tritonclient wheel
     verbose: bool = True  # -v: one line per measurement window, so a slow level shows it is converging
+    lengths: str | None = None  # a client.lengths SPEC: the input data holds requests of those lengths
 
 
 def perf_analyzer_binary() -> str:
@@ -148,19 +150,25 @@ def output_bytes(info: ModelInfo, batch: int) -> int:
     )
 
 
-def write_input_data(info: ModelInfo, path: Path, count: int = 1, seed: int = 0) -> Path:
+def write_input_data(info: ModelInfo, path: Path, count: int = 1, seed: int = 0, lengths: np.ndarray | None = None) -> Path:
     """perf_analyzer's `--input-data` JSON: `count` batch-1 requests (used in
     turn), each tensor as base64 of its raw bytes, which leaves perf_analyzer
     nothing to parse; perf_analyzer repeats rows for larger batches. The data
-    comes from `client.inputs`, so ids stay in the ranges the model declares."""
+    comes from `client.inputs`, so ids stay in the ranges the model declares.
+    A tensor with a variable dimension carries its `shape`: request k has
+    length `lengths[k]` there (client.inputs.DEFAULT_LENGTH without `lengths`)."""
     entries = []
+    variable = {t.name for t in info.inputs if not t.fixed}
     for k in range(count):
         entry = {}
-        for name, array in random_inputs(info, 1, seed + k).items():
+        length = None if lengths is None else int(lengths[k % len(lengths)])
+        for name, array in random_inputs(info, 1, seed + k, length=length).items():
             if array.dtype == np.object_:
                 raise InputError(f"input {name!r} is BYTES; write its perf_analyzer data by hand")
             row = array[0] if info.batching else array
             entry[name] = {"b64": base64.b64encode(np.ascontiguousarray(row).tobytes()).decode()}
+            if name in variable:
+                entry[name]["shape"] = list(row.shape)
         entries.append(entry)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"data": entries}))
@@ -254,6 +262,7 @@ def failure_line(config: PerfConfig, concurrency: int, code: int | None, output:
 
 
 MIN_WINDOW_REQUESTS, MAX_WINDOW_REQUESTS = 10, 50
+LENGTH_REQUESTS = 256  # distinct requests in the input data with --lengths, sent in turn
 
 
 def window_requests(url: str, protocol: str, info: ModelInfo, batch: int, window_s: float) -> int:
@@ -282,7 +291,11 @@ def run_model(config: PerfConfig, info: ModelInfo, csv_path: Path, echo: bool = 
     failures: list[str] = []
     log_path = csv_path.with_suffix(".log")
     with tempfile.TemporaryDirectory(prefix="opara_perf_") as tmp, open(log_path, "w") as log_file:
-        data = write_input_data(info, Path(tmp) / "data.json")
+        if config.lengths is None:
+            data = write_input_data(info, Path(tmp) / "data.json")
+        else:
+            drawn = lengths.parse(config.lengths).lengths(LENGTH_REQUESTS)
+            data = write_input_data(info, Path(tmp) / "data.json", count=LENGTH_REQUESTS, lengths=drawn)
         for concurrency in config.concurrency:
             part = Path(tmp) / f"c{concurrency}.csv"
             command = perf_analyzer_command(config, concurrency, data, part, output_bytes(info, config.batch))
@@ -365,6 +378,9 @@ def _parser() -> Parser:
         default="none",
         help="perf_analyzer's --shared-memory: system (same host) or cuda (same GPU host: tensors stay on the GPU)",
     )
+    run.add_argument(
+        "--lengths", metavar="SPEC", help="variable-length models: requests of seeded lengths (see client/lengths.py)"
+    )
     run.add_argument("--out-dir", type=Path, default=Path("out/perf"))
     plot = sub.add_parser("plot", help="perf_analyzer CSVs and bench JSONs on one latency-vs-throughput plot")
     plot.add_argument("--perf-csv", type=Path, action="append", default=[], help="a `run` CSV (repeatable)")
@@ -384,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "plot":
         return _plot(args)
+    if args.lengths is not None:
+        if args.shared_memory != "none":
+            raise UsageError("--lengths sends outputs of many sizes: it does not take --shared-memory")
+        lengths.parse(args.lengths)
     url = server_url(args.url, args.protocol)
     check_shared_memory(args.shared_memory)
     with Client(url, args.protocol) as client:

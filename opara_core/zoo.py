@@ -8,6 +8,7 @@ one description.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -117,6 +118,18 @@ class TensorSpec:
         )
 
 
+@dataclass(frozen=True)
+class LengthAxis:
+    """A sequence axis that a request may give at any length from 1 to `limit`:
+    the last dimension of each of `inputs` and the first per-sample dimension of
+    each of `outputs` (an output follows the request's length on that axis)."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    limit: int
+
+
 BATCH, GENERATE = "batch", "generate"
 
 
@@ -136,6 +149,28 @@ class ZooModel:
     outputs: tuple[TensorSpec, ...]
     description: str = ""
     serving: str = BATCH
+    lengths: tuple[LengthAxis, ...] = ()  # variable sequence axes; the specs hold one example length
+
+    def at(self, lengths: tuple[int, ...]) -> "ZooModel":
+        """This model with every variable axis fixed at the given length, one per
+        `self.lengths` axis: what the engine traces and captures for one bucket."""
+        if len(lengths) != len(self.lengths):
+            raise ValueError(f"{self.name} has {len(self.lengths)} variable axes, got lengths {lengths}")
+        inputs = {n: length for axis, length in zip(self.lengths, lengths) for n in axis.inputs}
+        outputs = {n: length for axis, length in zip(self.lengths, lengths) for n in axis.outputs}
+
+        def fixed(spec: TensorSpec, at: dict[str, int], dim: int) -> TensorSpec:
+            if spec.name not in at:
+                return spec
+            shape = list(spec.shape)
+            shape[dim] = at[spec.name]
+            return dataclasses.replace(spec, shape=tuple(shape))
+
+        return dataclasses.replace(
+            self,
+            inputs=tuple(fixed(s, inputs, -1) for s in self.inputs),
+            outputs=tuple(fixed(s, outputs, 0) for s in self.outputs),
+        )
 
     def build(self, seed: int = SEED) -> nn.Module:
         """The module with deterministic random weights, in eval mode.
@@ -202,7 +237,8 @@ def _deepfm() -> nn.Module:
     return DeepFM()
 
 
-BERT_SEQ_LEN = 128
+BERT_SEQ_LEN = 128  # the example length; requests take any length up to BERT_MAX_LEN
+BERT_MAX_LEN = 512  # BERT-base's position embeddings
 BERT_VOCAB = 30522
 
 
@@ -217,8 +253,10 @@ def _bert() -> nn.Module:
     return BertLastHiddenState(BertModel(config, add_pooling_layer=False))
 
 
-T5_ENCODER_LEN = 128
+T5_ENCODER_LEN = 128  # example lengths; requests take any length up to the limits below
 T5_DECODER_LEN = 32
+T5_MAX_ENCODER_LEN = 512
+T5_MAX_DECODER_LEN = 128
 T5_VOCAB = 32128
 T5_D_MODEL = 512
 
@@ -298,6 +336,7 @@ _MODELS: dict[str, ZooModel] = {
             "HuggingFace BertModel, BERT-base config (12 layers, hidden 768, 12 heads, "
             "vocab 30522), SDPA attention, no pooler; returns last_hidden_state"
         ),
+        lengths=(LengthAxis("sequence", ("input_ids", "attention_mask"), ("last_hidden_state",), BERT_MAX_LEN),),
     ),
     "t5": ZooModel(
         name="t5",
@@ -311,8 +350,12 @@ _MODELS: dict[str, ZooModel] = {
         description=(
             "HuggingFace T5Model, t5-small config (d_model 512, d_kv 64, d_ff 2048, ReLU FF, "
             "6+6 layers, 8 heads, vocab 32128, 32 relative-attention buckets, max distance 128), "
-            "no KV cache; one encoder pass (128 tokens) + decoder pass (32 tokens), "
+            "no KV cache; one encoder pass (1 to 512 tokens) + decoder pass (1 to 128 tokens), "
             "returns the decoder's last_hidden_state"
+        ),
+        lengths=(
+            LengthAxis("encoder", ("input_ids", "attention_mask"), (), T5_MAX_ENCODER_LEN),
+            LengthAxis("decoder", ("decoder_input_ids",), ("last_hidden_state",), T5_MAX_DECODER_LEN),
         ),
     ),
     "gpt2": ZooModel(

@@ -22,6 +22,8 @@
 #              tensors in the message and CUDA shared memory; $OUT/instances_<n>.json, each its own server
 #   twogpu     GoogLeNet at concurrency 16, 32 and 64 on one GPU (CUDA_VISIBLE_DEVICES=0) and then on
 #              every GPU of the machine (one instance each): $OUT/twogpu_one.json, $OUT/twogpu_all.json
+#   varlen     scripts/varlen_bench.py: BERT ($VARLEN_MODELS, default bert) with seeded lengths (mean 50, cap 512)
+#              at concurrency 1, 16, 64 under the padded, single, greedy and dp schedulers
 #   soak       GoogLeNet served by `python -m opara_core.serving.launcher serve` on ports 18000-18002,
 #              scripts/soak.py over gRPC at 1, 8 and 64 ($SOAK_SECONDS each, default 30, and as long a warm-up): errors, wrong
 #              answers, host and GPU memory growth
@@ -115,6 +117,8 @@ for spec in "$@"; do
     soak) step soak "$limit" bash -c soak ;;
     instances) step instances "$limit" bash -c instances ;;
     twogpu) step twogpu "$limit" bash -c twogpu ;;
-    *) echo "unknown step $name (tests, servertests, csan, racecheck, transporttests, transport, serving, instances, twogpu, soak)" >&2; exit 2 ;;
+    varlen) step varlen "$limit" python3 scripts/varlen_bench.py --models "${VARLEN_MODELS:-bert}" --concurrency 1,16,64 \
+        --json "$out/varlen_bench.json" --log "$out/varlen_server.log" ;;
+    *) echo "unknown step $name (tests, servertests, csan, racecheck, transporttests, transport, serving, instances, twogpu, soak, varlen)" >&2; exit 2 ;;
     esac
 done

@@ -597,3 +597,47 @@ def test_the_client_imports_no_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# --- variable-length models --------------------------------------------------------------
+
+VARIABLE = ModelInfo(
+    "bert",
+    32,
+    (
+        TensorInfo("input_ids", "INT64", (-1,), (0, 30522), max_length=512),
+        TensorInfo("attention_mask", "INT64", (-1,), (0, 2), max_length=512),
+    ),
+    (TensorInfo("last_hidden_state", "FP32", (-1, 768)),),
+)
+
+
+def test_model_info_reads_max_length_from_the_config():
+    metadata = {"name": "bert", "inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [-1, -1]}], "outputs": []}
+    config = {"max_batch_size": 8, "parameters": {"max_length.input_ids": {"string_value": "512"}}}
+    assert model_info(metadata, config).inputs[0].max_length == 512
+    config["parameters"]["max_length.input_ids"] = {"string_value": "long"}
+    with pytest.raises(InputError, match="max_length.input_ids must be a positive integer"):
+        model_info(metadata, config)
+
+
+def test_random_inputs_of_a_variable_length_model_take_the_length_asked_capped_at_the_limit():
+    arrays = random_inputs(VARIABLE, batch=2, seed=1, length=17)
+    assert arrays["input_ids"].shape == arrays["attention_mask"].shape == (2, 17)
+    assert (arrays["attention_mask"] == 1).all(), "a mask hides nothing: the length is the request's own"
+    assert random_inputs(VARIABLE, 1, length=4000)["input_ids"].shape == (1, 512)
+    assert random_inputs(VARIABLE, 1)["input_ids"].shape == (1, 128), "fixed-length clients' 128 by default"
+
+
+def test_perf_input_data_gives_each_variable_tensor_its_shape(tmp_path):
+    path = perf.write_input_data(VARIABLE, tmp_path / "data.json", count=3, lengths=np.array([5, 9]))
+    entries = json.loads(path.read_text())["data"]
+    assert [e["input_ids"]["shape"] for e in entries] == [[5], [9], [5]]
+    assert [len(base64.b64decode(e["attention_mask"]["b64"])) for e in entries] == [40, 72, 40]
+
+
+def test_bench_config_with_lengths_refuses_shared_memory_and_bad_specs():
+    with pytest.raises(ValueError, match="--lengths draws random inputs"):
+        bench.BenchConfig(model="m", url="h:1", requests=1, shared_memory="system", lengths="fixed:3")
+    with pytest.raises(ValueError, match="use lognormal"):
+        bench.BenchConfig(model="m", url="h:1", requests=1, lengths="gauss")

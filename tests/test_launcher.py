@@ -116,7 +116,7 @@ def readme_models() -> dict[str, dict[str, list[tuple[str, str, list[int]]]]]:
 
 
 def _tensors(cell: str) -> list[tuple[str, str, list[int]]]:
-    found = re.findall(r"`(\w+)` (\w+) \[([\d, ]+)\]", cell)
+    found = re.findall(r"`(\w+)` (\w+) \[([-\d, ]+)\]", cell)
     return [(name, dtype, [int(d) for d in dims.split(",")]) for name, dtype, dims in found]
 
 

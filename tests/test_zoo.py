@@ -228,3 +228,14 @@ def test_upper_bounds_must_match_the_last_axis():
         zoo.TensorSpec("ids", torch.int64, (3,), value_range=(0, 10), upper_bounds=(5, 5))
     with pytest.raises(ValueError):
         zoo.TensorSpec("x", torch.float32, (2,), upper_bounds=(5, 5))
+
+
+def test_at_fixes_every_variable_axis_of_inputs_and_outputs():
+    t5 = zoo.get("t5").at((40, 7))
+    assert [s.shape for s in t5.inputs] == [(40,), (40,), (7,)]
+    assert [s.shape for s in t5.outputs] == [(7, 512)]
+    assert t5.inputs[0].value_range == zoo.get("t5").inputs[0].value_range
+    assert zoo.get("bert").at((3,)).outputs[0].shape == (3, 768)
+    assert zoo.get("googlenet").at(()) == zoo.get("googlenet")
+    with pytest.raises(ValueError, match="2 variable axes"):
+        zoo.get("t5").at((40,))

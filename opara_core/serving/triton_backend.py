@@ -68,10 +68,12 @@ def parameters(config: dict) -> dict[str, str]:
     return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
 
 
-def engine_settings(config: dict) -> EngineSettings:
-    """EngineSettings from config.pbtxt `parameters` (all values are strings there)."""
+def engine_settings(config: dict, own: tuple[str, ...] = ()) -> EngineSettings:
+    """EngineSettings from config.pbtxt `parameters` (all values are strings there);
+    `own`: parameters (or prefixes) a subclass of the adapter reads itself."""
     ours = (*ADAPTER_PARAMETERS, *BACKEND_PARAMETERS)
-    params = {k: v for k, v in parameters(config).items() if k not in ours and not k.startswith(RANGE_PREFIXES)}
+    skip = (*RANGE_PREFIXES, *own)
+    params = {k: v for k, v in parameters(config).items() if k not in ours and not k.startswith(skip)}
     parsers = {
         "policy": str,
         "max_streams": int,
@@ -233,9 +235,9 @@ class OparaModel:
         config = json.loads(args["model_config"])
         try:
             self.entry = zoo.get(self.zoo_name or args["model_name"])
-            check_config(self.entry, config)
+            self._check_config(config)
             check_ranges(self.entry, config)
-            settings = engine_settings(config)
+            settings = engine_settings(config, self.OWN_PARAMETERS)
             self.output_memory = output_memory(config)
             weights_file = parameters(config).get("weights")
             version_dir = Path(args["model_repository"]) / args["model_version"]
@@ -247,7 +249,7 @@ class OparaModel:
         # the server's models build one at a time on each GPU
         turn = exclusive_lock(gpu_lock_path(self.device)) if self.device.type == "cuda" else contextlib.nullcontext()
         with turn:
-            self.runner, self.report = build_runner(module, self.entry, self.device, self.max_batch, settings)
+            self.runner, self.report = self._build(module, settings, config)
         self.range_check = RangeCheck(self.entry.inputs, self.device)
         self.name, self.gpu_path_seen = args["model_name"], False
         self.metrics = ServingMetrics(pb_utils, args["model_name"], self.runner, self.report)
@@ -262,7 +264,7 @@ class OparaModel:
         for i, request in enumerate(requests):
             try:
                 tensors = {t.name(): input_tensor(t) for t in request.inputs()}
-                good.append((i, request_tensors(self.entry, tensors)))
+                good.append((i, self._request(request, tensors)))
             except RequestError as error:
                 responses[i] = _error(pb_utils, str(error), pb_utils.TritonError.INVALID_ARG)
         on_device = self._place(good)
@@ -292,6 +294,18 @@ class OparaModel:
 
     def finalize(self) -> None:
         self.metrics.close()
+
+    # Hooks for subclasses that serve differently (serving.varlen: variable lengths)
+    OWN_PARAMETERS: tuple[str, ...] = ()  # config parameters (or prefixes) the subclass reads itself
+
+    def _check_config(self, config: dict) -> None:
+        check_config(self.entry, config)
+
+    def _build(self, module: torch.nn.Module, settings: EngineSettings, config: dict):
+        return build_runner(module, self.entry, self.device, self.max_batch, settings)
+
+    def _request(self, request, tensors: dict[str, torch.Tensor]):
+        return request_tensors(self.entry, tensors)
 
     def _place(self, good: list[tuple[int, list[torch.Tensor]]]) -> bool:
         """Put the whole batch on one device, in place; True when that is the

@@ -1,7 +1,7 @@
-"""bert served through opara_core; all logic lives in opara_core.serving.triton_backend."""
+"""bert served through opara_core with variable lengths; the logic lives in opara_core.serving.varlen."""
 
-from opara_core.serving.triton_backend import OparaModel
+from opara_core.serving.varlen import VarLenModel
 
 
-class TritonPythonModel(OparaModel):
+class TritonPythonModel(VarLenModel):
     zoo_name = "bert"

@@ -1,7 +1,7 @@
-"""t5 served through opara_core; all logic lives in opara_core.serving.triton_backend."""
+"""t5 served through opara_core with variable lengths; the logic lives in opara_core.serving.varlen."""
 
-from opara_core.serving.triton_backend import OparaModel
+from opara_core.serving.varlen import VarLenModel
 
 
-class TritonPythonModel(OparaModel):
+class TritonPythonModel(VarLenModel):
     zoo_name = "t5"

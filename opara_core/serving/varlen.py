@@ -1,0 +1,340 @@
+"""Variable-length serving (BERT, T5): one runner per shape bucket, and
+TurboTransformers' batch scheduler between them.
+
+Requests of any length up to each axis's limit arrive together in one
+`execute` (the config allows ragged batching on the variable inputs, and the
+Python backend hands over each request's tensors separately, with its own
+shape, so no server-side concatenation has to be undone). Each request row is
+scheduled on its own: `planning.batching` splits the rows into sub-batches by a
+cost table `cost[shape bucket][batch bucket]`, each sub-batch is padded with
+zeros to its shape bucket (ids 0 are valid; attention-mask 0 hides the padded
+keys; T5's decoder is causal, so padding after a row's last decoder id changes
+none of its positions) and run on that shape's runner; each row's outputs are
+cut back to its own length.
+
+Runners: per shape bucket, `engine.build.build_runner` for the zoo model fixed
+at that shape (on a GPU: one CUDA graph per batch bucket, the plan `auto`
+picks; on a CPU: eager). `capture` "load" builds every shape when the model
+loads; "first_use" builds a shape the first time a sub-batch needs it. The cost
+table comes from replay timings of the captured graphs; for eager runners, and
+for shapes not built yet, from a token-count model (`modelled_seconds`).
+
+Config parameters (besides the engine's): `scheduler` (dp, greedy, padded,
+single; a request may choose another with its own parameter `scheduler`, which
+benchmarks use to compare them on one server), `capture`,
+`length_buckets.<axis>` (ascending, the last one the axis's limit) and
+`max_length.<input>` (published to clients; must equal the model's limit).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from opara_core import zoo
+from opara_core.engine.build import BuildReport, EngineSettings, build_runner
+from opara_core.engine.capture import time_replays
+from opara_core.engine.runtime import GraphRunner, Runner, RunnerInfo
+from opara_core.planning import batching
+from opara_core.planning.batching import CostTable
+from opara_core.serving.triton_backend import TRITON_DTYPES, OparaModel, RequestError, parameters, request_tensors
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512)
+CAPTURE_MODES = ("load", "first_use")
+OWN_PARAMETERS = ("scheduler", "capture", "length_buckets.", "max_length.")
+# the token-count model: a run costs its padded tokens, attention adding one token's
+# worth per ATTENTION_SPAN tokens of length, plus a fixed overhead worth OVERHEAD_TOKENS
+ATTENTION_SPAN = 512
+OVERHEAD_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class VarLenSettings:
+    """How a variable-length model is served; from config.pbtxt parameters."""
+
+    axes: tuple[tuple[int, ...], ...]  # sequence buckets per variable axis
+    scheduler: str = "dp"
+    capture: str = "load"
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in batching.SCHEDULERS:
+            raise ValueError(f"unknown scheduler {self.scheduler!r}; known: {', '.join(batching.SCHEDULERS)}")
+        if self.capture not in CAPTURE_MODES:
+            raise ValueError(f"unknown capture {self.capture!r}; known: {', '.join(CAPTURE_MODES)}")
+
+
+def varlen_settings(entry: zoo.ZooModel, config: dict) -> VarLenSettings:
+    """VarLenSettings from the config's parameters, checked against the model's axes."""
+    params = parameters(config)
+    axes = []
+    for axis in entry.lengths:
+        text = params.get(f"length_buckets.{axis.name}")
+        try:
+            buckets = tuple(int(b) for b in text.split(",")) if text else tuple(b for b in DEFAULT_LENGTH_BUCKETS if b < axis.limit) + (axis.limit,)
+        except ValueError:
+            raise ValueError(f"parameter length_buckets.{axis.name} has an invalid value {text!r}") from None
+        if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] != axis.limit:
+            raise ValueError(f"length_buckets.{axis.name} must ascend from 1 or more to the axis's limit {axis.limit}, got {list(buckets)}")
+        axes.append(buckets)
+    for axis in entry.lengths:
+        for name in axis.inputs:
+            declared = params.get(f"max_length.{name}", "").strip()
+            if declared != str(axis.limit):
+                raise ValueError(f"parameter max_length.{name} is {declared!r}, the model's is '{axis.limit}'")
+    return VarLenSettings(tuple(axes), params.get("scheduler", "dp").strip(), params.get("capture", "load").strip())
+
+
+def check_config(entry: zoo.ZooModel, config: dict) -> None:
+    """Inputs and outputs as the zoo model's, with -1 on every variable axis."""
+    variable = {n: -1 for axis in entry.lengths for n in axis.inputs}
+    leading = {n: 0 for axis in entry.lengths for n in axis.outputs}
+    for kind, specs in (("input", entry.inputs), ("output", entry.outputs)):
+        declared = {t["name"]: t for t in config.get(kind, [])}
+        if sorted(declared) != sorted(s.name for s in specs):
+            raise ValueError(f"config {kind}s {sorted(declared)} differ from the model's {[s.name for s in specs]}")
+        for spec in specs:
+            shape = list(spec.shape)
+            if spec.name in variable:
+                shape[-1] = -1
+            if spec.name in leading:
+                shape[0] = -1
+            tensor = declared[spec.name]
+            dims = [int(d) for d in tensor["dims"]]
+            if dims != shape or tensor["data_type"] != TRITON_DTYPES[spec.dtype]:
+                raise ValueError(f"config {kind} {spec.name!r} is {tensor['data_type']} {dims}, the model needs {TRITON_DTYPES[spec.dtype]} {shape}")
+
+
+def request_lengths(entry: zoo.ZooModel, tensors: dict[str, torch.Tensor | None]) -> tuple[int, ...]:
+    """A request's length on each variable axis; a RequestError names the input
+    whose length is out of range or disagrees with the others on its axis."""
+    lengths = []
+    for axis in entry.lengths:
+        found: dict[str, int] = {n: tensors[n].shape[-1] for n in axis.inputs if tensors.get(n) is not None and tensors[n].ndim == 2}
+        if not found:
+            lengths.append(1)  # a missing or misshapen input: request_tensors names it
+            continue
+        for name, length in found.items():
+            if not 1 <= length <= axis.limit:
+                raise RequestError(f"input {name!r} has length {length}; the model takes 1 to {axis.limit} tokens")
+        if len(set(found.values())) > 1:
+            raise RequestError(f"inputs {sorted(found)} have different lengths {sorted(found.values())}; they must be equal")
+        lengths.append(next(iter(found.values())))
+    return tuple(lengths)
+
+
+@dataclass
+class VarLenRequest:
+    """One checked request: its lengths, its inputs in model order, its scheduler."""
+
+    lengths: tuple[int, ...]
+    tensors: list[torch.Tensor]
+    scheduler: str
+
+    @property
+    def rows(self) -> int:
+        return self.tensors[0].shape[0]
+
+
+def check_request(entry: zoo.ZooModel, tensors: dict[str, torch.Tensor | None], scheduler: str) -> VarLenRequest:
+    lengths = request_lengths(entry, tensors)
+    return VarLenRequest(lengths, request_tensors(entry.at(lengths), tensors), scheduler)
+
+
+def modelled_seconds(shape: tuple[int, ...], batch: int) -> float:
+    """The cost model for runners that were not timed: padded tokens, with
+    attention's share growing with length, plus a fixed overhead (relative
+    units; only the ratios matter to the scheduler)."""
+    return (OVERHEAD_TOKENS + batch * sum(n * (1 + n / ATTENTION_SPAN) for n in shape)) * 1e-6
+
+
+@dataclass
+class VarLenReport:
+    """What was built, what it cost and the scheduler's cost table."""
+
+    runner: str = "eager"
+    capture: str = "load"
+    scheduler: str = "dp"
+    shapes: dict[tuple[int, ...], BuildReport] = field(default_factory=dict)
+    build_seconds: dict[tuple[int, ...], float] = field(default_factory=dict)
+    memory_bytes: dict[tuple[int, ...], int] = field(default_factory=dict)  # device memory reserved by each shape's build
+    costs: CostTable | None = None
+    measured: set[tuple[int, ...]] = field(default_factory=set)  # shapes whose costs are replay timings
+
+    @property
+    def fallbacks(self) -> list[str]:
+        # the reason first: the metrics label a fallback by the text before its first colon
+        return [f"{reason} (shape {_label(s)})" for s, report in self.shapes.items() for reason in report.fallbacks]
+
+    def summary(self) -> str:
+        lines = [f"variable lengths: runner {self.runner}, capture {self.capture}, scheduler {self.scheduler}"]
+        for shape, report in self.shapes.items():
+            memory = f", {self.memory_bytes[shape] / 2**20:.0f} MiB" if shape in self.memory_bytes else ""
+            lines.append(f"shape {_label(shape)}: {report.runner}, built in {self.build_seconds.get(shape, 0):.1f} s{memory}")
+            if report.choices or report.fallbacks:
+                lines += ["  " + line for line in report.summary().splitlines()[1:]]
+        if self.memory_bytes:
+            lines.append(f"device memory reserved by the shapes' builds: {sum(self.memory_bytes.values()) / 2**20:.0f} MiB "
+                         f"(largest shape {max(self.memory_bytes.values()) / 2**20:.0f} MiB)")
+        if self.costs is not None:
+            lines.append("cost table, ms per run (m: measured replays, c: token-count model):")
+            lines.append("shape \\ batch " + " ".join(f"{b:>8}" for b in self.costs.batches))
+            for shape in self.costs.shapes():
+                tag = "m" if shape in self.measured else "c"
+                cells = " ".join(f"{self.costs.seconds[(shape, b)] * 1e3:8.3f}" for b in self.costs.batches)
+                lines.append(f"{_label(shape):>11} {tag} {cells}")
+        return "\n".join(lines)
+
+
+def _label(shape: tuple[int, ...]) -> str:
+    return ",".join(map(str, shape))
+
+
+class VarLenRunners:
+    """The shape buckets' runners, the cost table and the scheduler: runs the
+    rows of several variable-length requests and returns each request's outputs
+    at its own lengths. Follows enough of the Runner protocol for the metrics
+    (`info`, `batches` keyed by "shape x batch", `padded_rows`)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        entry: zoo.ZooModel,
+        device: torch.device,
+        settings: EngineSettings,
+        varlen: VarLenSettings,
+    ):
+        self.module, self.entry, self.device = module, entry, device
+        self.engine_settings = settings
+        self.max_batch = max(settings.buckets)
+        self.report = VarLenReport(capture=varlen.capture, scheduler=varlen.scheduler)
+        self.runners: dict[tuple[int, ...], Runner] = {}
+        self.batches: Counter[str] = Counter()
+        self.padded_rows = 0
+        self._lock = threading.Lock()
+        batches = tuple(sorted(settings.buckets))
+        seconds = {(s, b): modelled_seconds(s, b) for s in batching.grid(varlen.axes) for b in batches}
+        if varlen.capture == "load":
+            for shape in batching.grid(varlen.axes):
+                seconds.update(self._build(shape))
+        self.costs = self.report.costs = CostTable(varlen.axes, batches, seconds)
+        kinds = {r.info.kind for r in self.runners.values()} or {"eager" if device.type != "cuda" else "cuda-graph"}
+        self.report.runner = "+".join(sorted(kinds))
+        self.info = RunnerInfo(self.report.runner, str(device), batches)
+
+    def _build(self, shape: tuple[int, ...]) -> dict[tuple[tuple[int, ...], int], float]:
+        """Build the runner of one shape; its replay timings, where it has graphs."""
+        start = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
+        runner, report = build_runner(self.module, self.entry.at(shape), self.device, self.max_batch, self.engine_settings)
+        self.runners[shape], self.report.shapes[shape] = runner, report
+        self.report.build_seconds[shape] = time.perf_counter() - start
+        timings = {}
+        if cuda:
+            self.report.memory_bytes[shape] = torch.cuda.memory_reserved(self.device) - reserved
+        if isinstance(runner, GraphRunner):
+            timings = {(shape, b): time_replays(graph) * 1e-3 for b, graph in runner.graphs.items()}
+            self.report.measured.add(shape)
+        log.info("shape %s built in %.1f s (%s)", _label(shape), self.report.build_seconds[shape], report.runner)
+        return timings
+
+    def runner_for(self, shape: tuple[int, ...]) -> Runner:
+        if shape not in self.runners:  # capture "first_use"
+            self._build(shape)
+        return self.runners[shape]
+
+    def run(self, requests: list[VarLenRequest]) -> list[list[torch.Tensor]]:
+        """Each request's outputs (host tensors), rows at the request's own lengths."""
+        rows = [(k, r) for k, request in enumerate(requests) for r in range(request.rows)]
+        results: list[list[list[torch.Tensor]]] = [[[] for _ in self.entry.outputs] for _ in requests]
+        per_row: dict[tuple[int, int], list[torch.Tensor]] = {}
+        with self._lock:
+            for name in sorted({request.scheduler for request in requests}):
+                chosen = [row for row in rows if requests[row[0]].scheduler == name]
+                groups = batching.SCHEDULERS[name]([requests[k].lengths for k, _ in chosen], self.costs)
+                for group in groups:
+                    members = [chosen[i] for i in group.items]
+                    outputs = self._run_group(group, [requests[k] for k, _ in members], [r for _, r in members])
+                    for row, out in zip(members, outputs):
+                        per_row[row] = out
+        for k, r in rows:
+            for o, out in enumerate(per_row[(k, r)]):
+                results[k][o].append(out)
+        return [[torch.stack(blocks) for blocks in outs] for outs in results]
+
+    def _run_group(self, group: batching.Group, requests: list[VarLenRequest], rows: list[int]) -> list[list[torch.Tensor]]:
+        """Pad the group's rows to its shape, run them, cut each row's outputs back."""
+        fixed = self.entry.at(group.shape)
+        inputs = []
+        for k, spec in enumerate(fixed.inputs):
+            batch = torch.zeros((len(rows), *spec.shape), dtype=spec.dtype)
+            for i, (request, r) in enumerate(zip(requests, rows)):
+                row = request.tensors[k][r]
+                batch[i, ..., : row.shape[-1]] = row
+            inputs.append(batch)
+        runner = self.runner_for(group.shape)
+        outputs = runner.run(inputs)
+        ran = runner.bucket_for(len(rows)) if isinstance(runner, GraphRunner) else len(rows)  # eager runs the rows as they are
+        self.batches[f"{_label(group.shape)}x{ran}"] += 1
+        self.padded_rows += ran - len(rows)
+        along = {n: a for a, axis in enumerate(self.entry.lengths) for n in axis.outputs}
+        cut = []
+        for i, request in enumerate(requests):
+            row_outputs = []
+            for spec, out in zip(self.entry.outputs, outputs):
+                row = out[i]
+                if spec.name in along:
+                    row = row[: request.lengths[along[spec.name]]]
+                row_outputs.append(row.to("cpu").clone())  # the runner's buffers are reused by its next run
+            cut.append(row_outputs)
+        return cut
+
+
+def request_scheduler(request, default: str) -> str:
+    """The scheduler a request asks for with its parameter `scheduler`, else the default."""
+    try:
+        asked = json.loads(request.parameters() or "{}").get("scheduler", default)
+    except (AttributeError, ValueError):
+        return default
+    if asked not in batching.SCHEDULERS:
+        raise RequestError(f"parameter 'scheduler' is {asked!r}; known: {', '.join(batching.SCHEDULERS)}")
+    return asked
+
+
+class VarLenModel(OparaModel):
+    """The adapter for models with variable sequence axes (model.py of bert, t5)."""
+
+    OWN_PARAMETERS = OWN_PARAMETERS
+
+    def _check_config(self, config: dict) -> None:
+        check_config(self.entry, config)
+        self.varlen = varlen_settings(self.entry, config)
+
+    def _build(self, module: torch.nn.Module, settings: EngineSettings, config: dict):
+        runners = VarLenRunners(module, self.entry, self.device, settings, self.varlen)
+        return runners, runners.report
+
+    def _request(self, request, tensors: dict[str, torch.Tensor]) -> VarLenRequest:
+        # ids from CUDA shared memory come on the GPU; lengths and ranges are checked on the host
+        tensors = {name: tensor.cpu() for name, tensor in tensors.items()}
+        return check_request(self.entry, tensors, request_scheduler(request, self.varlen.scheduler))
+
+    def _place(self, good: list) -> bool:
+        return False  # each request was brought to the host by _request; the runners copy it up
+
+    def _run(self, good: list[tuple[int, VarLenRequest]], on_device: bool = False) -> list[list]:
+        self.metrics.clock.lap("stage")
+        outputs = self.runner.run([request for _, request in good])
+        self.metrics.clock.lap("run")
+        return [
+            [self._pb.Tensor.from_dlpack(spec.name, tensor.contiguous()) for spec, tensor in zip(self.entry.outputs, outs)]
+            for outs in outputs
+        ]

@@ -1,0 +1,206 @@
+"""Variable-length serving benchmark: BERT (and T5) with seeded request lengths,
+four batch schedulers, several concurrencies, one server.
+
+    python scripts/varlen_bench.py --models bert --json $OUT/varlen_bench.json --log $OUT/varlen_server.log
+
+Starts tritonserver through the project's launcher on a copy of the selected
+models, waits until they are built (on a GPU: one set of CUDA graphs per
+sequence bucket, the cost table timed from their replays), then:
+
+1. checks the server against the eager model on the CPU (fp32): a few requests
+   of mixed lengths sent at once, each compared with the model run on it alone;
+2. times a lone 16-token request at concurrency 1 (Triton's compute time);
+3. for each scheduler (padded: every request padded to the largest bucket;
+   single: no batching, every request alone; greedy: one sub-batch per
+   sequence bucket; dp: TurboTransformers' DP) and each concurrency, runs
+   `client.bench` over gRPC with the seeded lengths, the scheduler chosen by
+   the request parameter `scheduler`, so all four share one server and one set
+   of graphs.
+
+Prints a markdown table and writes JSON (rows, the models' build reports with
+their cost tables from the server log, the check's errors, meta).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from client import bench
+from client.api import Client
+from client.inputs import random_inputs
+from opara_core import zoo
+from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
+
+SCHEDULERS = ("padded", "single", "greedy", "dp")
+
+
+def make_repository(models: list[str], root: Path, overrides: dict[str, dict[str, str]], queue_delay_us: int | None) -> Path:
+    """Copies of the models; `overrides[model]` replaces (or adds) config parameters."""
+    repository = root / "models"
+    for name in models:
+        shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, repository / name)
+        config = repository / name / "config.pbtxt"
+        text = config.read_text()
+        for key, value in overrides.get(name, {}).items():
+            pattern = rf'(key: "{re.escape(key)}"\n    value: {{ string_value: ")[^"]*(" }})'
+            text, found = re.subn(pattern, rf"\g<1>{value}\g<2>", text)
+            if not found:
+                text += f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+        if queue_delay_us is not None:
+            text = re.sub(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {queue_delay_us}", text)
+        config.write_text(text)
+    return repository
+
+
+def check_against_eager(server: TritonServer, model: str, lengths: list[int]) -> list[float]:
+    """Relative error of each request's answer against the fp32 eager model on
+    the CPU run on that request alone; the requests are sent at once."""
+    import torch
+
+    with Client(server.grpc_url) as control:
+        info = control.model_info(model)
+    requests = [random_inputs(info, 1, seed=900 + k, length=n) for k, n in enumerate(lengths)]
+
+    def send(arrays: dict[str, np.ndarray]) -> np.ndarray:
+        with Client(server.grpc_url) as client:
+            request = client.request(model, arrays)
+            return client.infer(request).as_numpy(info.outputs[0].name)
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        answers = list(pool.map(send, requests))
+    module = zoo.get(model).build()
+    errors = []
+    with torch.inference_mode():
+        for arrays, answer in zip(requests, answers):
+            expected = module(*(torch.from_numpy(arrays[s.name]) for s in zoo.get(model).inputs)).numpy()
+            if answer.shape != expected.shape:
+                errors.append(float("inf"))
+                continue
+            errors.append(float(np.abs(answer - expected).max() / max(np.abs(expected).max(), 1e-12)))
+    return errors
+
+
+def batch_counts(http_url: str, model: str) -> tuple[int, int]:
+    with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/stats", timeout=30) as response:
+        stats = json.load(response)["model_stats"]
+    return sum(int(m.get("inference_count", 0)) for m in stats), sum(int(m.get("execution_count", 0)) for m in stats)
+
+
+def model_reports(log: str) -> dict[str, str]:
+    """Each model's build report (runner, shapes, memory, cost table) as logged when it became ready."""
+    reports = {}
+    for model, block in re.findall(r"model (\w+) ready on [^\n]*\n((?:(?![IWE]\d{4} ).*\n)*)", log):
+        reports[model] = block.rstrip()
+    return reports
+
+
+def measure(server: TritonServer, model: str, scheduler: str, concurrency: int, lengths: str, duration_s: float, warmup: int) -> dict:
+    config = bench.BenchConfig(
+        model=model, url=server.grpc_url, protocol="grpc", concurrency=(concurrency,), duration_s=duration_s,
+        warmup=warmup, timeout_s=600, lengths=lengths, parameters=(("scheduler", scheduler),), progress=False,
+    )  # fmt: skip
+    before = batch_counts(server.http_url, model)
+    result = bench.run(config)
+    after = batch_counts(server.http_url, model)
+    executions = after[1] - before[1]
+    row = asdict(result.rows[0])
+    row["mean_batch"] = round((after[0] - before[0]) / executions, 2) if executions else None
+    row["error_messages"] = list(result.error_messages)
+    return {"model": model, "scheduler": scheduler, **row}
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| model | scheduler | conc | req/s | p50 ms | p99 ms | mean ms | server infer ms | server queue ms | mean batch | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [r["model"], r["scheduler"], r["concurrency"], f"{r['throughput_rps']:.1f}"]
+        cells += ["-" if r.get(k) is None else f"{r[k]:.2f}" for k in ("p50_ms", "p99_ms", "mean_ms", "server_compute_infer_ms", "server_queue_ms")]
+        cells += [r.get("mean_batch") or "-", r["errors"]]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="bert", help="comma-separated: bert, t5")
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--schedulers", default=",".join(SCHEDULERS))
+    parser.add_argument("--lengths", default="lognormal:mean=50,cap=512,seed=1", help="client.lengths SPEC")
+    parser.add_argument("--duration", type=float, default=6.0, help="measured seconds per level")
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured requests per worker before each level")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="MODEL:KEY=VALUE",
+        help="a config parameter of a model, e.g. t5:capture=first_use or bert:policy=sequential (repeatable)",
+    )  # fmt: skip
+    parser.add_argument("--queue-delay-us", type=int, default=None, help="max_queue_delay_microseconds (default: the config's)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--log", type=Path, help="where the server log goes")
+    args = parser.parse_args()
+    models = [zoo.get(m).name for m in args.models.split(",")]
+    overrides: dict[str, dict[str, str]] = {}
+    for item in args.set:
+        model, _, assignment = item.partition(":")
+        key, sep, value = assignment.partition("=")
+        if not sep or model not in models:
+            raise SystemExit(f"--set {item!r}: give MODEL:KEY=VALUE for one of {models}")
+        overrides.setdefault(model, {})[key] = value
+    work = Path(tempfile.mkdtemp(prefix="varlen_bench_"))
+    repository = make_repository(models, work, overrides, args.queue_delay_us)
+    config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    log_path = args.log or work / "server.log"
+    rows: list[dict] = []
+    meta: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "command": " ".join(sys.argv),
+        "lengths": args.lengths,
+        "duration_s": args.duration,
+        "overrides": overrides,
+    }
+    started = time.perf_counter()
+    server = TritonServer(config, log_path).start()
+    try:
+        server.wait_ready(timeout_s=1200)
+        meta["load_seconds"] = round(time.perf_counter() - started, 1)
+        print(f"server ready with {models} in {meta['load_seconds']:.0f} s", flush=True)
+        meta["check_relative_error"], meta["lone_16_tokens"] = {}, {}
+        for model in models:
+            errors = check_against_eager(server, model, [16, 50, 300, 7])
+            meta["check_relative_error"][model] = errors
+            print(f"{model}: relative error against eager fp32 on the CPU, lengths 16/50/300/7: {errors}", flush=True)
+            lone = measure(server, model, "dp", 1, "fixed:16", args.duration, args.warmup)
+            meta["lone_16_tokens"][model] = lone
+            print(f"{model}: a lone 16-token request: p50 {lone['p50_ms']:.3f} ms, server compute {lone['server_compute_infer_ms']:.3f} ms", flush=True)
+            for scheduler in args.schedulers.split(","):
+                for concurrency in (int(c) for c in args.concurrency.split(",")):
+                    rows.append(measure(server, model, scheduler, concurrency, args.lengths, args.duration, args.warmup))
+                    print(json.dumps(rows[-1]), flush=True)
+    finally:
+        server.stop()
+        meta["reports"] = model_reports(log_path.read_text(errors="replace"))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            print(f"wrote {args.json}")
+    for model, report in meta["reports"].items():
+        print(f"\n{model}:\n{report}")
+    print()
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

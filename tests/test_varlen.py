@@ -1,0 +1,246 @@
+"""Variable-length BERT and T5 through the real server: requests of mixed lengths
+sent at once batch together, and each answer equals the eager model run on that
+request alone, unpadded; bad lengths get INVALID_ARG. Plus the adapter's
+config and request checks, without a server.
+
+Short lengths and few requests: BERT on this CPU takes about a second per batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from client import bench
+from conftest import server_config
+from serving import assert_close, eager
+from test_faults import make_repository, wait_for
+from test_triton_backend import config_of
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from opara_core import zoo
+from opara_core.serving.launcher import TritonServer
+from opara_core.serving.triton_backend import RequestError
+from opara_core.serving.varlen import check_config, check_request, varlen_settings
+
+# long enough that every request of a burst joins one batch
+QUEUE_DELAY_US = 500_000
+
+
+def request(model: str, lengths: tuple[int, ...], rows: int, seed: int) -> list[np.ndarray]:
+    """Random valid inputs at `lengths` (one per variable axis), the last mask position 0."""
+    arrays = [t.numpy() for t in zoo.get(model).at(lengths).example_inputs(rows, seed)]
+    mask = arrays[1]
+    mask[:] = 1
+    if mask.shape[1] > 1:
+        mask[:, -1] = 0  # padding the client did itself: must stay hidden as in eager
+    return arrays
+
+
+def send(client, model: str, arrays: list[np.ndarray], scheduler: str | None = None) -> np.ndarray:
+    module = grpcclient if isinstance(client, grpcclient.InferenceServerClient) else httpclient
+    tensors = []
+    for spec, array in zip(zoo.get(model).inputs, arrays):
+        tensor = module.InferInput(spec.name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    parameters = {"scheduler": scheduler} if scheduler else None
+    return client.infer(model, tensors, parameters=parameters).as_numpy("last_hidden_state")
+
+
+@pytest.fixture(scope="module")
+def varlen_server(tmp_path_factory, admin_key):
+    root = make_repository(tmp_path_factory.mktemp("varlen"), {"bert": "bert", "t5": "t5"})
+    for config in root.glob("*/config.pbtxt"):
+        text = config.read_text()
+        config.write_text(text.replace("max_queue_delay_microseconds: 100", f"max_queue_delay_microseconds: {QUEUE_DELAY_US}"))
+    with TritonServer(server_config(root), tmp_path_factory.mktemp("varlen-log") / "tritonserver.log") as running:
+        http = httpclient.InferenceServerClient(running.http_url)
+        grpc = grpcclient.InferenceServerClient(running.grpc_url)
+        yield http, grpc, running
+        http.close()
+        grpc.close()
+
+
+def executions(client, model: str) -> tuple[int, int]:
+    stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+    return int(stats["inference_count"]), int(stats["execution_count"])
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(
+    ("model", "shapes"),
+    [
+        # (lengths, rows) per request; HTTP and gRPC alternate
+        ("bert", [((3,), 1), ((9,), 1), ((17,), 2), ((30,), 1)]),
+        ("t5", [((5, 2), 1), ((20, 9), 1), ((40, 17), 1)]),
+    ],
+)
+def test_mixed_lengths_batch_together_and_each_answer_is_its_own_eager_run(varlen_server, model, shapes):
+    http, grpc, running = varlen_server
+    sent = [request(model, lengths, rows, seed=50 + i) for i, (lengths, rows) in enumerate(shapes)]
+    before = executions(grpc, model)
+    barrier = threading.Barrier(len(sent))
+
+    def one(i: int) -> np.ndarray:
+        if i % 2:
+            barrier.wait()
+            return send(grpc, model, sent[i])
+        # an HTTP client belongs to the thread that made it (gevent)
+        with httpclient.InferenceServerClient(running.http_url) as own:
+            barrier.wait()
+            return send(own, model, sent[i])
+
+    with ThreadPoolExecutor(len(sent)) as pool:
+        answers = list(pool.map(one, range(len(sent))))
+    inferences, runs = (a - b for a, b in zip(executions(grpc, model), before))
+    assert inferences == sum(rows for _, rows in shapes)
+    assert runs < len(sent), "the requests were not batched together"
+    for arrays, answer in zip(sent, answers):
+        expected = eager(model, arrays)
+        assert answer.shape == expected.shape  # the request's own length, not a bucket's
+        assert_close(answer, expected)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("scheduler", ["greedy", "single", "padded"])
+def test_every_scheduler_answers_each_request_as_eager(varlen_server, scheduler):
+    http, grpc, running = varlen_server
+    arrays = request("t5", (33, 12), 1, seed=60)
+    assert_close(send(http if scheduler == "greedy" else grpc, "t5", arrays, scheduler), eager("t5", arrays))
+    # the request's parameter chose the shape it ran at: padded runs at the largest
+    shape = "512,128" if scheduler == "padded" else "64,16"
+    wait_for(lambda: f'bucket="{shape}x1"' in scrape_t5_batches(running), 10, f"a t5 batch at {shape} in the metrics")
+
+
+def scrape_t5_batches(running) -> str:
+    with urllib.request.urlopen(running.metrics_url, timeout=10) as response:
+        return "\n".join(line for line in response.read().decode().splitlines() if line.startswith("opara_batches_total{") and 't5' in line)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(
+    ("model", "lengths", "problem"),
+    [
+        ("bert", (513,), "input 'input_ids' has length 513; the model takes 1 to 512 tokens"),
+        ("t5", (8, 129), "input 'decoder_input_ids' has length 129; the model takes 1 to 128 tokens"),
+    ],
+)
+def test_a_request_above_the_limit_is_refused_naming_input_length_and_limit(varlen_server, model, lengths, problem):
+    arrays = [np.zeros((1, zoo.get(model).at(lengths).inputs[k].shape[0]), np.int64) for k in range(len(zoo.get(model).inputs))]
+    for client in varlen_server[:2]:
+        with pytest.raises(InferenceServerException) as raised:
+            send(client, model, arrays)
+        assert problem in raised.value.message(), raised.value.message()
+        assert "Traceback" not in raised.value.message()
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_bench_sends_seeded_lengths_with_a_scheduler_parameter(varlen_server, protocol):
+    _, grpc, running = varlen_server
+    before = executions(grpc, "bert")
+    config = bench.BenchConfig(
+        model="bert",
+        url=running.http_url if protocol == "http" else running.grpc_url,
+        protocol=protocol,
+        concurrency=(2,),
+        requests=4,
+        warmup=0,
+        lengths="lognormal:mean=6,cap=24,seed=1",
+        parameters=(("scheduler", "greedy"),),
+        progress=False,
+    )
+    result = bench.run(config)
+    assert result.errors == 0 and result.rows[0].requests == 4
+    assert executions(grpc, "bert")[0] - before[0] == 4
+
+
+@pytest.mark.server
+def test_an_unknown_scheduler_parameter_is_refused(varlen_server):
+    _, grpc, _ = varlen_server
+    with pytest.raises(InferenceServerException, match="parameter 'scheduler' is 'fastest'"):
+        send(grpc, "bert", request("bert", (4,), 1, 1), scheduler="fastest")
+
+
+def test_inputs_of_one_axis_must_have_one_length():
+    tensors = {"input_ids": torch.zeros(1, 8, dtype=torch.int64), "attention_mask": torch.ones(1, 9, dtype=torch.int64)}
+    with pytest.raises(RequestError, match=r"different lengths \[8, 9\]"):
+        check_request(zoo.get("bert"), tensors, "dp")
+
+
+def test_an_empty_sequence_is_refused():
+    tensors = {"input_ids": torch.zeros(1, 0, dtype=torch.int64), "attention_mask": torch.zeros(1, 0, dtype=torch.int64)}
+    with pytest.raises(RequestError, match="has length 0; the model takes 1 to 512"):
+        check_request(zoo.get("bert"), tensors, "dp")
+
+
+@pytest.mark.parametrize("model", ["bert", "t5"])
+def test_the_repository_configs_declare_variable_lengths(model):
+    config = config_of(model)
+    check_config(zoo.get(model), config)
+    assert all(t.get("allow_ragged_batch") for t in config["input"])
+    assert varlen_settings(zoo.get(model), config).axes[0] == (16, 32, 64, 128, 256, 512)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        ("length_buckets.sequence", "16,64,256", "must ascend from 1 or more to the axis's limit 512"),
+        ("length_buckets.sequence", "16,x", "invalid value"),
+        ("max_length.input_ids", "128", "max_length.input_ids is '128', the model's is '512'"),
+        ("scheduler", "fastest", "unknown scheduler 'fastest'"),
+        ("capture", "never", "unknown capture 'never'"),
+    ],
+)
+def test_bad_varlen_parameters_fail_at_load(key, value, problem):
+    config = config_of("bert")
+    config["parameters"][key] = {"string_value": value}
+    with pytest.raises(ValueError, match=problem.replace("(", r"\(")):
+        varlen_settings(zoo.get("bert"), config)
+
+
+def test_a_fixed_length_config_is_refused():
+    config = config_of("bert")
+    config["input"][0]["dims"] = [128]
+    with pytest.raises(ValueError, match=r"'input_ids' is TYPE_INT64 \[128\], the model needs TYPE_INT64 \[-1\]"):
+        check_config(zoo.get("bert"), config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["bert", "t5"])
+def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(model, strict_fp32):
+    """The CUDA graphs of a few shapes (a short grid, first use for T5's), mixed
+    lengths through every scheduler, each row against its own eager run."""
+    from opara_core.engine.build import EngineSettings
+    from opara_core.serving.varlen import VarLenRunners, VarLenSettings
+
+    entry = zoo.get(model)
+    device = torch.device("cuda")
+    module = entry.build().to(device)
+    axes = ((16, 64, 512),) if model == "bert" else ((16, 512), (16, 128))
+    capture = "load" if model == "bert" else "first_use"
+    runners = VarLenRunners(module, entry, device, EngineSettings(policy="opara", buckets=(1, 2, 4)), VarLenSettings(axes, capture=capture))
+    assert runners.info.kind == "cuda-graph"
+    assert bool(runners.report.measured) == (capture == "load")
+    shapes = [(3,), (40,), (17,), (300,), (9,)] if model == "bert" else [(3, 2), (40, 100), (17, 9), (300, 5), (9, 1)]
+    requests = [check_request(entry, dict(zip((s.name for s in entry.inputs), entry.at(n).example_inputs(1, seed=k))), "dp") for k, n in enumerate(shapes)]
+    for request in requests:
+        request.tensors[1][:] = 1  # attention masks without padding of their own
+    cpu_module = entry.build()
+    with torch.inference_mode():
+        expected = [cpu_module(*r.tensors) for r in requests]
+    for scheduler in ("dp", "greedy", "padded", "single"):
+        for request in requests:
+            request.scheduler = scheduler
+        answers = runners.run(requests)
+        for answer, reference in zip(answers, expected):
+            assert answer[0].shape == reference.shape
+            assert_close(answer[0].numpy(), reference.numpy(), zoo.oracle_tolerance())
