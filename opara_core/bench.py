@@ -134,7 +134,7 @@ def bench_model(
     module = entry.build().to(device).eval()  # eager and torch.compile
     unfused = trace_zoo(entry, module, device)
     report = BuildReport()
-    graphs = traced_graphs(entry.build().to(device).eval(), entry, device, EngineSettings(fusion=fusion, layout=layout), report)
+    graphs = traced_graphs(entry.build().to(device).eval(), entry, device, EngineSettings(fusion=fusion, layout=layout, fused_lanes=True), report)
     primary = "nhwc" if layout == "nhwc" else "nchw"
     graph = graphs[primary]
     fused_note = f"fusion: {report.fusion}" if report.fusion else "fusion off"
@@ -177,7 +177,7 @@ def bench_model(
                 progress.update()
             # auto exactly as the serving build chooses, for this one bucket
             auto_report = BuildReport()
-            captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool) for c, plan in candidates(graphs, EngineSettings(max_streams=max_streams)).items()}
+            captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool) for c, plan in candidates(graphs, EngineSettings(max_streams=max_streams, fused_lanes=True)).items()}
             captured = capture_fastest(captures, entry, device, [batch], auto_report)[batch]
             row.timings["auto"] = time_calls(graph_call(captured, inputs))
             chosen = auto_report.choices[batch]

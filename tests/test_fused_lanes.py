@@ -106,7 +106,7 @@ def test_auto_offers_fused_lanes_and_is_never_slower_than_the_aten_sequential_gr
     device = torch.device("cuda")
     entry = zoo.get("googlenet")
     module = entry.build().to(device).eval()
-    settings = EngineSettings(buckets=(1, 8), layout="nchw")
+    settings = EngineSettings(buckets=(1, 8), layout="nchw", fused_lanes=True)
     runner, report = build_runner(module, entry, device, 8, settings)
     assert report.runner == "multi-stream graph", report.summary()
     timed = report.timings_ms[1]

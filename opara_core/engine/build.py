@@ -72,8 +72,10 @@ class EngineSettings:
     # slower builds: each new shape in each bucket and layout is autotuned)
     autotune: bool = True
     # fused lanes: auto also tries plans whose segments Inductor compiles (GPU
-    # only; slower builds: every bucket compiles each segment once, cached on disk)
-    fused_lanes: bool = True
+    # only). Off by default until builds are fast: every bucket compiles each
+    # segment (GoogLeNet's six buckets took over 200 s on an H100, BERT's one
+    # shape 227 s); the bench measures it either way
+    fused_lanes: bool = False
     # Inductor picks other convolution algorithms and layouts than eager (TF32
     # convolutions: 1.6e-2 relative on GoogLeNet against eager on an H100), so
     # fused lanes are checked against eager with this tolerance
