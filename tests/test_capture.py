@@ -128,3 +128,22 @@ def test_cross_lane_reuse_shrinks_the_multi_stream_pool(model):
             del captured
     assert held["reused"] < held["deferred"], held
     assert torch.equal(outputs["reused"], outputs["sequential"])
+
+
+def test_a_runner_keeps_the_weights_its_graphs_read_when_the_process_allocates_more(strict_fp32):
+    """CUDA graphs hold raw pointers: once the build returned, the traced module
+    (folded weights) was freed, and later allocations overwrote what replays read
+    (out-of-bounds gathers in BERT's embeddings, illegal addresses). Here the
+    runner is all that is left of the build, then the freed memory is filled."""
+    import gc
+
+    entry, device = zoo.get("googlenet"), torch.device("cuda")
+    runner, _ = build_runner(entry.build(), entry, device, 1, EngineSettings(buckets=(1,)))
+    inputs = entry.example_inputs(1, seed=11)
+    before = replay(runner, inputs)[0]
+    gc.collect()
+    torch.cuda.synchronize()
+    filler = [torch.full((1 << 24,), float("nan"), device=device) for _ in range(64)]  # 4 GiB of NaN
+    after = replay(runner, inputs)[0]
+    del filler
+    assert torch.equal(after, before)

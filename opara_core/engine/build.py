@@ -218,12 +218,10 @@ def capture_fastest(
     chosen ones captured again at the end: the runner's pool holds only the
     graphs it replays, not the leftovers of the candidates it dropped.
 
-    Replay the graphs before capturing anything else in the process: on an
-    H100 (torch 2.11), replaying a built runner's graph after further graphs
-    were captured elsewhere in the same process hit an illegal memory access
-    now and then (seen with fresh or reused interpreters, with and without
-    cross-lane memory reuse; cause not found). Serving builds once, then only
-    replays.
+    Each graph keeps the traced module it reads alive (`CapturedGraph.owner`):
+    before it did, the module's folded weights were freed when the build
+    returned, and a later build in the same process overwrote them (the
+    illegal memory accesses and out-of-bounds gathers seen on the H100).
     """
     sequential = [c for c in captures if c.sequential]
     shortlist = [c for c in captures if not c.sequential]

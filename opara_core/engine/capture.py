@@ -155,11 +155,20 @@ def run_on_lanes(interpreter: StreamInterpreter, inputs: Sequence[torch.Tensor])
 @dataclass(frozen=True, eq=False)
 class CapturedGraph:
     """One captured CUDA graph and the static tensors it reads and writes: write a
-    batch into `inputs`, `replay()`, read `outputs` (overwritten by the next replay)."""
+    batch into `inputs`, `replay()`, read `outputs` (overwritten by the next replay).
+
+    `owner` keeps alive what the graph reads but does not own: a CUDA graph
+    holds raw device pointers, so the weights and folded constants of the
+    module it was captured from must live as long as the graph. Without it, the
+    traced module was freed when the build returned, and the next allocations
+    (another build in the same process) overwrote weights that replays still
+    read: wrong outputs, illegal addresses, out-of-bounds gathers on the H100.
+    """
 
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]
+    owner: Any = None
 
     @property
     def rows(self) -> int:
@@ -202,7 +211,7 @@ class PlanCapture:
                 result = run_on_lanes(self.interpreter, static_in)
         except RuntimeError as error:
             raise CaptureError(f"capturing {self.plan.policy} with {self.plan.num_streams} lanes failed: {error}") from error
-        return CapturedGraph(cuda_graph, tuple(static_in), tuple(_tensors(result)))
+        return CapturedGraph(cuda_graph, tuple(static_in), tuple(_tensors(result)), owner=self.interpreter.module)
 
 
 def capture_module(module: torch.nn.Module, static_in: Sequence[torch.Tensor], pool: Any, warmup: int = 3) -> CapturedGraph:
@@ -223,7 +232,7 @@ def capture_module(module: torch.nn.Module, static_in: Sequence[torch.Tensor], p
             result = module(*static_in)
     except RuntimeError as error:
         raise CaptureError(f"capturing the module on one stream failed: {error}") from error
-    return CapturedGraph(cuda_graph, tuple(static_in), tuple(_tensors(result)))
+    return CapturedGraph(cuda_graph, tuple(static_in), tuple(_tensors(result)), owner=module)
 
 
 def time_replays(captured: CapturedGraph, seconds: float = 0.02, repeats: int = 5, warmup: int = 3) -> float:
