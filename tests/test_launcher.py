@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -422,3 +423,36 @@ def test_gpu_metrics_are_on_exactly_where_there_is_a_gpu(tmp_path):
     else:
         assert "nv_gpu_" not in metrics
         assert "NVML" not in log and "DCGM" not in log, log[-2000:]
+
+
+def test_with_explicit_model_control_an_unload_is_no_failure_but_a_dead_stub_is(tmp_path, admin_key):
+    """Model Analyzer loads and unloads models through the repository API
+    (TRITON_ARGS="--model-control-mode=explicit ..."): an unload ends the
+    model's backend process on purpose, which must not restart the server; a
+    stub killed under a model that stays loaded still does."""
+    repository = tmp_path / "models"
+    shutil.copytree(REPO_ROOT / "model_repository" / "deepfm", repository / "deepfm")
+    config = server_config(repository, extra_args=("--model-control-mode=explicit", "--load-model=deepfm"))
+    key = {"admin-key": admin_key}
+
+    def until(condition, what: str):
+        deadline = time.monotonic() + 120
+        while not (value := condition()):
+            assert time.monotonic() < deadline, what
+            time.sleep(0.25)
+        return value
+
+    with TritonServer(config, tmp_path / "server.log") as server:
+        client = httpclient.InferenceServerClient(server.http_url)
+        watched = server.stubs()
+        assert list(watched) == ["deepfm_0_0"]
+        client.unload_model("deepfm", headers=key)
+        until(lambda: "deepfm_0_0" not in server.stubs(), "the unloaded model's stub still runs")
+        assert server.failure(watched) is None and watched == {}
+        client.load_model("deepfm", headers=key)
+        until(lambda: "deepfm_0_0" in server.stubs() and client.is_model_ready("deepfm"), "deepfm did not load again")
+        assert server.failure(watched) is None and watched == server.stubs()
+        os.kill(watched["deepfm_0_0"], signal.SIGKILL)
+        reason, _ = until(lambda: server.failure(watched), "a killed stub went unnoticed")
+        assert reason == "backend process died"
+        client.close()

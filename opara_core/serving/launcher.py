@@ -305,16 +305,27 @@ def gpu_present(dev: Path = Path("/dev"), env: Mapping[str, str] | None = None) 
     return any(re.fullmatch(r"nvidia\d+", node.name) for node in dev.glob("nvidia*"))
 
 
+def model_control_mode(config: ServerConfig) -> str:
+    """`none` (the launcher's), or what a pass-through flag chose."""
+    return dict(passthrough_flags(config.extra_args)).get("--model-control-mode") or "none"
+
+
+def instance_model(instance: str) -> str:
+    """The model of a model instance as Triton names it (`deepfm_0_0`: the
+    model, its instance group, the instance; groups in this repository have
+    no names of their own)."""
+    return re.sub(r"(_\d+){2}$", "", instance)
+
+
 def expected_models(config: ServerConfig) -> list[str] | None:
     """The models tritonserver will load at start: every model directory of the
     repository, or with explicit model control those named by --load-model
     (None where that is not known)."""
     repository = Path(config.model_repository)
     every = sorted(p.parent.name for p in repository.glob("*/config.pbtxt"))
-    flags = passthrough_flags(config.extra_args)
-    if dict(flags).get("--model-control-mode", "none") != "explicit":
+    if model_control_mode(config) != "explicit":
         return every
-    named = [value for name, value in flags if name == "--load-model" and value]
+    named = [value for name, value in passthrough_flags(config.extra_args) if name == "--load-model" and value]
     return every if "*" in named else (sorted(named) or None)
 
 
@@ -448,12 +459,21 @@ class TritonServer:
         partial.replace(self.status_file)
 
     def failure(self, watched: dict[str, int]) -> tuple[str, str] | None:
-        """(reason, what happened) if the server, the guard or a watched stub died."""
+        """(reason, what happened) if the server, the guard or a watched stub died.
+
+        With explicit or poll model control, models come and go on purpose:
+        `watched` follows them (a stub whose model Triton no longer reports
+        ready was unloaded; a new stub, or a new pid under an old name, is a
+        load). A stub gone while its model still reports ready died."""
         if self.returncode is not None:
             return "server exited", f"tritonserver {describe_exit(self.returncode)}{self.last_words()}"
         if self.guard is not None and self.guard.poll() is not None:
             return "guard exited", f"the HTTP guard {describe_exit(self.guard.returncode)}"
         alive = self.stubs()
+        if model_control_mode(self.config) in ("explicit", "poll"):
+            for name in [name for name in watched if name not in alive and not self._model_ready(instance_model(name))]:
+                del watched[name]
+            watched.update(alive)
         dead = sorted(name for name, pid in watched.items() if alive.get(name) != pid)
         if dead:
             return "backend process died", (
@@ -478,6 +498,17 @@ class TritonServer:
     def stubs(self) -> dict[str, int]:
         """This server's Python-backend stub processes: instance name -> pid."""
         return {} if self.process is None else stub_processes(self.process.pid)
+
+    def _model_ready(self, model: str) -> bool:
+        """Whether tritonserver (its own HTTP port) reports `model` ready."""
+        url = f"http://{self.upstream[0]}:{self.upstream[1]}/v2/models/{model}/ready"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return response.status == 200
+        except urllib.error.HTTPError:
+            return False
+        except (urllib.error.URLError, OSError):
+            return True  # no answer: not a sign of an unload
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
