@@ -3,10 +3,12 @@ results next to the project's own client.
 
 `python -m client.perf run` runs the perf_analyzer bundled in the tritonclient
 wheel against a running server: for each model (default: every model the
-server reports ready), one perf_analyzer run per concurrency level with
-count-based measurement windows sized to the model's speed, merged into
-`OUT_DIR/<model>.csv` (its own columns, times in µs, rows in concurrency
-order); perf_analyzer's output is streamed as it comes. The input data is
+server reports ready; decoupled models are skipped), one perf_analyzer run
+per concurrency level with count-based measurement windows sized to the
+model's speed, merged into `OUT_DIR/<model>.csv` (its own columns, times in
+µs, rows in concurrency order, and our `Settled`: a level that does not settle
+is measured once more as a fixed number of requests, without the stability
+check, and marked `no`); perf_analyzer's output is streamed as it comes. The input data is
 written by `client.inputs` from the model's metadata and config, so ids stay
 in the ranges the model declares, exactly as for the client. This module is
 the project's one perf_analyzer driver: scripts/serving_bench.py uses its
