@@ -211,14 +211,14 @@ def safe_args(config: ServerConfig, paths: list[str], http: tuple[str, int] | No
     """Flags every server gets: model control `none`, the configured address
     and ports, restricted APIs behind the admin key (a random one if unset),
     GPU metrics where there is a GPU; then the pass-through flags, which
-    replace the defaults of the same name (DEFAULT_FLAGS)."""
+    replace the defaults of the same name."""
     http_address, http_port = http or (config.address, config.http_port)
     given = {name for name, _ in passthrough_flags(config.extra_args)}
-    defaults = [
-        "--model-control-mode=none",
-        f"--allow-gpu-metrics={'true' if gpu_present() else 'false'}",  # on a GPU-less host DCGM/NVML only print errors
-        f"--log-verbose={config.log_verbose}",
-    ]
+    defaults = {
+        "--model-control-mode": "none",
+        "--allow-gpu-metrics": "true" if gpu_present() else "false",  # on a GPU-less host DCGM and NVML only print errors
+        "--log-verbose": config.log_verbose,
+    }
     return [
         f"--id={config.server_id}",
         f"--model-repository={Path(config.model_repository).resolve()}",
@@ -234,7 +234,7 @@ def safe_args(config: ServerConfig, paths: list[str], http: tuple[str, int] | No
         # leftovers of a crashed one never collide
         f"--backend-config=python,shm-region-prefix-name={shm_prefix(config)}",
         *restricted_api_args(config.admin_key or secrets.token_urlsafe(32)),
-        *(flag for flag in defaults if flag.split("=", 1)[0] not in given),
+        *(f"{name}={value}" for name, value in defaults.items() if name not in given),
         *config.extra_args,
     ]
 
@@ -263,8 +263,6 @@ OWNED_FLAGS = {
     "--exit-timeout-secs": "the launcher waits that long for a clean stop, then kills",
     "--log-file": "the launcher reads tritonserver's output (progress, the reasons for restarts)",
 }
-# flags the launcher sets by default, which a pass-through flag of the same name replaces
-DEFAULT_FLAGS = ("--model-control-mode", "--allow-gpu-metrics", "--log-verbose")
 
 
 def passthrough_flags(args: Sequence[str]) -> list[tuple[str, str | None]]:
@@ -816,8 +814,8 @@ def main(argv: list[str] | None = None) -> int:
             f"restricted APIs) is refused."
         )
     argv = sys.argv[1:] if argv is None else list(argv)
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    args = parser.parse_args(argv[: len(argv) - len(extra) - (1 if "--" in argv else 0)])
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, extra = parser.parse_args(argv[:cut]), argv[cut + 1 :]
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "prepare":
