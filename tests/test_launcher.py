@@ -456,3 +456,25 @@ def test_with_explicit_model_control_an_unload_is_no_failure_but_a_dead_stub_is(
         reason, _ = until(lambda: server.failure(watched), "a killed stub went unnoticed")
         assert reason == "backend process died"
         client.close()
+
+
+def test_a_client_that_asks_for_no_encoding_gets_plain_json(server):
+    """curl sends no Accept-Encoding; the HTTP guard's own client asked Triton
+    for gzip and passed the compressed answer on (the README's curl example
+    printed gzip bytes)."""
+    import http.client
+    import json
+
+    body = json.dumps({"inputs": [{"name": "image", "shape": [1, 3, 224, 224], "datatype": "FP32", "data": [0.5] * 150528}]})
+    host, port = server.http_url.split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.putrequest("POST", f"/v2/models/{MODEL}/infer", skip_accept_encoding=True)
+        connection.putheader("Content-Length", str(len(body)))
+        connection.endheaders(body.encode())
+        response = connection.getresponse()
+        raw = response.read()
+    finally:
+        connection.close()
+    assert response.status == 200 and response.getheader("Content-Encoding") in (None, "identity")
+    assert json.loads(raw)["outputs"][0]["shape"] == [1, 1000]
