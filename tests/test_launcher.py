@@ -478,3 +478,22 @@ def test_a_client_that_asks_for_no_encoding_gets_plain_json(server):
         connection.close()
     assert response.status == 200 and response.getheader("Content-Encoding") in (None, "identity")
     assert json.loads(raw)["outputs"][0]["shape"] == [1, 1000]
+
+
+def test_stop_ends_a_backend_process_its_killed_server_left_behind(tmp_path):
+    """A SIGKILLed server's stub normally exits by itself; one was seen hung in
+    a futex wait for minutes, holding its model. Here a stopped (SIGSTOP) stub
+    stands in for a hung one."""
+    repository = tmp_path / "models"
+    shutil.copytree(REPO_ROOT / "model_repository" / "deepfm", repository / "deepfm")
+    server = TritonServer(server_config(repository), tmp_path / "server.log")
+    with server:
+        (stub,) = server.stubs().values()
+        os.kill(stub, signal.SIGSTOP)
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait(30)
+    try:
+        assert not running(stub), "the hung backend process outlived its server"
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(stub, signal.SIGKILL)

@@ -27,6 +27,7 @@ process dies; `container` does the same with the image's own tritonserver.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import importlib.util
 import json
@@ -385,6 +386,7 @@ class TritonServer:
         self.status_file = Path(tempfile.gettempdir()) / f"{config.server_id}-status.json"
         self.restarts: dict[str, int] = {}
         self._signalled: set[int] = set()  # pids sent SIGTERM or SIGINT already
+        self._stub_pids: set[int] = set()  # every stub seen since the last stop, for `stop`
         self._log_start = 0  # where this run of tritonserver begins in the log
 
     @property
@@ -495,7 +497,19 @@ class TritonServer:
 
     def stubs(self) -> dict[str, int]:
         """This server's Python-backend stub processes: instance name -> pid."""
-        return {} if self.process is None else stub_processes(self.process.pid)
+        found = {} if self.process is None else stub_processes(self.process.pid)
+        self._stub_pids.update(found.values())
+        return found
+
+    def _is_our_stub(self, pid: int) -> bool:
+        """`pid` runs, and is a stub of this server (its shared-memory region is
+        named with our prefix), not a process that reused the pid."""
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            args = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] != "Z" and shm_prefix(self.config).encode() in args
 
     def _model_ready(self, model: str) -> bool:
         """Whether tritonserver (its own HTTP port) reports `model` ready."""
@@ -516,6 +530,7 @@ class TritonServer:
             if self.guard is not None and self.guard.poll() is not None:
                 raise ServerError(f"the HTTP guard exited early (code {self.guard.returncode}):\n{self.log_tail()}")
             if self._answers_as_self():
+                self.stubs()  # remembered, so that `stop` can end any a killed server leaves behind
                 return
             time.sleep(0.25)
         raise ServerError(f"tritonserver not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
@@ -565,6 +580,17 @@ class TritonServer:
                 process.wait()
         if not keep_guard:
             self.status_file.unlink(missing_ok=True)
+        # a stub outliving its server: a SIGKILLed server's stub exits within a
+        # second by itself, but one was seen hung for minutes in a futex wait
+        # (a lock the dead server held), holding its model's memory
+        deadline = time.monotonic() + 2
+        while (left := [pid for pid in self._stub_pids if self._is_our_stub(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in left:
+            with contextlib.suppress(OSError):  # gone meanwhile
+                os.kill(pid, signal.SIGKILL)
+                log.warning("killed backend process %d, left behind by its server", pid)
+        self._stub_pids.clear()
         for region in Path("/dev/shm").glob(f"{shm_prefix(self.config)}*"):  # the server is gone: all ours
             region.unlink(missing_ok=True)
         return None if self.process is None else self.process.returncode
