@@ -27,6 +27,7 @@ from opara_core.serving.launcher import (
     REPO_ROOT,
     ServerConfig,
     TritonServer,
+    alive,
     find_server,
     free_port,
     gpu_present,
@@ -251,14 +252,6 @@ time.sleep(600)
 """
 
 
-def running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's reaper may be slow or absent)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_killed_parent_takes_its_server_down(tmp_path):
     """The launcher starts tritonserver under `setpriv --pdeathsig`, so a test
     run or `make serve` killed with SIGKILL leaves no server holding ports."""
@@ -274,9 +267,9 @@ def test_a_killed_parent_takes_its_server_down(tmp_path):
         parent.kill()
         parent.wait(30)
         deadline = time.monotonic() + 60
-        while running(pid) and time.monotonic() < deadline:
+        while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.25)
-        assert not running(pid), "tritonserver outlived its killed parent"
+        assert not alive(pid), "tritonserver outlived its killed parent"
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", int(ports[0]))) != 0
     finally:
@@ -493,7 +486,7 @@ def test_stop_ends_a_backend_process_its_killed_server_left_behind(tmp_path):
         os.kill(server.process.pid, signal.SIGKILL)
         server.process.wait(30)
     try:
-        assert not running(stub), "the hung backend process outlived its server"
+        assert not alive(stub), "the hung backend process outlived its server"
     finally:
         with contextlib.suppress(OSError):
             os.kill(stub, signal.SIGKILL)

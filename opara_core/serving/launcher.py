@@ -505,11 +505,9 @@ class TritonServer:
         """`pid` runs, and is a stub of this server (its shared-memory region is
         named with our prefix), not a process that reused the pid."""
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            args = Path(f"/proc/{pid}/cmdline").read_bytes()
+            return alive(pid) and shm_prefix(self.config).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             return False
-        return stat.rsplit(")", 1)[1].split()[0] != "Z" and shm_prefix(self.config).encode() in args
 
     def _model_ready(self, model: str) -> bool:
         """Whether tritonserver (its own HTTP port) reports `model` ready."""
@@ -590,6 +588,9 @@ class TritonServer:
             with contextlib.suppress(OSError):  # gone meanwhile
                 os.kill(pid, signal.SIGKILL)
                 log.warning("killed backend process %d, left behind by its server", pid)
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in left) and time.monotonic() < deadline:  # exiting takes a moment
+            time.sleep(0.05)
         self._stub_pids.clear()
         for region in Path("/dev/shm").glob(f"{shm_prefix(self.config)}*"):  # the server is gone: all ours
             region.unlink(missing_ok=True)
@@ -614,6 +615,14 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def alive(pid: int) -> bool:
+    """`pid` exists and is not a zombie (an orphan's reaper may be slow or absent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def describe_exit(code: int) -> str:
