@@ -46,5 +46,6 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
 # tritonserver with model control none and the model-repository, shared-memory,
 # logging and trace APIs behind OPARA_ADMIN_KEY (closed to everyone when unset);
 # it binds 0.0.0.0 inside the container: `docker run -p 127.0.0.1:8000:8000 ...`
-# keeps it on the host's loopback.
+# keeps it on the host's loopback. GPU metrics are on when the container has GPUs
+# (/dev/nvidia<N>); `-e TRITON_ARGS="..."` passes more tritonserver flags.
 CMD ["python3", "-m", "opara_core.serving.launcher", "container", "--model-repository", "/models"]

@@ -20,7 +20,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --disable-pip-version-check -q -e '.[server,test]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
-# Foreground server on 127.0.0.1; ports from HTTP_PORT, GRPC_PORT, METRICS_PORT.
+# Foreground server on 127.0.0.1; ports from HTTP_PORT, GRPC_PORT, METRICS_PORT;
+# more tritonserver flags from TRITON_ARGS (e.g. TRITON_ARGS="--metrics-interval-ms 500";
+# a flag the launcher owns, such as a port, is refused). A line per model as it
+# loads, one when the server is ready.
 serve: setup
 	exec $(PY) -m opara_core.serving.launcher serve --model-repository $(MODEL_REPOSITORY)
 
@@ -30,10 +33,12 @@ test: setup
 # perf_analyzer (bundled in tritonclient) against a running server (`make serve`):
 # a concurrency sweep with count windows sized to each model's speed for every
 # model of MODEL_REPOSITORY (named here, since listing a server's models needs
-# the admin key), perf_analyzer's output streamed, one CSV per model in
-# out/perf/. PERF_URL is the gRPC HOST:PORT; PERF_MODELS picks models; PERF_ARGS
-# adds options of `python -m client.perf run` (e.g. "--max-trials 40" where a
-# level does not settle). PERF_SHM: none, system or cuda (perf_analyzer's
+# the admin key; decoupled ones, gpt2, are skipped with a note), perf_analyzer's
+# output streamed, one CSV per model in out/perf/. A level that does not settle
+# is measured once more without the stability check and marked Settled=no.
+# PERF_URL is the gRPC HOST:PORT; PERF_MODELS picks models; PERF_ARGS adds
+# options of `python -m client.perf run` (e.g. "--max-trials 40 --rough-windows 0"
+# for settled numbers only). PERF_SHM: none, system or cuda (perf_analyzer's
 # --shared-memory; cuda on the server's GPU host: the tensors never touch the host).
 # `.venv/bin/opara-perf-analyzer` runs perf_analyzer by hand.
 PERF_URL ?= localhost:8001

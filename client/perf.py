@@ -3,10 +3,12 @@ results next to the project's own client.
 
 `python -m client.perf run` runs the perf_analyzer bundled in the tritonclient
 wheel against a running server: for each model (default: every model the
-server reports ready), one perf_analyzer run per concurrency level with
-count-based measurement windows sized to the model's speed, merged into
-`OUT_DIR/<model>.csv` (its own columns, times in µs, rows in concurrency
-order); perf_analyzer's output is streamed as it comes. The input data is
+server reports ready; decoupled models are skipped), one perf_analyzer run
+per concurrency level with count-based measurement windows sized to the
+model's speed, merged into `OUT_DIR/<model>.csv` (its own columns, times in
+µs, rows in concurrency order, and our `Settled`: a level that does not settle
+is measured once more as a fixed number of requests, without the stability
+check, and marked `no`); perf_analyzer's output is streamed as it comes. The input data is
 written by `client.inputs` from the model's metadata and config, so ids stay
 in the ranges the model declares, exactly as for the client. This module is
 the project's one perf_analyzer driver: scripts/serving_bench.py uses its
@@ -44,7 +46,7 @@ from client.bench import read_json
 from client.cli import UsageError, run_main, server_url, unreachable
 from client.inputs import InputError, ModelInfo, random_inputs
 from client.plots import plot_latency_vs_throughput
-from opara_core.cli_helpers import Parser, config_from_args, positive_int, positive_int_list
+from opara_core.cli_helpers import Parser, config_from_args, non_negative_int, positive_int, positive_int_list
 from opara_core.serving.admin_key import read_admin_key
 
 class PerfError(RuntimeError):
@@ -56,8 +58,10 @@ UNSTABLE = "Failed to obtain stable measurement"
 
 @dataclass(frozen=True)
 class PerfConfig:
-    """One perf_analyzer sweep of one model. The defaults settle on a shared
-    2-core CPU (see README, make perf): short count windows, judged on p50."""
+    """One perf_analyzer sweep of one model. The defaults finish on a shared
+    2-core CPU (see README, make perf): short count windows, judged on p50, and
+    a level that does not settle is measured once more without the stability
+    check and marked unsettled (Settled=no in the CSV) instead of failing."""
 
     model: str
     url: str
@@ -66,7 +70,11 @@ class PerfConfig:
     batch: int = 1
     request_count: int = 50  # requests per measurement window
     stability_percentage: int = 30  # perf_analyzer's 10 (and 20) never settled on the busy 2-core CPU machine
-    max_trials: int = 20  # windows before giving up; a settled level needs 3 in a row
+    max_trials: int = 10  # windows before giving up (perf_analyzer's default); a settled level needs 3 in a row
+    # an unsettled level: measured again as this many windows' worth of requests
+    # without the stability check (throughput swung sixfold between windows on the
+    # shared 2-core machine); 0: it is an error
+    rough_windows: int = 3
     percentile: int | None = 50  # stabilise on p50 (None: on the mean), robust to the odd slow request
     shared_memory: str = "none"
     timeout_s: float = 600.0
@@ -116,8 +124,19 @@ def admin_key_header(protocol: str, key: str) -> list[str]:
 
 
 def perf_analyzer_command(
-    config: PerfConfig, concurrency: int, data_path: Path, csv_path: Path, output_bytes: int = 0
+    config: PerfConfig, concurrency: int, data_path: Path, csv_path: Path, output_bytes: int = 0, total: int | None = None
 ) -> list[str]:
+    """One level's perf_analyzer command: count windows until stable, or with
+    `total`, exactly that many requests measured once (no stability check)."""
+    if total is None:
+        measure = [
+            "--measurement-mode=count_windows",
+            f"--measurement-request-count={config.request_count}",
+            f"--stability-percentage={config.stability_percentage}",
+            f"--max-trials={config.max_trials}",
+        ]
+    else:
+        measure = [f"--request-count={total}"]
     command = [
         config.binary or perf_analyzer_binary(),
         "-m", config.model,
@@ -125,10 +144,7 @@ def perf_analyzer_command(
         "-i", config.protocol,
         "-b", str(config.batch),
         f"--concurrency-range={concurrency}:{concurrency}",
-        "--measurement-mode=count_windows",
-        f"--measurement-request-count={config.request_count}",
-        f"--stability-percentage={config.stability_percentage}",
-        f"--max-trials={config.max_trials}",
+        *measure,
         f"--input-data={data_path}",
         "-f", str(csv_path),
     ]  # fmt: skip
@@ -252,13 +268,33 @@ def failure_line(config: PerfConfig, concurrency: int, code: int | None, output:
     """One line on why a level measured nothing; for an unstable one, which options to raise."""
     where = f"{config.model} at concurrency {concurrency}"
     if UNSTABLE in output:
-        return (
-            f"{where}: no stable measurement in {config.max_trials} windows of {config.request_count} requests "
-            f"(p{config.percentile or 'mean'} and throughput within {config.stability_percentage}%): raise "
-            f"--max-trials, --stability-percentage or --request-count (make perf: PERF_ARGS=...)"
-        )
+        return f"{where}: {_unstable(config)}: raise {RAISE}"
     last = [line.strip() for line in output.splitlines() if line.strip()][-1:] or ["no output"]
     return f"{where}: perf_analyzer exit {code}: {last[0]}"
+
+
+def decoupled(config: dict) -> bool:
+    """Whether a model answers with a stream of responses (Triton's decoupled transaction policy)."""
+    return bool((config.get("model_transaction_policy") or {}).get("decoupled"))
+
+
+RAISE = "--max-trials, --stability-percentage or --request-count (make perf: PERF_ARGS=...)"
+
+
+def _unstable(config: PerfConfig) -> str:
+    return (
+        f"no stable measurement in {config.max_trials} windows of {config.request_count} requests "
+        f"(p{config.percentile or 'mean'} and throughput within {config.stability_percentage}%)"
+    )
+
+
+def rough_line(config: PerfConfig, concurrency: int) -> str:
+    """One line for a level measured without the stability check."""
+    return (
+        f"{config.model} at concurrency {concurrency}: {_unstable(config)}; measured "
+        f"{config.rough_windows * config.request_count} requests once instead (Settled=no in the CSV: a rough "
+        f"number); for a settled one raise {RAISE}"
+    )
 
 
 MIN_WINDOW_REQUESTS, MAX_WINDOW_REQUESTS = 10, 50
@@ -284,11 +320,13 @@ def window_requests(url: str, protocol: str, info: ModelInfo, batch: int, window
     return count
 
 
-def run_model(config: PerfConfig, info: ModelInfo, csv_path: Path, echo: bool = True) -> list[str]:
-    """Sweep one model; writes `csv_path` with every level that measured.
-    Returns the failures (one line each); raises PerfError if none measured."""
+def run_model(config: PerfConfig, info: ModelInfo, csv_path: Path, echo: bool = True) -> tuple[list[str], list[str]]:
+    """Sweep one model; writes `csv_path` with every level that measured, each
+    row marked Settled yes or no. Returns (failures, levels measured without
+    the stability check), one line each; raises PerfError if none measured."""
     rows: list[dict[str, str]] = []
     failures: list[str] = []
+    rough: list[str] = []
     log_path = csv_path.with_suffix(".log")
     with tempfile.TemporaryDirectory(prefix="opara_perf_") as tmp, open(log_path, "w") as log_file:
         if config.lengths is None:
@@ -302,8 +340,18 @@ def run_model(config: PerfConfig, info: ModelInfo, csv_path: Path, echo: bool = 
             if echo:
                 print(f"{config.model}: concurrency {concurrency}", flush=True)
             code, output = run_perf_analyzer(command, log_file, config.timeout_s, echo)
+            settled = "yes"
+            if code != 0 and UNSTABLE in output and config.rough_windows:
+                total = config.rough_windows * config.request_count
+                if echo:
+                    print(f"{config.model}: concurrency {concurrency} did not settle; measuring {total} requests once", flush=True)
+                command = perf_analyzer_command(config, concurrency, data, part, output_bytes(info, config.batch), total)
+                code, output = run_perf_analyzer(command, log_file, config.timeout_s, echo)
+                settled = "no"
             if code == 0 and part.exists():
-                rows += read_perf_csv(part)
+                rows += [{**row, "Settled": settled} for row in read_perf_csv(part)]
+                if settled == "no":
+                    rough.append(rough_line(config, concurrency))
             else:
                 failures.append(failure_line(config, concurrency, code, output))
     if not rows:
@@ -313,7 +361,7 @@ def run_model(config: PerfConfig, info: ModelInfo, csv_path: Path, echo: bool = 
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    return failures
+    return failures, rough
 
 
 # --- comparison plot -----------------------------------------------------------------
@@ -373,6 +421,13 @@ def _parser() -> Parser:
     )
     run.add_argument("--max-trials", type=positive_int, default=PerfConfig.max_trials, help="windows before giving up")
     run.add_argument(
+        "--rough-windows",
+        type=non_negative_int,
+        default=PerfConfig.rough_windows,
+        help="a level that does not settle is measured once more as this many windows' worth of requests, without "
+        f"the stability check, and marked Settled=no (default {PerfConfig.rough_windows}; 0: an unsettled level is an error)",
+    )
+    run.add_argument(
         "--shared-memory",
         choices=("none", *SHARED_MEMORY_KINDS),
         default="none",
@@ -411,20 +466,33 @@ def main(argv: list[str] | None = None) -> int:
             models = args.model or client.ready_models()
             if not models:
                 raise ClientError(f"the server at {url} reports no ready model")
-            infos = {model: client.model_info(model) for model in models}
+            streaming = [model for model in models if decoupled(client.model_config(model))]
+            infos = {model: client.model_info(model) for model in models if model not in streaming}
         except ClientError as error:
             raise unreachable(error, url, args.protocol) from None
+    for model in streaming:
+        print(
+            f"{model}: skipped: a decoupled model (one response per generated token), which perf_analyzer's "
+            f"request sweep does not measure; use `python -m client generate --model {model} --rate R` (see README)",
+            flush=True,
+        )
+    if not infos:
+        raise UsageError(f"nothing to measure: {', '.join(streaming)} only")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    failures = []
+    failures, rough = [], []
     for model, info in infos.items():
         count = args.request_count or window_requests(url, args.protocol, info, args.batch, args.window_seconds)
         config = config_from_args(PerfConfig, args, model=model, url=url, request_count=count, admin_key=read_admin_key())
         csv_path = args.out_dir / f"{model}.csv"
         try:
-            failures += run_model(config, info, csv_path)
+            failed, unsettled = run_model(config, info, csv_path)
+            failures += failed
+            rough += unsettled
             print(f"{model}: wrote {csv_path}")
         except PerfError as error:
             failures.append(str(error))
+    for line in rough:
+        print(f"note: {line}")
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)
     return 1 if failures else 0

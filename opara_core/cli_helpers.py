@@ -26,15 +26,20 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1, for argparse `type=`."""
+def positive_int(text: str, least: int = 1) -> int:
+    """An integer >= `least` (1), for argparse `type=`."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0, for argparse `type=`."""
+    return positive_int(text, least=0)
 
 
 def positive_int_list(text: str) -> tuple[int, ...]:

@@ -6,6 +6,8 @@
 #   tests      every test marked gpu (engine, fallback metric)
 #   servertests tests/test_models.py and tests/test_faults.py with the server on the GPU (every
 #              model over HTTP and gRPC against the eager oracle, faults); ~400 s on an H100
+#   launcher   the launcher on a GPU host: GPU metrics on (nv_gpu_* on /metrics), the device-node
+#              detection agrees with torch, explicit model control with a GPU DeepFM (unload, load, a killed stub)
 #   csan       every model's eager multi-stream schedule under PyTorch's CUDA sanitizer
 #   racecheck  GoogLeNet's graphs under compute-sanitizer --tool racecheck (no autotuning)
 #   transporttests the GPU path's tests: CUDA shared memory through the client against googlenet and
@@ -102,6 +104,8 @@ for spec in "$@"; do
     tests) step tests "$limit" python3 -m pytest -p no:cacheprovider -m gpu -q --durations=10 tests ;;
     servertests) step servertests "$limit" python3 -m pytest -p no:cacheprovider -m "gpu or server" -q -rfE --durations=10 \
         tests/test_models.py tests/test_faults.py ;;
+    launcher) step launcher "$limit" python3 -m pytest -p no:cacheprovider -q -rfE --durations=5 tests/test_launcher.py \
+        tests/test_startup.py -k "gpu_metrics or gpu_detection or explicit_model_control or ready_line" ;;
     csan) step csan "$limit" python3 scripts/race_check.py eager --sanitizer --runs 2 --json "$out/race_eager.json" ;;
     racecheck) step racecheck "$limit" compute-sanitizer --tool racecheck --print-limit 20 \
         python3 scripts/race_check.py graph --model googlenet --replays 2 --autotune off --json "$out/racecheck.json" ;;
@@ -119,6 +123,6 @@ for spec in "$@"; do
     twogpu) step twogpu "$limit" bash -c twogpu ;;
     varlen) step varlen "$limit" python3 scripts/varlen_bench.py --models "${VARLEN_MODELS:-bert}" --concurrency 1,16,64 \
         --json "$out/varlen_bench.json" --log "$out/varlen_server.log" ;;
-    *) echo "unknown step $name (tests, servertests, csan, racecheck, transporttests, transport, serving, instances, twogpu, soak, varlen)" >&2; exit 2 ;;
+    *) echo "unknown step $name (tests, servertests, launcher, csan, racecheck, transporttests, transport, serving, instances, twogpu, soak, varlen)" >&2; exit 2 ;;
     esac
 done

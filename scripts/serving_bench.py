@@ -151,10 +151,11 @@ def execute_split(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 
 def replay_medians(log: str) -> dict[str, float]:
-    """Bucket-1 replay medians the models logged when they chose their graph."""
+    """Bucket-1 replay medians the models logged when they chose their graph
+    (one line each, opara_core.serving.startup.ready_line)."""
     medians = {}
-    for model, block in re.findall(r"model (\w+) ready on cuda[^\n]*\n((?:.*\n){1,12})", log):
-        found = re.search(r"bucket 1: ([\w:/]+) \(median ms: (.*?)\)", block)
+    for model, line in re.findall(r"model (\w+) ready on cuda\S* in [\d.]+ s: ([^\n]*)", log):
+        found = re.search(r"bucket 1: ([\w:/]+) \(median ms: (.*?)\)", line)
         if found:
             times = dict(re.findall(r"([\w:/]+) ([\d.]+)", found.group(2)))
             medians[model] = float(times.get(found.group(1), "nan"))

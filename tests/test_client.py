@@ -25,6 +25,7 @@ from serving import assert_close, eager
 from client import bench, perf
 from client.__main__ import main as client_main
 from client.api import SHM_PREFIX, Client, ClientError, SharedMemoryRegions, result_arrays
+from client.cli import UsageError
 from client.inputs import random_inputs
 from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, TritonServer, free_port
 
@@ -131,6 +132,30 @@ def test_perf_analyzer_passes_the_admin_key_over_grpc(server, tmp_path):
     metadata, and measures."""
     rows = perf.read_perf_csv(perf_analyzer_run(server, tmp_path, "--shared-memory", "system"))
     assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
+
+
+def test_a_level_that_cannot_settle_is_measured_once_more_and_marked(server, tmp_path, capsys):
+    """Two windows can never settle (perf_analyzer wants three in a row): the
+    level is measured once with a fixed count, kept, and marked Settled=no;
+    the run succeeds and says which options give a settled number."""
+    code = perf.main(
+        ["run", "--model", MODEL, "--url", server.grpc_url, "--concurrency", "1", "--request-count", "5",
+         "--max-trials", "2", "--rough-windows", "2", "--out-dir", str(tmp_path)]
+    )  # fmt: skip
+    assert code == 0, (tmp_path / f"{MODEL}.log").read_text()[-3000:]
+    rows = perf.read_perf_csv(tmp_path / f"{MODEL}.csv")
+    assert [(row["Concurrency"], row["Settled"]) for row in rows] == [("1", "no")]
+    assert float(rows[0]["Inferences/Second"]) > 0
+    assert f"note: {MODEL} at concurrency 1: no stable measurement in 2 windows" in capsys.readouterr().out
+
+
+def test_perf_skips_a_decoupled_model_and_names_the_tool_for_it(server, tmp_path, capsys):
+    """gpt2 streams a response per token: perf_analyzer's request sweep cannot
+    measure it (it used to stop `make perf` with an input error)."""
+    with pytest.raises(UsageError, match="nothing to measure: gpt2 only"):
+        perf.main(["run", "--model", "gpt2", "--url", server.grpc_url, "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "gpt2: skipped: a decoupled model" in out and "python -m client generate --model gpt2 --rate" in out
 
 
 def test_windows_hold_about_the_requested_seconds_within_bounds(server, capsys):

@@ -467,6 +467,18 @@ def test_an_unstable_measurement_names_the_options_to_raise():
     assert perf.failure_line(config, 1, 99, "a\nconnection refused\n").endswith("perf_analyzer exit 99: connection refused")
 
 
+def test_a_rough_measurement_is_a_fixed_count_without_the_stability_check():
+    config = perf.PerfConfig(model="m", url="h:1", max_trials=10, request_count=12, rough_windows=3, binary="pa")
+    stable = perf.perf_analyzer_command(config, 2, Path("d.json"), Path("o.csv"))
+    rough = perf.perf_analyzer_command(config, 2, Path("d.json"), Path("o.csv"), total=36)
+    assert "--max-trials=10" in stable and not any(arg.startswith("--request-count") for arg in stable)
+    assert "--request-count=36" in rough
+    assert not any(arg.startswith(("--max-trials", "--stability", "--measurement")) for arg in rough)
+    line = perf.rough_line(config, 2)
+    assert line.startswith("m at concurrency 2: no stable measurement in 10 windows of 12 requests")
+    assert "measured 36 requests once" in line and "Settled=no" in line and "PERF_ARGS" in line
+
+
 def test_the_perf_analyzer_wrapper_finds_its_library():
     """`.venv/bin/perf_analyzer` alone fails on libcudart.so.12; the wrapper runs it."""
     code = "import sys; sys.argv = ['opara-perf-analyzer', '--version']; from client.perf import exec_perf_analyzer; exec_perf_analyzer()"

@@ -288,4 +288,4 @@ def test_a_forced_capture_failure_falls_back_with_the_reason_in_log_and_metric(t
     ]
     log_text = (tmp_path / "server.log").read_text()
     assert "falling back to a sequential graph: capture failure forced by the fail_capture switch" in log_text
-    assert "runner sequential graph" in log_text
+    assert re.search(r"model googlenet ready on cuda:\d+ in [\d.]+ s: sequential graph, \d+ buckets, after 1 fallback\(s\) \| ", log_text)

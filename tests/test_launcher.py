@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,10 +19,22 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from conftest import server_config
 from serving import assert_close, eager, example, infer
 from tritonclient.utils import InferenceServerException
 
-from opara_core.serving.launcher import REPO_ROOT, ServerConfig, find_server, free_port, server_command, spawn
+from opara_core.serving.launcher import (
+    REPO_ROOT,
+    ServerConfig,
+    TritonServer,
+    alive,
+    find_server,
+    free_port,
+    gpu_present,
+    server_command,
+    spawn,
+)
+from opara_core.serving.startup import NO_GPU_NOTE
 
 pytestmark = pytest.mark.server
 
@@ -151,7 +164,10 @@ def test_server_config_reads_ports_from_the_environment():
 
 
 def test_make_serve_runs_in_the_foreground_comes_back_after_sigkill_and_stops_on_sigterm(tmp_path):
-    """The README's first command, on free ports with a one-model repository.
+    """The README's first command, on free ports with a one-model repository
+    and an extra tritonserver flag in TRITON_ARGS. It says what it is doing: a
+    line when the model has loaded (what it built), one when the server is
+    ready (its URLs), and on a host without a GPU no alarming CUDA lines.
     tritonserver killed with SIGKILL comes back by itself (the HTTP guard keeps
     the port and answers 503 meanwhile), the restart and its reason are in the
     log and in the guard's /metrics; SIGTERM then stops everything."""
@@ -162,6 +178,7 @@ def test_make_serve_runs_in_the_foreground_comes_back_after_sigkill_and_stops_on
     (repository / MODEL / "1" / "model.py").write_text((source / "1" / "model.py").read_text())
     ports = {"HTTP_PORT": free_port(), "GRPC_PORT": free_port(), "METRICS_PORT": free_port()}
     env = {**os.environ, **{k: str(v) for k, v in ports.items()}, "MODEL_REPOSITORY": str(repository)}
+    env["TRITON_ARGS"] = "--metrics-interval-ms 500"
     log_path = tmp_path / "make_serve.log"
     with open(log_path, "wb") as log_file:
         make = subprocess.Popen(["make", "-s", "serve"], cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
@@ -185,6 +202,8 @@ def test_make_serve_runs_in_the_foreground_comes_back_after_sigkill_and_stops_on
         assert_close(infer_http(client, x), eager(MODEL, [x]))
         first = find_server(ports["HTTP_PORT"])
         assert first is not None and find_server(ports["GRPC_PORT"]) == first
+        arguments = Path(f"/proc/{first}/cmdline").read_bytes().split(b"\0")
+        assert arguments[-3:-1] == [b"--metrics-interval-ms", b"500"], arguments
         os.kill(first, signal.SIGKILL)
         wait_ready()
         second = find_server(ports["HTTP_PORT"])
@@ -201,6 +220,19 @@ def test_make_serve_runs_in_the_foreground_comes_back_after_sigkill_and_stops_on
             make.kill()
     log = log_path.read_text()
     assert "tritonserver was killed by SIGKILL; the server restarts in" in log, log[-3000:]
+    device = "cuda:0" if gpu_present() else "cpu"
+    built = "(multi-stream|sequential) graph, \\d+ buckets" if gpu_present() else "eager"
+    loaded = re.findall(rf"^loaded 1/1: {MODEL} \({built} on {device}, [\d.]+ s to initialize; \d+ s after start\)$", log, re.M)
+    assert len(loaded) == 2, log[-3000:]  # the first start and the restart
+    http = f"HTTP http://127.0.0.1:{ports['HTTP_PORT']}"
+    ready = re.findall(rf"^ready after \d+ s: 1 of 1 models loaded; {re.escape(http)}.*, gRPC 127.0.0.1:{ports['GRPC_PORT']}, "
+                       rf"metrics http://127.0.0.1:{ports['METRICS_PORT']}/metrics$", log, re.M)  # fmt: skip
+    assert len(ready) == 2, log[-3000:]
+    summaries = [line for line in log.splitlines() if f"model {MODEL} ready on" in line]
+    assert len(summaries) == 2 and all(line.startswith("INFO ") for line in summaries), summaries
+    if not gpu_present():
+        assert "CudaDriverHelper" not in log.replace(NO_GPU_NOTE, ""), log[:3000]
+        assert log.count(NO_GPU_NOTE) == 1
     assert "Successfully unloaded" in log or "successfully unloaded" in log.lower(), log[-2000:]
     for port in ports.values():
         with socket.socket() as s:
@@ -220,14 +252,6 @@ time.sleep(600)
 """
 
 
-def running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's reaper may be slow or absent)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_killed_parent_takes_its_server_down(tmp_path):
     """The launcher starts tritonserver under `setpriv --pdeathsig`, so a test
     run or `make serve` killed with SIGKILL leaves no server holding ports."""
@@ -243,9 +267,9 @@ def test_a_killed_parent_takes_its_server_down(tmp_path):
         parent.kill()
         parent.wait(30)
         deadline = time.monotonic() + 60
-        while running(pid) and time.monotonic() < deadline:
+        while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.25)
-        assert not running(pid), "tritonserver outlived its killed parent"
+        assert not alive(pid), "tritonserver outlived its killed parent"
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", int(ports[0]))) != 0
     finally:
@@ -317,3 +341,152 @@ def test_a_busy_port_is_refused_at_once_with_its_name(tmp_path):
     assert f"gRPC port {port} (GRPC_PORT) is in use" in done.stderr
     assert time.monotonic() - start < 30
     assert not (tmp_path / "opara").exists(), "no key written for a server that never started"
+
+
+def test_extra_flags_reach_tritonserver_and_replace_the_defaults_they_name():
+    env = {"TRITON_ARGS": "--model-control-mode=explicit --load-model bert --trace-config 'triton,file=/tmp/a b.json'"}
+    config = ServerConfig.from_env(env, extra_args=("--log-verbose=1",))
+    command = server_command(config, Path("/backends"))
+    assert command[-6:] == ["--model-control-mode=explicit", "--load-model", "bert", "--trace-config", "triton,file=/tmp/a b.json", "--log-verbose=1"]
+    assert "--model-control-mode=none" not in command and "--log-verbose=0" not in command
+    assert sum(arg.startswith("--allow-gpu-metrics") for arg in command) == 1  # the default stays
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--grpc-port=9000"], "--grpc-port (use GRPC_PORT"),
+        (["--http-port", "9000"], "--http-port (use HTTP_PORT"),
+        (["--model-repository=/elsewhere"], "--model-repository (use MODEL_REPOSITORY"),
+        (["--http-address=0.0.0.0"], "--http-address (make serve binds 127.0.0.1"),
+        (["--grpc-restricted-protocol=shared-memory:k=v"], "--grpc-restricted-protocol (set OPARA_ADMIN_KEY"),
+        (["--backend-config", "python,shm-region-prefix-name=x"], "shm-region-prefix-name=x (the launcher gives"),
+        (["--log-file=/tmp/triton.log"], "--log-file (the launcher reads tritonserver's output"),
+        (["trace"], "'trace' is not a flag"),
+    ],
+)
+def test_an_extra_flag_the_launcher_owns_is_refused_with_what_to_do_instead(flags, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        ServerConfig(extra_args=("--trace-config=rate=10", *flags))
+
+
+def test_serve_refuses_an_owned_flag_before_anything_starts(tmp_path):
+    env = {**os.environ, "TRITON_ARGS": "--metrics-port=1", "XDG_RUNTIME_DIR": str(tmp_path)}
+    command = [sys.executable, "-m", "opara_core.serving.launcher", "serve", "--", "--grpc-port", "2"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "--metrics-port (use METRICS_PORT" in done.stderr and "--grpc-port (use GRPC_PORT" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "opara").exists()
+
+
+def test_gpu_detection_needs_a_gpu_device_node(tmp_path):
+    (tmp_path / "nvidiactl").touch()
+    (tmp_path / "nvidia-uvm").touch()
+    assert not gpu_present(tmp_path, {})
+    (tmp_path / "nvidia0").touch()
+    assert gpu_present(tmp_path, {})
+    assert gpu_present(tmp_path, {"CUDA_VISIBLE_DEVICES": "0"})
+    assert not gpu_present(tmp_path, {"CUDA_VISIBLE_DEVICES": ""})
+    assert not gpu_present(tmp_path, {"CUDA_VISIBLE_DEVICES": "-1"})
+
+
+def test_gpu_detection_agrees_with_torch():
+    import torch
+
+    assert gpu_present() == torch.cuda.is_available()
+
+
+def test_gpu_metrics_are_on_exactly_where_there_is_a_gpu(tmp_path):
+    """Triton's nv_gpu_* metrics (DCGM) on a GPU host; on a host without one
+    the flag stays off, since DCGM and NVML would only print errors there."""
+    (tmp_path / "empty").mkdir()
+    log_path = tmp_path / "server.log"
+    with TritonServer(server_config(tmp_path / "empty"), log_path) as server:
+        assert f"--allow-gpu-metrics={str(gpu_present()).lower()}" in Path(f"/proc/{server.process.pid}/cmdline").read_bytes().decode().split("\0")
+        deadline = time.monotonic() + 30
+        while True:  # GPU metrics appear at the first collection after start
+            with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+                metrics = response.read().decode()
+            if "nv_gpu_utilization" in metrics or not gpu_present() or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    log = log_path.read_text()
+    if gpu_present():
+        assert "nv_gpu_utilization" in metrics and "nv_gpu_memory_used_bytes" in metrics, log[-2000:]
+    else:
+        assert "nv_gpu_" not in metrics
+        assert "NVML" not in log and "DCGM" not in log, log[-2000:]
+
+
+def test_with_explicit_model_control_an_unload_is_no_failure_but_a_dead_stub_is(tmp_path, admin_key):
+    """Model Analyzer loads and unloads models through the repository API
+    (TRITON_ARGS="--model-control-mode=explicit ..."): an unload ends the
+    model's backend process on purpose, which must not restart the server; a
+    stub killed under a model that stays loaded still does."""
+    repository = tmp_path / "models"
+    shutil.copytree(REPO_ROOT / "model_repository" / "deepfm", repository / "deepfm")
+    config = server_config(repository, extra_args=("--model-control-mode=explicit", "--load-model=deepfm"))
+    key = {"admin-key": admin_key}
+
+    def until(condition, what: str):
+        deadline = time.monotonic() + 120
+        while not (value := condition()):
+            assert time.monotonic() < deadline, what
+            time.sleep(0.25)
+        return value
+
+    with TritonServer(config, tmp_path / "server.log") as server:
+        client = httpclient.InferenceServerClient(server.http_url)
+        watched = server.stubs()
+        assert list(watched) == ["deepfm_0_0"]
+        client.unload_model("deepfm", headers=key)
+        until(lambda: "deepfm_0_0" not in server.stubs(), "the unloaded model's stub still runs")
+        assert server.failure(watched) is None and watched == {}
+        client.load_model("deepfm", headers=key)
+        until(lambda: "deepfm_0_0" in server.stubs() and client.is_model_ready("deepfm"), "deepfm did not load again")
+        assert server.failure(watched) is None and watched == server.stubs()
+        os.kill(watched["deepfm_0_0"], signal.SIGKILL)
+        reason, _ = until(lambda: server.failure(watched), "a killed stub went unnoticed")
+        assert reason == "backend process died"
+        client.close()
+
+
+def test_a_client_that_asks_for_no_encoding_gets_plain_json(server):
+    """curl sends no Accept-Encoding; the HTTP guard's own client asked Triton
+    for gzip and passed the compressed answer on (the README's curl example
+    printed gzip bytes)."""
+    import http.client
+    import json
+
+    body = json.dumps({"inputs": [{"name": "image", "shape": [1, 3, 224, 224], "datatype": "FP32", "data": [0.5] * 150528}]})
+    host, port = server.http_url.split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.putrequest("POST", f"/v2/models/{MODEL}/infer", skip_accept_encoding=True)
+        connection.putheader("Content-Length", str(len(body)))
+        connection.endheaders(body.encode())
+        response = connection.getresponse()
+        raw = response.read()
+    finally:
+        connection.close()
+    assert response.status == 200 and response.getheader("Content-Encoding") in (None, "identity")
+    assert json.loads(raw)["outputs"][0]["shape"] == [1, 1000]
+
+
+def test_stop_ends_a_backend_process_its_killed_server_left_behind(tmp_path):
+    """A SIGKILLed server's stub normally exits by itself; one was seen hung in
+    a futex wait for minutes, holding its model. Here a stopped (SIGSTOP) stub
+    stands in for a hung one."""
+    repository = tmp_path / "models"
+    shutil.copytree(REPO_ROOT / "model_repository" / "deepfm", repository / "deepfm")
+    server = TritonServer(server_config(repository), tmp_path / "server.log")
+    with server:
+        (stub,) = server.stubs().values()
+        os.kill(stub, signal.SIGSTOP)
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait(30)
+    try:
+        assert not alive(stub), "the hung backend process outlived its server"
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(stub, signal.SIGKILL)

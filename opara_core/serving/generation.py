@@ -32,6 +32,7 @@ from opara_core import zoo
 from opara_core.models.gpt2 import GPT2Logits, SlotDecoder
 from opara_core.planning.iteration import ITERATION, Limits, Rejected, Scheduler, Sequence
 from opara_core.serving import weights
+from opara_core.serving.startup import ready_line
 from opara_core.serving.triton_backend import input_tensor, parameters, select_device
 
 log = logging.getLogger(__name__)
@@ -322,6 +323,7 @@ class GenerationModel:
     def initialize(self, args: dict) -> None:
         import triton_python_backend_utils as pb_utils
 
+        started = time.monotonic()
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         config = json.loads(args["model_config"])
         name = args["model_name"]
@@ -342,11 +344,14 @@ class GenerationModel:
         decoder.step([0], [2], [2])
         self.generator = Generator(pb_utils, decoder, settings, lm.config.vocab_size)
         self.generator.start()
-        log.info(
-            "model %s ready on %s: %s scheduling, %d slots x %d positions (%.0f MiB of KV cache), CUDA graphs for batches %s",
-            name, device, settings.scheduling, settings.max_active, settings.max_context, decoder.cache_bytes / 2**20,
-            [b.size for b in decoder.buckets if b.graph is not None] or "none",
-        )  # fmt: skip
+        graphs = [b.size for b in decoder.buckets if b.graph is not None]
+        built = f"decoding step as CUDA graphs, {len(graphs)} buckets" if graphs else "eager decoding step"
+        details = [
+            f"{settings.scheduling} scheduling",
+            f"{settings.max_active} slots x {settings.max_context} positions ({decoder.cache_bytes / 2**20:.0f} MiB of KV cache)",
+            f"graph buckets {graphs}" if graphs else "no CUDA graphs",
+        ]
+        log.info("%s", ready_line(name, str(device), time.monotonic() - started, built, details))
 
     def execute(self, requests: list) -> None:
         for request in requests:

@@ -357,6 +357,10 @@ def _header_length(value: str | None) -> int | None:
 
 async def _forward(request: web.Request, state: GuardState, headers: dict, body: bytes) -> web.StreamResponse:
     url = URL(f"http://{state.upstream}{request.raw_path}", encoded=True)
+    if not any(k.lower() == "accept-encoding" for k in headers):
+        # else aiohttp asks for gzip itself, and Triton's compressed answer would
+        # reach a client that never asked for it (curl printed gzip bytes)
+        headers = {**headers, "Accept-Encoding": "identity"}
     async with state.session.request(request.method, url, headers=headers, data=body or None) as upstream:
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
         if "text/event-stream" not in upstream.headers.get("Content-Type", ""):

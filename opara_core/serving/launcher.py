@@ -27,6 +27,7 @@ process dies; `container` does the same with the image's own tritonserver.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import importlib.util
 import json
@@ -34,6 +35,7 @@ import logging
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -46,10 +48,12 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from opara_core.serving.admin_key import ADMIN_KEY_ENV, write_admin_key
+from opara_core.serving.startup import StartupLog
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +147,13 @@ class ServerConfig:
     # the HTTP guard (opara_core.serving.http_guard) on http_port, tritonserver's
     # own HTTP port on a free loopback port behind it; False: tritonserver on http_port
     guard: bool = True
+    # more tritonserver flags (TRITON_ARGS, or `serve -- FLAGS`); see passthrough_flags
     extra_args: tuple[str, ...] = ()
     # the key for the restricted APIs; None: a random one per start, so nobody has it
     admin_key: str | None = field(default_factory=lambda: os.environ.get(ADMIN_KEY_ENV) or None, repr=False)
 
     def __post_init__(self) -> None:
+        passthrough_flags(self.extra_args)  # a flag the launcher owns is refused here, before anything starts
         if self.admin_key is not None and not _ADMIN_KEY_PATTERN.fullmatch(self.admin_key):
             raise ValueError(
                 f"{ADMIN_KEY_ENV} must be at least 16 characters from A-Z a-z 0-9 . _ ~ + / - "
@@ -157,7 +163,8 @@ class ServerConfig:
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "ServerConfig":
         """Ports from HTTP_PORT, GRPC_PORT and METRICS_PORT (defaults 8000-8002),
-        the admin key from OPARA_ADMIN_KEY."""
+        the admin key from OPARA_ADMIN_KEY, more tritonserver flags from
+        TRITON_ARGS (split as a shell would), before any `extra_args` given."""
         env = os.environ if env is None else env
         ports = {}
         for key, var in (("http_port", "HTTP_PORT"), ("grpc_port", "GRPC_PORT"), ("metrics_port", "METRICS_PORT")):
@@ -166,7 +173,12 @@ class ServerConfig:
                     ports[key] = int(env[var])
                 except ValueError:
                     raise ValueError(f"{var} must be a port number, got {env[var]!r}") from None
-        return cls(**{**ports, "admin_key": env.get(ADMIN_KEY_ENV) or None, **overrides})
+        try:
+            extra = tuple(shlex.split(env.get(TRITON_ARGS_ENV, "")))
+        except ValueError as error:
+            raise ValueError(f"{TRITON_ARGS_ENV}: {error}") from None
+        extra += tuple(overrides.pop("extra_args", ()))
+        return cls(**{**ports, "admin_key": env.get(ADMIN_KEY_ENV) or None, "extra_args": extra, **overrides})
 
 
 def shm_prefix(config: ServerConfig) -> str:
@@ -198,12 +210,19 @@ def container_command(config: ServerConfig, http: tuple[str, int] | None = None)
 
 def safe_args(config: ServerConfig, paths: list[str], http: tuple[str, int] | None = None) -> list[str]:
     """Flags every server gets: model control `none`, the configured address
-    and ports, restricted APIs behind the admin key (a random one if unset)."""
+    and ports, restricted APIs behind the admin key (a random one if unset),
+    GPU metrics where there is a GPU; then the pass-through flags, which
+    replace the defaults of the same name."""
     http_address, http_port = http or (config.address, config.http_port)
+    given = {name for name, _ in passthrough_flags(config.extra_args)}
+    defaults = {
+        "--model-control-mode": "none",
+        "--allow-gpu-metrics": "true" if gpu_present() else "false",  # on a GPU-less host DCGM and NVML only print errors
+        "--log-verbose": config.log_verbose,
+    }
     return [
         f"--id={config.server_id}",
         f"--model-repository={Path(config.model_repository).resolve()}",
-        "--model-control-mode=none",
         *paths,
         f"--http-address={http_address}",
         f"--http-port={http_port}",
@@ -211,15 +230,102 @@ def safe_args(config: ServerConfig, paths: list[str], http: tuple[str, int] | No
         f"--grpc-port={config.grpc_port}",
         f"--metrics-address={config.address}",
         f"--metrics-port={config.metrics_port}",
-        "--allow-gpu-metrics=false",
         f"--exit-timeout-secs={config.exit_timeout_s}",
         # a unique shared-memory prefix per server, so parallel servers and
         # leftovers of a crashed one never collide
         f"--backend-config=python,shm-region-prefix-name={shm_prefix(config)}",
-        f"--log-verbose={config.log_verbose}",
         *restricted_api_args(config.admin_key or secrets.token_urlsafe(32)),
+        *(f"{name}={value}" for name, value in defaults.items() if name not in given),
         *config.extra_args,
     ]
+
+
+TRITON_ARGS_ENV = "TRITON_ARGS"
+# tritonserver flags the launcher sets itself, which a pass-through may not
+# change, and what to do instead
+_PORTS = "the launcher checks and owns the ports"
+OWNED_FLAGS = {
+    "--id": "the launcher names each server it starts",
+    "--model-repository": "use MODEL_REPOSITORY (make serve) or --model-repository",
+    "--model-store": "use MODEL_REPOSITORY (make serve) or --model-repository",
+    "--http-port": f"use HTTP_PORT; {_PORTS}",
+    "--grpc-port": f"use GRPC_PORT; {_PORTS}",
+    "--metrics-port": f"use METRICS_PORT; {_PORTS}",
+    "--http-address": "make serve binds 127.0.0.1, the container 0.0.0.0: put a proxy in front to serve others",
+    "--grpc-address": "make serve binds 127.0.0.1, the container 0.0.0.0: put a proxy in front to serve others",
+    "--metrics-address": "make serve binds 127.0.0.1, the container 0.0.0.0: put a proxy in front to serve others",
+    "--allow-http": "the launcher's readiness check and the HTTP guard need it",
+    "--allow-grpc": "the launcher serves gRPC on GRPC_PORT",
+    "--allow-metrics": "the launcher serves metrics on METRICS_PORT",
+    "--http-restricted-api": "set OPARA_ADMIN_KEY; the launcher puts the restricted APIs behind it",
+    "--grpc-restricted-protocol": "set OPARA_ADMIN_KEY; the launcher puts the restricted APIs behind it",
+    "--backend-directory": "the launcher lays out the backends of the pytriton wheel",
+    "--cache-directory": "the launcher uses the pytriton wheel's",
+    "--exit-timeout-secs": "the launcher waits that long for a clean stop, then kills",
+    "--log-file": "the launcher reads tritonserver's output (progress, the reasons for restarts)",
+}
+
+
+def passthrough_flags(args: Sequence[str]) -> list[tuple[str, str | None]]:
+    """(name, value) of each flag in `args`, extra tritonserver flags given as
+    `--flag=value` or `--flag value`. Raises ValueError naming every flag the
+    launcher owns (OWNED_FLAGS; and the Python backend's shm-region-prefix-name,
+    which keeps parallel servers apart) and anything that is not a flag."""
+    flags: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(args):
+        name, equals, value = args[i].partition("=")
+        if not name.startswith("--"):
+            raise ValueError(f"extra tritonserver flags: {args[i]!r} is not a flag (--name=value)")
+        if not equals and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            i += 1
+            value, equals = args[i], "="
+        flags.append((name, value if equals else None))
+        i += 1
+    refused = [f"{name} ({OWNED_FLAGS[name]})" for name, _ in flags if name in OWNED_FLAGS]
+    refused += [
+        f"{name} {value} (the launcher gives each server its own shared-memory prefix)"
+        for name, value in flags
+        if name == "--backend-config" and value and "shm-region-prefix-name" in value
+    ]
+    if refused:
+        raise ValueError(f"extra tritonserver flags ({TRITON_ARGS_ENV} or serve -- ...): the launcher sets " + "; ".join(refused))
+    return flags
+
+
+def gpu_present(dev: Path = Path("/dev"), env: Mapping[str, str] | None = None) -> bool:
+    """Whether tritonserver will find an NVIDIA GPU, found without torch or
+    CUDA: a device node /dev/nvidia<N> (the driver makes one per GPU, and the
+    NVIDIA container toolkit passes exactly a container's GPUs), unless
+    CUDA_VISIBLE_DEVICES hides every one."""
+    visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1", "none", "NoDevFiles"):
+        return False
+    return any(re.fullmatch(r"nvidia\d+", node.name) for node in dev.glob("nvidia*"))
+
+
+def model_control_mode(config: ServerConfig) -> str:
+    """`none` (the launcher's), or what a pass-through flag chose."""
+    return dict(passthrough_flags(config.extra_args)).get("--model-control-mode") or "none"
+
+
+def instance_model(instance: str) -> str:
+    """The model of a model instance as Triton names it (`deepfm_0_0`: the
+    model, its instance group, the instance; groups in this repository have
+    no names of their own)."""
+    return re.sub(r"(_\d+){2}$", "", instance)
+
+
+def expected_models(config: ServerConfig) -> list[str] | None:
+    """The models tritonserver will load at start: every model directory of the
+    repository, or with explicit model control those named by --load-model
+    (None where that is not known)."""
+    repository = Path(config.model_repository)
+    every = sorted(p.parent.name for p in repository.glob("*/config.pbtxt"))
+    if model_control_mode(config) != "explicit":
+        return every
+    named = [value for name, value in passthrough_flags(config.extra_args) if name == "--load-model" and value]
+    return every if "*" in named else (sorted(named) or None)
 
 
 def free_port() -> int:
@@ -264,9 +370,12 @@ class TritonServer:
         workdir: Path = DEFAULT_WORKDIR,
         wrapper: tuple[str, ...] = (),
         image: bool = False,
+        startup: StartupLog | None = None,
     ):
         self.config = config
         self.log_path = None if log_path is None else Path(log_path)  # None: this process's stdout
+        # with log_path None: tritonserver's output goes through this (progress lines, CPU-host noise hidden)
+        self.startup = startup
         self.workdir = workdir
         self.wrapper = wrapper  # a command that execs its arguments, e.g. ("prlimit", "--fsize=N", "--")
         self.image = image  # the container's own tritonserver instead of the pytriton wheel's
@@ -277,6 +386,7 @@ class TritonServer:
         self.status_file = Path(tempfile.gettempdir()) / f"{config.server_id}-status.json"
         self.restarts: dict[str, int] = {}
         self._signalled: set[int] = set()  # pids sent SIGTERM or SIGINT already
+        self._stub_pids: set[int] = set()  # every stub seen since the last stop, for `stop`
         self._log_start = 0  # where this run of tritonserver begins in the log
 
     @property
@@ -305,14 +415,36 @@ class TritonServer:
             self.guard = self._spawn(guard)
             log.info("started the HTTP guard pid %d on %s", self.guard.pid, self.http_url)
         self._log_start = self.log_path.stat().st_size if self.log_path is not None and self.log_path.exists() else 0
-        self.process = self._spawn(command)
+        if self.log_path is None and self.startup is not None:
+            self.startup.restart()
+            self.process = self._spawn(command, subprocess.PIPE)
+            threading.Thread(target=self._read_output, args=(self.process.stdout,), daemon=True).start()
+        else:
+            self.process = self._spawn(command)
         log.info("started tritonserver pid %d (%s)", self.process.pid, self.config.server_id)
         return self
 
-    def _spawn(self, command: list[str]) -> subprocess.Popen:
+    def _read_output(self, stream) -> None:
+        """tritonserver's output (its stubs' too) into the startup log, until
+        the last of them exits."""
+        with stream:
+            for raw in stream:
+                self.startup.feed(raw.decode(errors="replace"))
+
+    def announce_ready(self) -> None:
+        """One line for a server that now answers: how long it took, its models, its URLs."""
+        guarded = " (HTTP guard in front)" if self.config.guard else ""
+        urls = f"HTTP http://{self.http_url}{guarded}, gRPC {self.grpc_url}, metrics {self.metrics_url}"
+        if self.startup is not None:
+            self.startup.announce_ready(urls)
+        else:
+            log.info("ready: %s", urls)
+
+    def _spawn(self, command: list[str], output=None) -> subprocess.Popen:
+        """`command` with its output to `output` (subprocess.PIPE), else to the log file, else to ours."""
         env = dict(os.environ) if self.image else server_env()  # the image's server needs no wheel paths
-        if self.log_path is None:
-            return spawn(command, env)
+        if output is not None or self.log_path is None:
+            return spawn(command, env, output)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log_file:  # a restart appends
             return spawn(command, env, log_file)
@@ -327,12 +459,21 @@ class TritonServer:
         partial.replace(self.status_file)
 
     def failure(self, watched: dict[str, int]) -> tuple[str, str] | None:
-        """(reason, what happened) if the server, the guard or a watched stub died."""
+        """(reason, what happened) if the server, the guard or a watched stub died.
+
+        With explicit or poll model control, models come and go on purpose:
+        `watched` follows them (a stub whose model Triton no longer reports
+        ready was unloaded; a new stub, or a new pid under an old name, is a
+        load). A stub gone while its model still reports ready died."""
         if self.returncode is not None:
             return "server exited", f"tritonserver {describe_exit(self.returncode)}{self.last_words()}"
         if self.guard is not None and self.guard.poll() is not None:
             return "guard exited", f"the HTTP guard {describe_exit(self.guard.returncode)}"
         alive = self.stubs()
+        if model_control_mode(self.config) in ("explicit", "poll"):
+            for name in [name for name in watched if name not in alive and not self._model_ready(instance_model(name))]:
+                del watched[name]
+            watched.update(alive)
         dead = sorted(name for name, pid in watched.items() if alive.get(name) != pid)
         if dead:
             return "backend process died", (
@@ -356,7 +497,28 @@ class TritonServer:
 
     def stubs(self) -> dict[str, int]:
         """This server's Python-backend stub processes: instance name -> pid."""
-        return {} if self.process is None else stub_processes(self.process.pid)
+        found = {} if self.process is None else stub_processes(self.process.pid)
+        self._stub_pids.update(found.values())
+        return found
+
+    def _is_our_stub(self, pid: int) -> bool:
+        """`pid` runs, and is a stub of this server (its shared-memory region is
+        named with our prefix), not a process that reused the pid."""
+        try:
+            return alive(pid) and shm_prefix(self.config).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+
+    def _model_ready(self, model: str) -> bool:
+        """Whether tritonserver (its own HTTP port) reports `model` ready."""
+        url = f"http://{self.upstream[0]}:{self.upstream[1]}/v2/models/{model}/ready"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return response.status == 200
+        except urllib.error.HTTPError:
+            return False
+        except (urllib.error.URLError, OSError):
+            return True  # no answer: not a sign of an unload
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -366,6 +528,7 @@ class TritonServer:
             if self.guard is not None and self.guard.poll() is not None:
                 raise ServerError(f"the HTTP guard exited early (code {self.guard.returncode}):\n{self.log_tail()}")
             if self._answers_as_self():
+                self.stubs()  # remembered, so that `stop` can end any a killed server leaves behind
                 return
             time.sleep(0.25)
         raise ServerError(f"tritonserver not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
@@ -415,6 +578,20 @@ class TritonServer:
                 process.wait()
         if not keep_guard:
             self.status_file.unlink(missing_ok=True)
+        # a stub outliving its server: a SIGKILLed server's stub exits within a
+        # second by itself, but one was seen hung for minutes in a futex wait
+        # (a lock the dead server held), holding its model's memory
+        deadline = time.monotonic() + 2
+        while (left := [pid for pid in self._stub_pids if self._is_our_stub(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in left:
+            with contextlib.suppress(OSError):  # gone meanwhile
+                os.kill(pid, signal.SIGKILL)
+                log.warning("killed backend process %d, left behind by its server", pid)
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in left) and time.monotonic() < deadline:  # exiting takes a moment
+            time.sleep(0.05)
+        self._stub_pids.clear()
         for region in Path("/dev/shm").glob(f"{shm_prefix(self.config)}*"):  # the server is gone: all ours
             region.unlink(missing_ok=True)
         return None if self.process is None else self.process.returncode
@@ -438,6 +615,14 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def alive(pid: int) -> bool:
+    """`pid` exists and is not a zombie (an orphan's reaper may be slow or absent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def describe_exit(code: int) -> str:
@@ -493,7 +678,8 @@ def find_server(port: int) -> int | None:
 
 def spawn(command: list[str], env: dict[str, str], log_file=None) -> subprocess.Popen:
     """Start `command` as a child that dies with its parent (see
-    `_parent_death_wrapper`), its output to `log_file` (None: ours).
+    `_parent_death_wrapper`), its output to `log_file` (an open file or
+    subprocess.PIPE; None: ours).
 
     No preexec_fn: with one, Python starts the child with fork(), which runs
     every loaded library's at-fork handlers and then Python code in the child.
@@ -566,7 +752,8 @@ def supervise(
         else:
             started_once = True
             watched = server.stubs()
-            log.info("serving; watching the backend processes of %s", ", ".join(sorted(watched)) or "no Python model")
+            log.info("watching the backend processes of %s", ", ".join(sorted(watched)) or "no Python model")
+            server.announce_ready()
             if serving is not None:
                 serving.set()
             failure = None
@@ -614,11 +801,16 @@ def serve(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR, image: bool = F
     the foreground, their logs on this terminal, under `supervise`. SIGINT
     and SIGTERM stop both: requests in flight finish, Triton unloads; the
     parent-death signal covers a killed `make`."""
-    server = TritonServer(config, log_path=None, workdir=workdir, image=image)
+    verbose = config.log_verbose > 0 or "--log-verbose" in dict(passthrough_flags(config.extra_args))
+    models = expected_models(config)
+    startup = StartupLog(sys.stdout, models, hide_no_gpu_noise=not verbose and not gpu_present())
+    server = TritonServer(config, log_path=None, workdir=workdir, image=image, startup=startup)
     behind = f" (guarded; tritonserver's own HTTP on {server.upstream[0]}:{server.upstream[1]})" if config.guard else ""
+    loading = f"{len(models)} model{'s' * (len(models) != 1)} ({', '.join(models)})" if models is not None else "models"
     print(
         f"tritonserver: HTTP {config.address}:{config.http_port}{behind}, gRPC {config.address}:{config.grpc_port}, "
-        f"metrics {config.address}:{config.metrics_port}, models from {config.model_repository}",
+        f"metrics {config.address}:{config.metrics_port}; loading {loading} from {config.model_repository}"
+        + (f"; extra flags: {shlex.join(config.extra_args)}" if config.extra_args else ""),
         flush=True,
     )
     _die_with_parent()
@@ -650,7 +842,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     container.add_argument("--model-repository", type=Path, default=Path("/models"))
     container.add_argument("--log-verbose", type=int, default=0)
-    args = parser.parse_args(argv)
+    for command in (run, container):
+        command.epilog = (
+            f"Extra tritonserver flags: after `--`, or in {TRITON_ARGS_ENV} (split as a shell would; "
+            f"those come first); a flag the launcher owns (ports, addresses, model repository, "
+            f"restricted APIs) is refused."
+        )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, extra = parser.parse_args(argv[:cut]), argv[cut + 1 :]
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "prepare":
@@ -659,12 +859,16 @@ def main(argv: list[str] | None = None) -> int:
         if not args.model_repository.is_dir():
             raise ValueError(f"model repository {args.model_repository} is not a directory")
         if args.command == "container":
-            config = ServerConfig.from_env(model_repository=args.model_repository, log_verbose=args.log_verbose, address="0.0.0.0")
+            config = ServerConfig.from_env(
+                model_repository=args.model_repository, log_verbose=args.log_verbose, address="0.0.0.0", extra_args=extra
+            )
             _refuse_busy_ports(config)
             if not config.admin_key:
                 print(f"note: {ADMIN_KEY_ENV} is unset: the {', '.join(RESTRICTED_APIS)} APIs are closed to everyone", flush=True)
             return serve(config, image=True)
-        config = ServerConfig.from_env(model_repository=args.model_repository, log_verbose=args.log_verbose, guard=not args.no_guard)
+        config = ServerConfig.from_env(
+            model_repository=args.model_repository, log_verbose=args.log_verbose, guard=not args.no_guard, extra_args=extra
+        )
         _refuse_busy_ports(config)
         config, where = with_admin_key(config)
         print(where, flush=True)
@@ -672,7 +876,6 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-
 
 
 def _refuse_busy_ports(config: ServerConfig) -> None:

@@ -33,6 +33,7 @@ import torch
 from opara_core import zoo
 from opara_core.engine.build import EngineSettings, build_runner
 from opara_core.serving import weights
+from opara_core.serving.startup import ready_line
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +231,7 @@ class OparaModel:
     def initialize(self, args: dict) -> None:
         import triton_python_backend_utils as pb_utils
 
+        started = time.monotonic()
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         self._pb = pb_utils
         config = json.loads(args["model_config"])
@@ -253,7 +255,11 @@ class OparaModel:
         self.range_check = RangeCheck(self.entry.inputs, self.device)
         self.name, self.gpu_path_seen = args["model_name"], False
         self.metrics = ServingMetrics(pb_utils, args["model_name"], self.runner, self.report)
-        log.info("model %s ready on %s:\n%s", args["model_name"], self.device, self.report.summary())
+        report = self.report
+        built = report.runner + (f", {len(report.choices)} buckets" if report.choices else "")
+        built += f", after {len(report.fallbacks)} fallback(s)" if report.fallbacks else ""
+        details = [line for line in report.summary().splitlines()[1:] if not line.rstrip().endswith(":")]  # one line
+        log.info("%s", ready_line(args["model_name"], str(self.device), time.monotonic() - started, built, details))
 
     def execute(self, requests: list) -> list:
         pb_utils = self._pb

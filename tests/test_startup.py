@@ -1,0 +1,113 @@
+"""The startup log: tritonserver's output in, progress lines out.
+
+The Triton lines below are copied from a real tritonserver 2.51 start on the
+CPU machine (`make serve`, 2026-11-23); tests/test_launcher.py checks the same
+lines come out of a real `make serve`.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from opara_core.serving.startup import NO_GPU_NOTE, READY, StartupLog, ready_line
+
+TRITON_CPU_START = [
+    'W1123 06:28:41.613813 6863 pinned_memory_manager.cc:273] "Unable to allocate pinned system memory, pinned memory '
+    'pool will not be available: CUDA driver version is insufficient for CUDA runtime version"',
+    'I1123 06:28:41.613893 6863 cuda_memory_manager.cc:117] "CUDA memory pool disabled"',
+    'E1123 06:28:41.613987 6863 server.cc:241] "CudaDriverHelper has not been initialized."',
+    'I1123 06:28:41.629791 6863 model_lifecycle.cc:472] "loading: deepfm:1"',
+    'I1123 06:28:41.629898 6863 model_lifecycle.cc:472] "loading: bert:1"',
+    'I1123 06:28:54.251585 6863 python_be.cc:2249] "TRITONBACKEND_ModelInstanceInitialize: bert_0_0 (CPU device 0)"',
+]
+DEEPFM_READY = "INFO opara_core.serving.triton_backend: " + ready_line("deepfm", "cpu", 19.42, "eager")
+PINNED_FALLBACK = (
+    'W1123 06:29:13.789104 6863 pinned_memory_manager.cc:170] "failed to allocate pinned system memory: no pinned memory '
+    'pool, falling back to non-pinned system memory"'
+)
+DEEPFM_LOADED = 'I1123 06:29:13.927683 6863 model_lifecycle.cc:839] "successfully loaded \'deepfm\'"'
+BERT_FAILED = (
+    "E1123 06:29:57.823643 6863 model_lifecycle.cc:642] \"failed to load 'bert' version 1: Internal: "
+    'TritonModelException: model bert: unknown parameters [\'polcy\']"'
+)
+
+
+def fed(lines: list[str], expected=("bert", "deepfm"), hide=True) -> list[str]:
+    out = io.StringIO()
+    log = StartupLog(out, expected, hide_no_gpu_noise=hide)
+    for line in lines:
+        log.feed(line + "\n")
+    log.announce_ready("HTTP http://127.0.0.1:8000")
+    return out.getvalue().splitlines()
+
+
+def test_a_loaded_model_gets_one_line_with_what_it_built():
+    out = fed([*TRITON_CPU_START, DEEPFM_READY, DEEPFM_LOADED])
+    progress = [line for line in out if line.startswith("loaded ")]
+    assert len(progress) == 1
+    assert re.fullmatch(r"loaded 1/2: deepfm \(eager on cpu, 19\.4 s to initialize; \d+ s after start\)", progress[0])
+    assert out.index(progress[0]) == out.index(DEEPFM_LOADED) + 1
+    assert re.fullmatch(r"ready after \d+ s: 1 of 2 models loaded; HTTP http://127.0.0.1:8000", out[-1])
+
+
+def test_every_line_passes_but_the_cpu_noise_which_becomes_one_note():
+    lines = [*TRITON_CPU_START, DEEPFM_READY, PINNED_FALLBACK, DEEPFM_LOADED]
+    out = fed(lines)
+    assert out.count(NO_GPU_NOTE) == 1
+    assert not any("CudaDriverHelper" in line and line != NO_GPU_NOTE for line in out)
+    assert not any("pinned memory pool" in line for line in out)
+    kept = [line for line in lines if line not in (*TRITON_CPU_START[:3], PINNED_FALLBACK)]
+    assert [line for line in out if line in lines] == kept
+
+
+def test_on_a_gpu_host_the_cuda_lines_stay():
+    out = fed(TRITON_CPU_START, hide=False)
+    assert NO_GPU_NOTE not in out
+    assert out[:6] == TRITON_CPU_START
+
+
+def test_a_failed_model_is_counted_and_named():
+    out = fed([DEEPFM_READY, DEEPFM_LOADED, BERT_FAILED])
+    assert "failed to load 2/2: bert (Internal: TritonModelException: model bert: unknown parameters ['polcy']; " in out[-2]
+    assert "1 of 2 models loaded, 1 failed (bert)" in out[-1]
+
+
+def test_without_a_known_total_the_count_stands_alone():
+    out = fed([DEEPFM_READY, DEEPFM_LOADED], expected=None)
+    assert any(line.startswith("loaded 1: deepfm (eager on cpu") for line in out)
+    assert ": 1 models loaded;" in out[-1]
+
+
+def test_a_model_without_a_ready_line_still_counts():
+    out = fed([DEEPFM_LOADED])
+    assert any(re.fullmatch(r"loaded 1/2: deepfm \(\d+ s after start\)", line) for line in out)
+
+
+def test_a_restart_counts_again():
+    out = io.StringIO()
+    log = StartupLog(out, ["deepfm"], hide_no_gpu_noise=True)
+    for _ in range(2):
+        log.restart()
+        log.feed(DEEPFM_LOADED)
+    assert [line.split(":")[0] for line in out.getvalue().splitlines() if line.startswith("loaded")] == ["loaded 1/1"] * 2
+
+
+text = st.text(st.characters(blacklist_categories=("Cs", "Cc", "Zl", "Zp")), min_size=1, max_size=40)
+
+
+@given(
+    model=st.from_regex(r"[A-Za-z0-9_.-]{1,20}", fullmatch=True),
+    device=st.sampled_from(["cpu", "cuda:0", "cuda:7"]),
+    seconds=st.floats(0, 1e5),
+    built=text.filter(lambda t: "|" not in t and t == t.strip()),
+    details=st.lists(text, max_size=4),
+)
+def test_the_ready_line_reads_back(model, device, seconds, built, details):
+    match = READY.search("INFO opara_core.serving.triton_backend: " + ready_line(model, device, seconds, built, details))
+    assert match is not None
+    assert (match["model"], match["device"], match["built"]) == (model, device, built)
+    assert float(match["seconds"]) == round(seconds, 1) or abs(float(match["seconds"]) - seconds) <= 0.05
