@@ -169,6 +169,11 @@ class VarLenReport:
     measured: set[tuple[int, ...]] = field(default_factory=set)  # shapes whose costs are replay timings
 
     @property
+    def choices(self) -> dict[tuple[int, ...], str]:
+        """What each shape built (the model's ready line counts them as a batch model's buckets)."""
+        return {shape: report.runner for shape, report in self.shapes.items()}
+
+    @property
     def fallbacks(self) -> list[str]:
         # the reason first: the metrics label a fallback by the text before its first colon
         return [f"{reason} (shape {_label(s)})" for s, report in self.shapes.items() for reason in report.fallbacks]
