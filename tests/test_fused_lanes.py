@@ -10,12 +10,12 @@ import torch
 from engine_helpers import traced
 
 from opara_core import zoo
-from opara_core.engine.build import Candidate, EngineSettings, build_runner, static_inputs
+from opara_core.engine.build import BuildReport, Candidate, EngineSettings, build_runner, static_inputs, traced_graphs
 from opara_core.engine.capture import LanePool, PlanCapture, time_replays
 from opara_core.engine.compare import max_relative_error
 from opara_core.engine.fused_lanes import InductorCapture, fused_lanes
 from opara_core.engine.interpreter import plan_graph, run_plan
-from opara_core.engine.trace import trace
+from opara_core.engine.trace import trace, trace_zoo
 
 
 def _as_list(value):
@@ -82,8 +82,6 @@ def test_fused_lanes_replay_equals_eager_on_the_gpu(model, strict_fp32):
     device = torch.device("cuda")
     entry = zoo.get(model)
     module = entry.build().to(device).eval()
-    from opara_core.engine.trace import trace_zoo
-
     graph = trace_zoo(entry, module, device)
     plan = plan_graph(graph, "opara", 8)
     capture = InductorCapture(graph, plan, LanePool(device))
@@ -124,6 +122,5 @@ def test_auto_offers_fused_lanes_and_is_never_slower_than_the_aten_sequential_gr
 
 
 def trace_zoo_fused(entry, module, device):
-    from opara_core.engine.build import BuildReport, traced_graphs
-
+    """The fused ATen graph in NCHW that serving's sequential graph is built from."""
     return traced_graphs(module, entry, device, EngineSettings(layout="nchw", fused_lanes=False), BuildReport())["nchw"]

@@ -4,8 +4,9 @@ On a GPU: trace the module, plan it, capture one CUDA graph per batch bucket
 (with `auto`, the fastest of several captured plans per bucket, never slower
 than the sequential graph of the same traced graph), and check a replay against
 eager. The candidates run ATen kernels in NCHW or NHWC, or are fused lanes
-(`engine.fused_lanes`: each segment of a plan compiled by Inductor). Any failure falls back, with the reason logged and kept in the runner's
-info: multi-stream graph -> sequential graph -> eager. On a CPU: eager.
+(`engine.fused_lanes`: each segment of a plan compiled by Inductor). Any
+failure falls back, with the reason logged and kept in the runner's info:
+multi-stream graph -> sequential graph -> eager. On a CPU: eager.
 """
 
 from __future__ import annotations
@@ -183,7 +184,8 @@ def build_runner(
             captured, references = capture()
             runner = runtime.GraphRunner(captured, entry.inputs, entry.outputs, device, max_batch)
             if settings.guard:
-                tolerances = {b: settings.fused_tolerance if str(c).startswith("inductor:") else settings.guard_tolerance for b, c in report.choices.items()}
+                fused = {b for b, c in report.choices.items() if isinstance(c, Candidate) and c.graph == "inductor"}
+                tolerances = {b: settings.fused_tolerance if b in fused else settings.guard_tolerance for b in report.choices}
                 check_against_eager(runner, references, entry, tolerances)
         except (CaptureError, GuardError, RuntimeError) as error:
             report.fallbacks.append(f"{kind}: {error}")

@@ -67,11 +67,11 @@ def split_into_segments(graph: OpGraph, segmentation: Segmentation) -> GraphModu
     for name in segmentation.members:
         module, inputs = _segment_module(gm, members[name], outputs[name], home)
         modules[name] = module
-        call = top.call_module(name, tuple(_copied(top, top_env, i, gm) for i in inputs))
+        call = top.call_module(name, tuple(_copied(top, top_env, i) for i in inputs))
         for k, produced in enumerate(outputs[name]):
             top_env[produced] = top.call_function(operator.getitem, (call, k))
     output = next(n for n in nodes if n.op == "output")
-    top.node_copy(output, lambda n: _copied(top, top_env, n, gm))
+    top.node_copy(output, lambda n: _copied(top, top_env, n))
     attributes = {n.target: operator.attrgetter(n.target)(gm) for n in top.nodes if n.op == "get_attr"}
     return GraphModule({**attributes, **modules}, top)
 
@@ -112,19 +112,19 @@ def _segment_module(gm: GraphModule, group: list[Node], outputs: list[Node], hom
     sub = Graph()
     env: dict[Node, Node] = {n: sub.placeholder(n.name) for n in inputs}
     for node in group:
-        env[node] = sub.node_copy(node, lambda n: _copied(sub, env, n, gm))
+        env[node] = sub.node_copy(node, lambda n: _copied(sub, env, n))
     sub.output(tuple(env[n] for n in outputs))
     attributes = {n.target: operator.attrgetter(n.target)(gm) for n in sub.nodes if n.op == "get_attr"}
     return GraphModule(attributes, sub), inputs
 
 
-def _copied(graph: Graph, env: dict[Node, Node], node: Node, gm: GraphModule) -> Node:
+def _copied(graph: Graph, env: dict[Node, Node], node: Node) -> Node:
     """`node` in `graph`: already there, or a copy of a weight or free node (inputs first)."""
     if node not in env:
         if node.op == "get_attr":
             env[node] = graph.get_attr(node.target)
         else:
-            env[node] = graph.node_copy(node, lambda n: _copied(graph, env, n, gm))
+            env[node] = graph.node_copy(node, lambda n: _copied(graph, env, n))
     return env[node]
 
 
