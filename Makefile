@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 MODEL_REPOSITORY ?= model_repository
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup serve test perf bench clean
+.PHONY: setup serve warm test perf bench clean
 
 # Idempotent: reinstalls only when pyproject.toml changes.
 setup: $(STAMP)
@@ -26,6 +26,13 @@ $(STAMP): pyproject.toml
 # loads, one when the server is ready.
 serve: setup
 	exec $(PY) -m opara_core.serving.launcher serve --model-repository $(MODEL_REPOSITORY)
+
+# Load every model of MODEL_REPOSITORY once, as `make serve` would, and stop:
+# fills the build caches (Inductor's compiled code for fused lanes, under
+# $$OPARA_CACHE_DIR or ~/.cache/opara) before the server starts, e.g. in a
+# container image build. Free ports: a running server is no obstacle.
+warm: setup
+	$(PY) -m opara_core.serving.launcher warm --model-repository $(MODEL_REPOSITORY)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -490,3 +490,24 @@ def test_stop_ends_a_backend_process_its_killed_server_left_behind(tmp_path):
     finally:
         with contextlib.suppress(OSError):
             os.kill(stub, signal.SIGKILL)
+
+
+def test_warm_loads_every_model_once_and_stops(tmp_path):
+    repository = tmp_path / "models"
+    shutil.copytree(REPO_ROOT / "model_repository" / "deepfm", repository / "deepfm")
+    command = [sys.executable, "-m", "opara_core.serving.launcher", "warm", "--model-repository", str(repository)]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"^loaded 1/1: deepfm \(", done.stdout, re.M), done.stdout[-3000:]
+    assert "1 of 1 models loaded" in done.stdout
+
+
+def test_warm_fails_naming_a_model_that_cannot_load(tmp_path):
+    repository = tmp_path / "models"
+    shutil.copytree(REPO_ROOT / "model_repository" / "deepfm", repository / "deepfm")
+    config = repository / "deepfm" / "config.pbtxt"
+    config.write_text(config.read_text() + '\nparameters { key: "policy" value: { string_value: "fastest" } }\n')
+    command = [sys.executable, "-m", "opara_core.serving.launcher", "warm", "--model-repository", str(repository)]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "deepfm" in done.stderr and "fastest" in done.stdout + done.stderr, done.stdout[-3000:] + done.stderr[-3000:]

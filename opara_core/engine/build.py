@@ -25,6 +25,7 @@ from opara_core.engine import runtime
 from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, capture_module, time_replays
 from opara_core.engine.interpreter import reordered_graph
 from opara_core.engine.fused_lanes import InductorCapture
+from opara_core.engine.inductor_cache import CacheCount, use_inductor_cache
 from opara_core.engine.fusion import CONV, CONV_ADD_RELU, CONV_RELU, FusionReport, fuse_graph
 from opara_core.engine.compare import max_relative_error
 from opara_core.engine.trace import OpGraph, trace_zoo
@@ -73,10 +74,12 @@ class EngineSettings:
     # slower builds: each new shape in each bucket and layout is autotuned)
     autotune: bool = True
     # fused lanes: auto also tries plans whose segments Inductor compiles (GPU
-    # only). Off by default until builds are fast: every bucket compiles each
-    # segment (GoogLeNet's six buckets took over 200 s on an H100, BERT's one
-    # shape 227 s); the bench measures it either way
+    # only). Off by default until builds are fast (engine.fused_lanes: two
+    # compiles per segment; engine.inductor_cache: compiled code kept on disk)
     fused_lanes: bool = False
+    # where Inductor keeps compiled code ("": TORCHINDUCTOR_CACHE_DIR, else
+    # $OPARA_CACHE_DIR/inductor, else ~/.cache/opara/inductor)
+    inductor_cache: str = ""
     # Inductor picks other convolution algorithms and layouts than eager (TF32
     # convolutions: 1.6e-2 relative on GoogLeNet against eager on an H100), so
     # fused lanes are checked against eager with this tolerance
@@ -121,10 +124,12 @@ class BuildReport:
     fallbacks: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     fusion: FusionReport | None = None  # of the traced graph (both layouts share it)
+    inductor: str = ""  # fused lanes: the cache directory and its hits and misses in this build
 
     def summary(self) -> str:
         lines = [f"runner {self.runner}"]
         lines += [f"fusion: {self.fusion}"] if self.fusion else []
+        lines += [f"inductor cache: {self.inductor}"] if self.inductor else []
         for bucket, choice in sorted(self.choices.items()):
             times = ", ".join(f"{k} {v:.3f}" for k, v in sorted(self.timings_ms.get(bucket, {}).items(), key=lambda kv: kv[1]))
             lines.append(f"bucket {bucket}: {choice}" + (f" (median ms: {times})" if times else ""))
@@ -150,6 +155,7 @@ def build_runner(
         return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
     module = module.to(device).eval()
     torch.backends.cudnn.benchmark = settings.autotune
+    compiled_before = CacheCount.now()
     graphs = traced_graphs(module, entry, device, settings, report)
     lane_pool = LanePool(device)
 
@@ -195,6 +201,9 @@ def build_runner(
             continue
         report.seconds[seconds_key] = time.perf_counter() - start
         report.runner = kind
+        if "inductor" in graphs:
+            compiled = CacheCount.now() - compiled_before
+            report.inductor += f": {compiled.hits} compiled graphs loaded, {compiled.misses} compiled anew"
         return runner, report
     report.runner = "eager"
     return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
@@ -293,6 +302,11 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
     # weights (tracing and fusing it again took as long as the first time)
     graphs = {layout: graph if layout == "nchw" else channels_last_graph(graph) for layout in layouts}
     if settings.fused_lanes and torch.device(device).type == "cuda":
+        try:
+            report.inductor = str(use_inductor_cache(settings.inductor_cache))
+        except ValueError as error:  # the ATen candidates still serve
+            report.fallbacks.append(f"fused lanes: {error}")
+            return graphs
         graphs["inductor"] = fuse_graph(traced, device, passes=INDUCTOR_PASSES, check_inputs=checks)[0] if settings.fusion else traced
     return graphs
 

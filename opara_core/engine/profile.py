@@ -38,6 +38,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from opara_core.planning.dag import Dag
+from opara_core.engine.inductor_cache import cache_root
 from opara_core.engine.trace import OpGraph
 
 log = logging.getLogger(__name__)
@@ -280,8 +281,7 @@ def measure(graph: OpGraph, inputs: Sequence[torch.Tensor], iterations: int = 5,
 
 def cache_dir() -> Path:
     """Where profiles are kept: $OPARA_CACHE_DIR/profiles, else ~/.cache/opara/profiles."""
-    root = os.environ.get("OPARA_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "opara") / "profiles"
+    return cache_root() / "profiles"
 
 
 def cache_key(

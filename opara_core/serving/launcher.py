@@ -825,6 +825,34 @@ def serve(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR, image: bool = F
     return supervise(server, stop)
 
 
+def warm(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR, timeout_s: float = 1800.0) -> int:
+    """Load every model of the repository once, as `serve` does, then stop.
+
+    The builds fill the on-disk caches (Inductor's compiled code for fused
+    lanes, see engine.inductor_cache; the profiles), so the next start of the
+    same models on the same GPU and software builds from them: run it when
+    building a container image, with the cache directory inside the image.
+    Exit code 1 if a model failed to load or the server never became ready."""
+    models = expected_models(config)
+    startup = StartupLog(sys.stdout, models, hide_no_gpu_noise=not gpu_present())
+    server = TritonServer(config, log_path=None, workdir=workdir, startup=startup)
+    print(f"warming: loading {', '.join(models) if models else 'the models'} from {config.model_repository}, then stopping", flush=True)
+    _die_with_parent()
+    problem = None
+    try:
+        server.start().wait_ready(timeout_s)
+        startup.announce_ready("stopping")
+    except ServerError as error:
+        problem = str(error)
+    finally:
+        server.stop()
+    if startup.failed:  # why: in its `failed to load` line above
+        problem = f"failed to load: {', '.join(startup.failed)} (the reason is in its line above)"
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+    return 1 if problem else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m opara_core.serving.launcher", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -835,6 +863,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     run.add_argument("--log-verbose", type=int, default=0)
     run.add_argument("--no-guard", action="store_true", help="tritonserver's own HTTP port on HTTP_PORT, no guard")
+    warming = sub.add_parser("warm", help="load every model once and stop: fills the build caches (e.g. for a container image)")
+    warming.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    warming.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
+    warming.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for every model (default 1800)")
     container = sub.add_parser(
         "container",
         help="run the image's own tritonserver with the safe flags, behind the HTTP guard, supervised (the "
@@ -858,6 +890,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.model_repository.is_dir():
             raise ValueError(f"model repository {args.model_repository} is not a directory")
+        if args.command == "warm":  # free ports: a running server is no obstacle
+            ports = {key: free_port() for key in ("http_port", "grpc_port", "metrics_port")}
+            config = ServerConfig(model_repository=args.model_repository, guard=False, **ports)
+            return warm(config, args.workdir, args.timeout)
         if args.command == "container":
             config = ServerConfig.from_env(
                 model_repository=args.model_repository, log_verbose=args.log_verbose, address="0.0.0.0", extra_args=extra

@@ -1,0 +1,72 @@
+"""Where Inductor keeps the code it compiles for fused lanes, and what the cache did.
+
+Inductor caches compiled graphs (its FX graph cache) and Triton kernels on disk
+under TORCHINDUCTOR_CACHE_DIR, by default a per-user directory under /tmp that
+a reboot or a fresh container loses. Fused-lanes builds compile every segment,
+so the project points Inductor at a directory that lasts: the `inductor_cache`
+config parameter, else TORCHINDUCTOR_CACHE_DIR if the user set it, else
+$OPARA_CACHE_DIR/inductor, else ~/.cache/opara/inductor. Never inside the package.
+A build with a warm cache still traces each segment, but loads its compiled code
+instead of generating and compiling it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def cache_root(env: dict[str, str] | os._Environ = os.environ) -> Path:
+    """The project's cache directory: $OPARA_CACHE_DIR, else ~/.cache/opara."""
+    root = env.get("OPARA_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "opara"
+
+
+def inductor_cache_dir(configured: str = "", env: dict[str, str] | os._Environ = os.environ) -> Path:
+    """The directory Inductor should use (see the module docstring for the order)."""
+    if configured:
+        return Path(configured).expanduser()
+    if env.get(INDUCTOR_ENV):
+        return Path(env[INDUCTOR_ENV])
+    return cache_root(env) / "inductor"
+
+
+def use_inductor_cache(configured: str = "") -> Path:
+    """Point this process's Inductor at its cache directory (created if missing).
+
+    Inductor reads the variable whenever it looks for its cache, so this must
+    run before the first compilation of the process; a directory that cannot be
+    created is a configuration error, named here rather than deep in a compile."""
+    directory = inductor_cache_dir(configured)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"inductor cache directory {directory} cannot be created: {error.strerror}") from None
+    if os.environ.get(INDUCTOR_ENV) != str(directory):
+        os.environ[INDUCTOR_ENV] = str(directory)
+        log.info("Inductor's cache: %s", directory)
+    return directory
+
+
+@dataclass(frozen=True)
+class CacheCount:
+    """Inductor's FX graph cache hits and misses so far in this process."""
+
+    hits: int
+    misses: int
+
+    @classmethod
+    def now(cls) -> "CacheCount":
+        counters = torch._dynamo.utils.counters["inductor"]
+        return cls(counters["fxgraph_cache_hit"], counters["fxgraph_cache_miss"])
+
+    def __sub__(self, before: "CacheCount") -> "CacheCount":
+        return CacheCount(self.hits - before.hits, self.misses - before.misses)
