@@ -3,6 +3,12 @@ plans with each segment compiled by Inductor, and torch.compile (freezing,
 replayed from a CUDA graph), all timed in this run; JSON to --json.
 
 `python scripts/fused_lanes_probe.py --models googlenet,bert --batch 1,8 --json out.json`
+
+`--variants nchw/static,nchw/dynamic,nhwc/dynamic` compiles the Inductor graph in
+several ways (NHWC: channels-last convolution weights; dynamic: the batch
+dimension as a symbol from the second batch size on); each capture object is
+kept across the batch sizes, as a serving build does, so `build_s` per batch
+shows what each batch compiled.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch
 
 from opara_core import zoo
 from opara_core.bench import Row, _time_compiled, graph_call, rotating_inputs, time_calls
-from opara_core.engine.build import static_inputs
+from opara_core.engine.build import channels_last_graph, static_inputs
 from opara_core.engine.capture import LanePool, PlanCapture
 from opara_core.engine.compare import max_relative_error
 from opara_core.engine.fused_lanes import InductorCapture
@@ -29,7 +35,7 @@ PLANS = (("sequential", 1), ("opara", 8), ("asap", 4), ("wavefront", 8))
 INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm")
 
 
-def probe(name: str, batches: list[int], plans, compile_peer: bool) -> list[dict]:
+def probe(name: str, batches: list[int], plans, compile_peer: bool, variants=(("nchw", "static"),)) -> list[dict]:
     device = torch.device("cuda")
     entry = zoo.get(name)
     torch.backends.cudnn.benchmark = True
@@ -37,7 +43,13 @@ def probe(name: str, batches: list[int], plans, compile_peer: bool) -> list[dict
     traced = trace_zoo(entry, module, device)
     checks = [tuple(t.to(device) for t in entry.example_inputs(b, seed=7)) for b in sorted({1, max(batches)})]
     graphs = {"aten": fuse_graph(traced, device, check_inputs=checks)[0]}
-    graphs["inductor"] = fuse_graph(traced, device, passes=INDUCTOR_PASSES, check_inputs=checks)[0]
+    inductor = fuse_graph(traced, device, passes=INDUCTOR_PASSES, check_inputs=checks)[0]
+    # the Inductor graph in each (layout, shapes) variant: "inductor", "inductor-nhwc-dynamic", ...
+    shapes_of = {}
+    for layout, shapes in variants:
+        kind = "-".join(["inductor"] + [layout] * (layout == "nhwc") + [shapes] * (shapes == "dynamic"))
+        graphs[kind] = channels_last_graph(inductor) if layout == "nhwc" else inductor
+        shapes_of[kind] = shapes
     lane_pool = LanePool(device)
     rows = []
     captures = {}
@@ -46,7 +58,9 @@ def probe(name: str, batches: list[int], plans, compile_peer: bool) -> list[dict
             plan = plan_graph(graph, policy, lanes)
             start = time.perf_counter()
             try:
-                captures[(kind, policy, plan.num_streams)] = (InductorCapture if kind == "inductor" else PlanCapture)(graph, plan, lane_pool)
+                captures[(kind, policy, plan.num_streams)] = (
+                    InductorCapture(graph, plan, lane_pool, shapes=shapes_of[kind]) if kind in shapes_of else PlanCapture(graph, plan, lane_pool)
+                )
             except Exception as error:  # noqa: BLE001
                 print(f"{name} {kind} {policy}: split failed: {error}", flush=True)
                 continue
@@ -90,13 +104,15 @@ def main() -> None:
     parser.add_argument("--batch", default="1,8")
     parser.add_argument("--plans", default=",".join(f"{p}/{n}" for p, n in PLANS))
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--variants", default="nchw/static", help="Inductor graph variants, layout/shapes: e.g. nchw/static,nchw/dynamic,nhwc/dynamic")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     plans = [(p.split("/")[0], int(p.split("/")[1])) for p in args.plans.split(",")]
     rows = []
     for name in args.models.split(","):
-        rows += probe(name, [int(b) for b in args.batch.split(",")], plans, not args.no_compile)
+        variants = [tuple(v.split("/")) for v in args.variants.split(",")]
+        rows += probe(name, [int(b) for b in args.batch.split(",")], plans, not args.no_compile, variants)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
 

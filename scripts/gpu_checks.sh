@@ -26,6 +26,9 @@
 #              every GPU of the machine (one instance each): $OUT/twogpu_one.json, $OUT/twogpu_all.json
 #   varlen     scripts/varlen_bench.py: BERT ($VARLEN_MODELS, default bert) with seeded lengths (mean 50, cap 512)
 #              at concurrency 1, 16, 64 under the padded, single, greedy and dp schedulers
+#   warmbuild  fused lanes' serving build, cold then warm: a repository of $WARM_MODELS (default googlenet)
+#              with fused_lanes on, `python -m opara_core.serving.launcher warm` twice with one fresh
+#              OPARA_CACHE_DIR (Inductor's compiled code, profiles): each model's build seconds both times
 #   soak       GoogLeNet served by `python -m opara_core.serving.launcher serve` on ports 18000-18002,
 #              scripts/soak.py over gRPC at 1, 8 and 64 ($SOAK_SECONDS each, default 30, and as long a warm-up): errors, wrong
 #              answers, host and GPU memory growth
@@ -93,7 +96,22 @@ twogpu() {
     return $rc
 }
 
-export -f soak instances twogpu
+warmbuild() {
+    local repository cache model run rc=0
+    repository=$(mktemp -d)
+    cache=$(mktemp -d)
+    for model in ${WARM_MODELS:-googlenet}; do
+        cp -r "model_repository/$model" "$repository/"
+        printf '\nparameters { key: "fused_lanes" value: { string_value: "true" } }\n' >>"$repository/$model/config.pbtxt"
+    done
+    for run in cold warm; do
+        echo "== $run cache ($cache)"
+        OPARA_CACHE_DIR=$cache python3 -m opara_core.serving.launcher warm --model-repository "$repository" || rc=1
+    done
+    return $rc
+}
+
+export -f soak instances twogpu warmbuild
 export out
 
 for spec in "$@"; do
@@ -119,10 +137,11 @@ for spec in "$@"; do
         --concurrency 1,16 --shared-memory none,system,cuda --requests 200 --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
         --budget "${BUDGET:-$((limit - 45))}" --json "$out/serving.json" --log "$out/server.log" ;;
     soak) step soak "$limit" bash -c soak ;;
+    warmbuild) step warmbuild "$limit" bash -c warmbuild ;;
     instances) step instances "$limit" bash -c instances ;;
     twogpu) step twogpu "$limit" bash -c twogpu ;;
     varlen) step varlen "$limit" python3 scripts/varlen_bench.py --models "${VARLEN_MODELS:-bert}" --concurrency 1,16,64 \
         --json "$out/varlen_bench.json" --log "$out/varlen_server.log" ;;
-    *) echo "unknown step $name (tests, servertests, launcher, csan, racecheck, transporttests, transport, serving, instances, twogpu, soak, varlen)" >&2; exit 2 ;;
+    *) echo "unknown step $name (tests, servertests, launcher, csan, racecheck, transporttests, transport, serving, instances, twogpu, soak, warmbuild, varlen)" >&2; exit 2 ;;
     esac
 done

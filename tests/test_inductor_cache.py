@@ -1,6 +1,6 @@
 """Where Inductor keeps fused lanes' compiled code, and that a build reuses it:
-across batch sizes (the batch dimension compiled once as a symbol) and across
-processes (a warm cache compiles nothing anew)."""
+across batch sizes (with dynamic shapes, the batch dimension compiled once as a
+symbol) and across processes (a warm cache compiles nothing anew)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,21 @@ def test_the_parameter_wins_then_torchs_variable_then_the_projects_cache(tmp_pat
     assert cache_root({}) == Path.home() / ".cache" / "opara"
 
 
+def test_inductors_own_default_in_the_variable_is_no_choice_of_the_user():
+    """Inductor writes its default (/tmp/torchinductor_<user>) into the variable the first time it looks."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    saved = os.environ.pop(INDUCTOR_ENV, None)
+    try:
+        torchs = cache_dir()
+        assert os.environ[INDUCTOR_ENV] == torchs
+        assert inductor_cache_dir("", {INDUCTOR_ENV: torchs}) == Path.home() / ".cache" / "opara" / "inductor"
+    finally:
+        os.environ.pop(INDUCTOR_ENV, None)
+        if saved is not None:
+            os.environ[INDUCTOR_ENV] = saved
+
+
 def test_a_directory_that_cannot_be_made_is_named(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -35,8 +50,8 @@ def test_a_directory_that_cannot_be_made_is_named(tmp_path, monkeypatch):
     assert INDUCTOR_ENV not in os.environ
 
 
-# One build's compilations, in a fresh process: fused lanes of a branchy module
-# run at batch 1, 2, 4 and 8; prints the segment count, the graphs Dynamo
+# One build's compilations, in a fresh process: fused lanes (dynamic shapes) of
+# a branchy module run at batch 1, 2, 4 and 8; prints the segment count, the graphs Dynamo
 # compiled and Inductor's FX graph cache hits and misses.
 WORKER = """
 import json, sys, torch
@@ -60,7 +75,7 @@ torch._inductor.config.cpp.weight_prepack = False
 torch.manual_seed(0)
 module = Branches().eval()
 graph = trace(module, (torch.randn(2, 16),))
-fused, plan = fused_lanes(graph, plan_graph(graph, "opara", 4))
+fused, plan = fused_lanes(graph, plan_graph(graph, "opara", 4), shapes="dynamic")
 before = CacheCount.now()
 error = 0.0
 with torch.inference_mode(), torch._inductor.config.patch(freezing=True):
@@ -80,7 +95,7 @@ def _build(cache: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_batch_sizes_share_code_and_a_second_process_compiles_nothing_anew(tmp_path):
+def test_dynamic_batch_sizes_share_code_and_a_second_process_compiles_nothing_anew(tmp_path):
     cold = _build(tmp_path / "cache")
     assert cold["lanes"] > 1 and cold["segments"] > 1, cold
     assert cold["error"] < 1e-5, cold

@@ -24,7 +24,7 @@ from opara_core import zoo
 from opara_core.engine import runtime
 from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, capture_module, time_replays
 from opara_core.engine.interpreter import reordered_graph
-from opara_core.engine.fused_lanes import InductorCapture
+from opara_core.engine.fused_lanes import SHAPES, InductorCapture
 from opara_core.engine.inductor_cache import CacheCount, use_inductor_cache
 from opara_core.engine.fusion import CONV, CONV_ADD_RELU, CONV_RELU, FusionReport, fuse_graph
 from opara_core.engine.compare import max_relative_error
@@ -77,6 +77,10 @@ class EngineSettings:
     # only). Off by default until builds are fast (engine.fused_lanes: two
     # compiles per segment; engine.inductor_cache: compiled code kept on disk)
     fused_lanes: bool = False
+    # fused lanes compile each bucket's shapes ("static"), or the batch
+    # dimension as a symbol from the second bucket on ("dynamic": faster
+    # builds, slower convolutions; see engine.fused_lanes)
+    fused_shapes: str = "static"
     # where Inductor keeps compiled code ("": TORCHINDUCTOR_CACHE_DIR, else
     # $OPARA_CACHE_DIR/inductor, else ~/.cache/opara/inductor)
     inductor_cache: str = ""
@@ -94,6 +98,8 @@ class EngineSettings:
             raise ValueError(f"buckets must be positive batch sizes, got {list(self.buckets)}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
+        if self.fused_shapes not in SHAPES:
+            raise ValueError(f"unknown fused_shapes {self.fused_shapes!r}; known: {', '.join(SHAPES)}")
 
 
 @dataclass(frozen=True, order=True)
@@ -162,7 +168,7 @@ def build_runner(
     def multi_stream() -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
         if settings.fail_capture:
             raise CaptureError("capture failure forced by the fail_capture switch")
-        captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool) for c, plan in candidates(graphs, settings).items()}
+        captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool, settings.fused_shapes) for c, plan in candidates(graphs, settings).items()}
         chosen = capture_fastest(captures, entry, device, settings.buckets, report)
         return chosen, {b: graphs[c.graph].module for b, c in report.choices.items()}
 
@@ -324,9 +330,11 @@ def candidates(graphs: dict[str, OpGraph], settings: EngineSettings) -> dict[Can
     return found
 
 
-def plan_capture(candidate: Candidate, graph: OpGraph, plan: Plan, lane_pool: LanePool) -> PlanCapture:
-    """The capture of one candidate: fused lanes compile their segments with Inductor."""
-    return (InductorCapture if candidate.graph == "inductor" else PlanCapture)(graph, plan, lane_pool)
+def plan_capture(candidate: Candidate, graph: OpGraph, plan: Plan, lane_pool: LanePool, shapes: str = "static") -> PlanCapture:
+    """The capture of one candidate: fused lanes compile their segments with Inductor (`shapes`: see EngineSettings)."""
+    if candidate.graph == "inductor":
+        return InductorCapture(graph, plan, lane_pool, shapes=shapes)
+    return PlanCapture(graph, plan, lane_pool)
 
 
 def channels_last_graph(graph: OpGraph) -> OpGraph:

@@ -14,12 +14,13 @@ called, so each segment's kernels land on its lane. Compilation happens on the
 first call at a new shape (the capture's warm-up), under inference mode with
 Inductor's freezing, which turns weights into constants and folds them.
 
-Shapes: the first batch size compiles with static shapes; the second finds the
-batch dimension changed and compiles it as a symbol (Dynamo's automatic dynamic
-shapes), and every later batch size reuses that code. A build of six buckets
-compiles each segment twice instead of six times (with static shapes only,
-GoogLeNet's six buckets took over 200 s on an H100). Batch 1 keeps its own
-static code: Dynamo specialises sizes 0 and 1 anyway.
+Shapes (`SHAPES`): "static" compiles each segment once per batch size.
+"dynamic" compiles the first batch size statically; the second finds the batch
+dimension changed and compiles it as a symbol (Dynamo's automatic dynamic
+shapes), and every later batch size reuses that code: two compiles per segment
+instead of one per bucket. But Inductor turns off its convolution layout
+optimisation under dynamic shapes (a known regression, pytorch#102670), so on
+an H100 GoogLeNet's dynamic code was 25-35% slower at batch 8 than static.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from opara_core.planning.plan import Plan
 from opara_core.planning.segments import Segmentation, segment_plan
 
 log = logging.getLogger(__name__)
+
+SHAPES = ("static", "dynamic")
 
 
 def split_into_segments(graph: OpGraph, segmentation: Segmentation) -> GraphModule:
@@ -135,16 +138,18 @@ def _copied(graph: Graph, env: dict[Node, Node], node: Node) -> Node:
     return env[node]
 
 
-def fused_lanes(graph: OpGraph, plan: Plan, compile_segments: bool = True) -> tuple[OpGraph, Plan]:
+def fused_lanes(graph: OpGraph, plan: Plan, compile_segments: bool = True, shapes: str = "static") -> tuple[OpGraph, Plan]:
     """The graph with each segment of `plan` as one (Inductor-compiled) submodule,
-    and the segment-level plan to run it with."""
+    and the segment-level plan to run it with. `shapes`: one of SHAPES."""
+    if shapes not in SHAPES:
+        raise ValueError(f"unknown shapes {shapes!r}; known: {', '.join(SHAPES)}")
     segmentation = segment_plan(graph.dag, plan)
     top = split_into_segments(graph, segmentation)
     for node in top.graph.nodes:
         node.meta["opara_free"] = node.op != "call_module"
     if compile_segments:
         for name in segmentation.members:
-            top.add_submodule(name, torch.compile(top.get_submodule(name), backend="inductor", fullgraph=True, dynamic=None))
+            top.add_submodule(name, torch.compile(top.get_submodule(name), backend="inductor", fullgraph=True, dynamic=None if shapes == "dynamic" else False))
     log.info("%s: %d kernels in %d segments on %d lanes", plan.policy, len(plan.order), len(segmentation.members), plan.num_streams)
     return dataclasses.replace(graph, module=top, dag=segmentation.dag), segmentation.plan
 
@@ -153,8 +158,8 @@ class InductorCapture(PlanCapture):
     """PlanCapture of a fused-lanes graph: segments compile at the warm-up of
     each new batch size, under inference mode with Inductor's freezing."""
 
-    def __init__(self, graph: OpGraph, plan: Plan, lane_pool: LanePool, **kwargs: Any):
-        fused, segment_level = fused_lanes(graph, plan)
+    def __init__(self, graph: OpGraph, plan: Plan, lane_pool: LanePool, shapes: str = "static", **kwargs: Any):
+        fused, segment_level = fused_lanes(graph, plan, shapes=shapes)
         super().__init__(fused, segment_level, lane_pool, **kwargs)
         self.segments = len(segment_level.order)
 

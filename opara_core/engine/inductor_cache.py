@@ -31,12 +31,28 @@ def cache_root(env: dict[str, str] | os._Environ = os.environ) -> Path:
 
 
 def inductor_cache_dir(configured: str = "", env: dict[str, str] | os._Environ = os.environ) -> Path:
-    """The directory Inductor should use (see the module docstring for the order)."""
+    """The directory Inductor should use (see the module docstring for the order).
+
+    Inductor writes its own default into TORCHINDUCTOR_CACHE_DIR the first
+    time it looks (once anything in the process compiled): that value is not
+    the user's choice and does not count."""
     if configured:
         return Path(configured).expanduser()
-    if env.get(INDUCTOR_ENV):
+    if env.get(INDUCTOR_ENV) and env[INDUCTOR_ENV] != _torch_default():
         return Path(env[INDUCTOR_ENV])
     return cache_root(env) / "inductor"
+
+
+def _torch_default() -> str | None:
+    """Inductor's default cache directory (/tmp/torchinductor_<user>), where this torch says."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        try:
+            from torch._inductor.runtime.runtime_utils import default_cache_dir
+        except ImportError:
+            return None
+    return os.path.abspath(default_cache_dir())
 
 
 def use_inductor_cache(configured: str = "") -> Path:

@@ -87,6 +87,7 @@ def engine_settings(config: dict, own: tuple[str, ...] = ()) -> EngineSettings:
         "autotune": _boolean,
         "fused_lanes": _boolean,
         "fused_tolerance": float,
+        "fused_shapes": str,
         "inductor_cache": str,
     }
     unknown = sorted(set(params) - set(parsers))
