@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -280,6 +281,7 @@ class OparaModel:
         built = report.runner + (f", {len(report.choices)} buckets" if report.choices else "")
         built += f", after {len(report.fallbacks)} fallback(s)" if report.fallbacks else ""
         details = [line for line in report.summary().splitlines()[1:] if not line.rstrip().endswith(":")]  # one line
+        freeze_heap()
         log.info("%s", ready_line(args["model_name"], str(self.device), time.monotonic() - started, built, details))
 
     def execute(self, requests: list) -> list:
@@ -518,6 +520,15 @@ def exclusive_lock(path: Path) -> Iterator[None]:
         yield
     finally:
         os.close(descriptor)  # releases the lock
+
+
+def freeze_heap() -> None:
+    """Collect once, then exempt every object alive now (torch, the model, its
+    graphs) from later garbage collections: a full collection walks them all
+    (GoogLeNet's stub: ~355,000 objects, 0.8 s on a 2-core CPU host, 0.01 ms
+    once frozen) and stalls every request in flight meanwhile."""
+    gc.collect()
+    gc.freeze()
 
 
 def _error(pb_utils, message: str, code):
