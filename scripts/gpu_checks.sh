@@ -16,6 +16,14 @@
 #   transport  scripts/serving_bench.py for GoogLeNet alone: batch 1 over gRPC at concurrency 1 and 16,
 #              tensors in the message, system and CUDA shared memory, each level beside the no-op floor
 #              model; $OUT/transport.json, $OUT/transport_server.log
+#   transportexp the #15 experiment, one setting changed at a time, each its own server (GoogLeNet, batch 1,
+#              gRPC, every row beside the floor), in this order: t1 (torch_threads=1, the default on a GPU
+#              instance) in none/system/cuda at concurrency 1 and 16; t0 (torch's default threads, the old
+#              behaviour) in none at 1 and 16; t1_host (output_memory=host) in cuda at 1 and 16; t1_cpuonly
+#              (FORCE_CPU_ONLY_INPUT_TENSORS=yes) in none and cuda at 1 and 16; t1_host_x2 (2 instances) in
+#              none and cuda at 16; t1_host_greedy0 (no preferred batch sizes, no queue delay: a lone request
+#              goes at once, a busy instance still finds a batch) in cuda at 1 and 16;
+#              $OUT/exp_<name>.json and exp_<name>_server.log; a server starts only with 100 s left
 #   serving    the same for the models in $MODELS (default resnet50,inception_v3,deepfm,bert,t5);
 #              $OUT/serving.json, $OUT/server.log
 #              (both benchmark steps start no level later than 45 s before their limit, $BUDGET to change)
@@ -111,7 +119,32 @@ warmbuild() {
     return $rc
 }
 
-export -f soak instances twogpu warmbuild
+transportexp() {
+    local deadline=$((SECONDS + $1 - 15)) rc=0
+    bench() {  # name, then serving_bench options; a server takes ~35 s (two instances ~55) before its first row
+        local name=$1 left=$((deadline - SECONDS))
+        shift
+        if [ $left -lt 100 ]; then
+            echo "== $name skipped: ${left} s left"
+            return
+        fi
+        echo "== $name: $*"
+        python3 scripts/serving_bench.py --models googlenet --requests 200 --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
+            --budget $((left - 45)) --json "$out/exp_$name.json" --log "$out/exp_${name}_server.log" "$@" || rc=1
+    }
+    bench t1 --concurrency 1,16 --shared-memory none,system,cuda --parameter torch_threads=1
+    bench t0 --concurrency 1,16 --shared-memory none --parameter torch_threads=0
+    bench t1_host --concurrency 1,16 --shared-memory cuda --parameter torch_threads=1 --parameter output_memory=host
+    bench t1_cpuonly --concurrency 1,16 --shared-memory none,cuda --parameter torch_threads=1 \
+        --parameter FORCE_CPU_ONLY_INPUT_TENSORS=yes
+    bench t1_host_x2 --concurrency 16 --shared-memory none,cuda --instances 2 --parameter torch_threads=1 \
+        --parameter output_memory=host
+    bench t1_host_greedy0 --concurrency 1,16 --shared-memory cuda --batching greedy --queue-delay 0 \
+        --parameter torch_threads=1 --parameter output_memory=host
+    return $rc
+}
+
+export -f soak instances twogpu warmbuild transportexp
 export out
 
 for spec in "$@"; do
@@ -133,6 +166,7 @@ for spec in "$@"; do
     transport) step transport "$limit" python3 scripts/serving_bench.py --models googlenet --concurrency 1,16 \
         --shared-memory none,system,cuda --requests 200 --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
         --budget "${BUDGET:-$((limit - 45))}" --json "$out/transport.json" --log "$out/transport_server.log" ;;
+    transportexp) step transportexp "$limit" bash -c "transportexp $limit" ;;
     serving) step serving "$limit" python3 scripts/serving_bench.py --models "${MODELS:-resnet50,inception_v3,deepfm,bert,t5}" \
         --concurrency 1,16 --shared-memory none,system,cuda --requests 200 --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
         --budget "${BUDGET:-$((limit - 45))}" --json "$out/serving.json" --log "$out/server.log" ;;
@@ -142,6 +176,6 @@ for spec in "$@"; do
     twogpu) step twogpu "$limit" bash -c twogpu ;;
     varlen) step varlen "$limit" python3 scripts/varlen_bench.py --models "${VARLEN_MODELS:-bert}" --concurrency 1,16,64 \
         --json "$out/varlen_bench.json" --log "$out/varlen_server.log" ;;
-    *) echo "unknown step $name (tests, servertests, launcher, csan, racecheck, transporttests, transport, serving, instances, twogpu, soak, warmbuild, varlen)" >&2; exit 2 ;;
+    *) echo "unknown step $name (tests, servertests, launcher, csan, racecheck, transporttests, transport, transportexp, serving, instances, twogpu, soak, warmbuild, varlen)" >&2; exit 2 ;;
     esac
 done

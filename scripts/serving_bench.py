@@ -65,15 +65,36 @@ def add_floor_model(repository: Path, model: str) -> str:
     return name
 
 
+def set_parameter(text: str, key: str, value: str) -> str:
+    """config.pbtxt text with the parameter `key` set to `value`: replaced where
+    the config sets it, added as the first entry of its `parameters` otherwise."""
+    if not re.fullmatch(r"[\w.]+", key) or '"' in value or "\\" in value:
+        raise SystemExit(f"error: parameter {key}={value!r}: a key of letters, digits, '_' and '.', a value without quotes")
+    text, found = re.subn(rf'(key: "{re.escape(key)}"\s*value: \{{ string_value: )"[^"]*"', lambda m: f'{m.group(1)}"{value}"', text)
+    if found:
+        return text
+    entry = f'parameters [\n  {{\n    key: "{key}"\n    value: {{ string_value: "{value}" }}\n  }},'
+    text, found = re.subn(r"^parameters \[", lambda _: entry, text, count=1, flags=re.M)
+    if not found:
+        raise SystemExit(f"error: no `parameters [` block to add {key} to")
+    return text
+
+
 def make_repository(
-    models: list[str], root: Path, instances: int = 1, batching: str = "preferred", queue_delay_us: int | None = None
+    models: list[str],
+    root: Path,
+    instances: int = 1,
+    batching: str = "preferred",
+    queue_delay_us: int | None = None,
+    parameters: dict[str, str] | None = None,
 ) -> Path:
     """A copy of the selected models, each with `instances` model instances
     (stub processes, each with its own graphs) and its floor model beside it.
     batching "greedy" drops the preferred batch sizes, so that Triton sends
     every queued request (up to max_batch_size) instead of the largest
     preferred size it can form (7 queued: 4 now, 3 later); `queue_delay_us`
-    replaces the configs' max_queue_delay_microseconds."""
+    replaces the configs' max_queue_delay_microseconds; `parameters` are set
+    in every config (the floor's too: it is made from the model's config)."""
     repository = root / "models"
     for name in models:
         shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, repository / name)
@@ -89,6 +110,8 @@ def make_repository(
             text, found = re.subn(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {queue_delay_us}", text)
             if found != 1:
                 raise SystemExit(f"{config}: no single `max_queue_delay_microseconds` line to set")
+        for key, value in (parameters or {}).items():
+            text = set_parameter(text, key, value)
         config.write_text(text)
         add_floor_model(repository, name)
     return repository
@@ -221,6 +244,11 @@ def main() -> int:
         help="preferred: the configs' preferred batch sizes (the graph buckets); greedy: none, every queued request goes",
     )  # fmt: skip
     parser.add_argument("--queue-delay", type=int, default=None, metavar="US", help="max_queue_delay_microseconds (default: the configs')")
+    parser.add_argument(
+        "--parameter", action="append", default=[], metavar="KEY=VALUE",
+        help="set a config parameter in every served config, e.g. torch_threads=0, output_memory=host, "
+        "FORCE_CPU_ONLY_INPUT_TENSORS=yes (repeatable)",
+    )  # fmt: skip
     parser.add_argument("--requests", type=int, default=1000, help="requests per measurement window")
     parser.add_argument("--perf-analyzer", default=None, help="default: the one of the tritonclient wheel, else on PATH")
     parser.add_argument("--budget", type=float, default=None, metavar="S", help="start no measurement after S seconds; the rest is listed as skipped")
@@ -242,10 +270,14 @@ def main() -> int:
             check_shared_memory("cuda")
         except ClientError as error:
             raise SystemExit(f"error: {error}") from None
+    malformed = [p for p in args.parameter if "=" not in p]
+    if malformed:
+        raise SystemExit(f"error: --parameter {malformed[0]!r}: use KEY=VALUE")
+    parameters = dict(p.split("=", 1) for p in args.parameter)
     started = time.perf_counter()
     models = [zoo.get(m).name for m in args.models.split(",")]
     work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
-    repository = make_repository(models, work, args.instances, args.batching, args.queue_delay)
+    repository = make_repository(models, work, args.instances, args.batching, args.queue_delay, parameters)
     # the server is ours: its admin key (for the shared-memory API) is OPARA_ADMIN_KEY or a new one
     config = ServerConfig(
         model_repository=repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
@@ -254,7 +286,7 @@ def main() -> int:
     log_path = args.log or work / "server.log"
     meta = {
         "date": time.strftime("%Y-%m-%d"), "device": device_name(), "command": " ".join(sys.argv), "instances": args.instances,
-        "batching": args.batching, "queue_delay_us": args.queue_delay, "requests_per_window": args.requests,
+        "batching": args.batching, "queue_delay_us": args.queue_delay, "parameters": parameters, "requests_per_window": args.requests,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }  # fmt: skip
     rows: list[dict] = []

@@ -32,7 +32,10 @@ FLOORED = ("googlenet", "deepfm")
 
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory):
-    return serving_bench.make_repository(list(FLOORED), tmp_path_factory.mktemp("bench"), instances=2, batching="greedy", queue_delay_us=500)
+    return serving_bench.make_repository(
+        list(FLOORED), tmp_path_factory.mktemp("bench"), instances=2, batching="greedy", queue_delay_us=500,
+        parameters={"FORCE_CPU_ONLY_INPUT_TENSORS": "yes", "torch_threads": "0"},
+    )  # fmt: skip
 
 
 def without_name(text: str) -> str:
@@ -48,6 +51,9 @@ def test_each_model_gets_a_floor_with_its_own_config(repository, model):
     assert f'name: "{model}_floor"' in floor
     assert without_name(floor) == without_name(config)
     assert "count: 2" in floor and "preferred_batch_size" not in floor and "max_queue_delay_microseconds: 500" in floor
+    parameters = dict(re.findall(r'key: "([\w.]+)"\s+value: \{ string_value: "([^"]*)" \}', floor))
+    assert parameters["FORCE_CPU_ONLY_INPUT_TENSORS"] == "yes" and parameters["torch_threads"] == "0"
+    assert floor.count('key: "FORCE_CPU_ONLY_INPUT_TENSORS"') == 1  # replaced, not added twice
     assert "FloorModel" in (repository / f"{model}_floor" / "1" / "model.py").read_text()
 
 
@@ -57,7 +63,9 @@ def floor_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("floors") / "models"
     for model in FLOORED:
         (root / model).mkdir(parents=True)
-        (root / model / "config.pbtxt").write_text((DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt").read_text())
+        # an added parameter (the floor honours output_memory): tritonserver must parse the edited config
+        text = serving_bench.set_parameter((DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt").read_text(), "output_memory", "host")
+        (root / model / "config.pbtxt").write_text(text)
         serving_bench.add_floor_model(root, model)
         (root / model / "config.pbtxt").unlink()
         (root / model).rmdir()

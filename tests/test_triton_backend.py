@@ -25,6 +25,7 @@ from opara_core.serving.triton_backend import (
     exclusive_lock,
     output_memory,
     request_tensors,
+    torch_threads,
 )
 
 
@@ -76,6 +77,24 @@ def test_batch_models_let_gpu_inputs_through(model):
 def test_bad_transport_parameters_are_named(parameters, problem):
     with pytest.raises(ValueError, match=problem):
         output_memory({"parameters": {k: {"string_value": v} for k, v in parameters.items()}})
+
+
+def threads_of(value: str | None, device: str) -> int | None:
+    config = {"parameters": {} if value is None else {"torch_threads": {"string_value": value}}}
+    return torch_threads(config, torch.device(device))
+
+
+def test_torch_threads_auto_is_one_on_a_gpu_instance_and_torch_default_on_a_cpu_instance():
+    """A GPU instance only copies on the CPU; a CPU instance computes on its threads."""
+    assert threads_of(None, "cuda") == 1 and threads_of("auto", "cuda") == 1
+    assert threads_of(None, "cpu") is None
+    assert threads_of("0", "cuda") is None and threads_of("4", "cpu") == 4
+
+
+@pytest.mark.parametrize("value", ["many", "-1", "1.5", ""])
+def test_a_bad_torch_threads_value_is_named(value):
+    with pytest.raises(ValueError, match="torch_threads must be 'auto' or a number"):
+        threads_of(value, "cuda")
 
 
 def test_a_config_that_differs_from_the_model_fails_at_load():

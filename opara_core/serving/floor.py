@@ -7,9 +7,12 @@ measured in the same run: what Triton's Python backend costs to move a request
 into a stub process and a response out, which no model code can remove.
 
 It reads no input data and answers each request with zeros of the output
-shapes, placed as the adapter places real outputs under `output_memory` "auto":
-GPU tensors when the request's inputs came on the instance's GPU, host tensors
-otherwise, both handed over through DLPack.
+shapes, placed as the adapter places real outputs under the config's
+`output_memory` ("auto": GPU tensors when the request's inputs came on the
+instance's GPU, host tensors otherwise; "host"; "gpu"), both handed over
+through DLPack: GPU outputs cost the Python backend a synchronisation per
+tensor and a second round trip to the stub, so the floor must pay what the
+model pays.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import logging
 
 import torch
 
-from opara_core.serving.triton_backend import TRITON_DTYPES, select_device
+from opara_core.serving.triton_backend import TRITON_DTYPES, freeze_heap, output_memory, select_device
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +53,10 @@ class FloorModel:
         self._pb = pb_utils
         config = json.loads(args["model_config"])
         self.device = select_device(args)
+        self.output_memory = output_memory(config)
         self.host = zero_outputs(config, torch.device("cpu"))
         self.gpu = zero_outputs(config, self.device) if self.device.type == "cuda" else None
+        freeze_heap()  # as the model does: no full collection pauses in either
         log.info("no-op floor %s loaded on %s", args["model_name"], self.device)  # not "model X ready on": serving_bench reads those lines
 
     def execute(self, requests: list) -> list:
@@ -60,7 +65,8 @@ class FloorModel:
         for request in requests:
             first = request.inputs()[0]
             rows = first.shape()[0]
-            zeros = self.gpu if self.gpu is not None and not first.is_cpu() else self.host
+            on_gpu = self.output_memory == "gpu" or (self.output_memory == "auto" and not first.is_cpu())
+            zeros = self.gpu if self.gpu is not None and on_gpu else self.host
             tensors = [pb_utils.Tensor.from_dlpack(name, zero[:rows]) for name, zero in zeros.items()]
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses
