@@ -26,14 +26,19 @@ def reference(lm: torch.nn.Module, prompt: list[int], count: int) -> list[int]:
 def decode_staggered(decoder: SlotDecoder, prompts: list[list[int]], counts: list[int], joins: list[int]) -> list[list[int]]:
     """Request i joins at step joins[i] or once a slot is free, and leaves after
     counts[i] tokens; it takes the lowest free slot, so later requests reuse
-    the slots (and stale cache entries) of earlier ones."""
+    the slots (and stale cache entries) of earlier ones. Requests joining at
+    the same step are prefilled in one call."""
     free, active, out = list(range(decoder.slots)), {}, [[] for _ in prompts]
     for step in range(1000):
+        joining = []
         for i, join in enumerate(joins):
-            if join <= step and not out[i] and free:
+            if join <= step and not out[i] and i not in active and free:
                 free.sort()
                 active[i] = free.pop(0)
-                out[i].append(decoder.prefill(active[i], prompts[i]))
+                joining.append(i)
+        if joining:  # those joining at one step are prefilled together
+            for i, token in zip(joining, decoder.prefill_many([active[i] for i in joining], [prompts[i] for i in joining])):
+                out[i].append(token)
         for i in [i for i in active if len(out[i]) >= counts[i]]:
             free.append(active.pop(i))
         if active:
@@ -50,12 +55,14 @@ def decode_staggered(decoder: SlotDecoder, prompts: list[list[int]], counts: lis
     return out
 
 
-def check(device: torch.device, buckets: tuple[int, ...] = (), capture: bool = False) -> SlotDecoder:
+def check(device: torch.device, buckets: tuple[int, ...] = (), capture: bool = False, prefill_tokens: int | None = None) -> SlotDecoder:
     lm = small_gpt2(SMALL).lm.to(device)
     prompts = [[1, 2, 3], [50256] * 9, [7], [4, 5, 6, 7, 8, 9, 10, 11], [300, 301], [9, 9, 9, 9]]
     counts = [12, 5, 20, 3, 9, 14]
-    joins = [0, 0, 1, 2, 4, 6]  # 6 requests through 3 slots: slots are reused
+    joins = [0, 0, 0, 2, 4, 6]  # 6 requests through 3 slots: slots are reused; 3 prompts of 3, 9 and 1 tokens prefilled together
     decoder = SlotDecoder(lm, slots=3, max_context=40, device=device, buckets=buckets, capture=capture)
+    if prefill_tokens is not None:
+        decoder.PREFILL_TOKENS = prefill_tokens
     got = decode_staggered(decoder, prompts, counts, joins)
     assert got == [reference(lm, p, n) for p, n in zip(prompts, counts)]
     return decoder
@@ -63,6 +70,12 @@ def check(device: torch.device, buckets: tuple[int, ...] = (), capture: bool = F
 
 def test_staggered_batched_decoding_equals_transformers_generate():
     check(torch.device("cpu"))
+
+
+def test_prompts_prefilled_together_in_several_forwards_equal_transformers_generate():
+    """A prefill budget of 9 padded positions: the three prompts joining
+    together (1, 3 and 9 tokens, sorted by length) go in two forwards."""
+    check(torch.device("cpu"), prefill_tokens=9)
 
 
 def test_bucketed_steps_pad_with_the_scratch_slot_and_attend_over_the_whole_context():

@@ -4,9 +4,9 @@
 cache, so the planner and the tests see one plain `forward(ids) -> logits`.
 
 `SlotDecoder` is what the generation server runs, on the same weights: a KV
-cache preallocated with one slot per active request, a prefill per admitted
-request, and one decoding step for all active requests at once (Orca's
-selective batching). The dense operators (LayerNorms, QKV and output
+cache preallocated with one slot per active request, one batched prefill for
+the requests admitted together, and one decoding step for all active requests
+at once (Orca's selective batching). The dense operators (LayerNorms, QKV and output
 projections, MLP, LM head) run over the batch of new tokens; attention runs
 per request over its own keys and values, by masking each row of the padded
 cache to its own length.
@@ -34,14 +34,29 @@ class GPT2Logits(nn.Module):
 @dataclass
 class _Bucket:
     """Static inputs and output of the decoding step for `size` rows (a CUDA
-    graph replays on exactly these addresses)."""
+    graph replays on exactly these addresses). `inputs` holds slot, token and
+    position per row ([3, size]; index, ids and position are its rows), so one
+    copy from the pinned `staging` fills them; `landing` (pinned) takes `out`
+    back."""
 
     size: int
-    index: torch.Tensor
-    ids: torch.Tensor
-    position: torch.Tensor
+    inputs: torch.Tensor
+    staging: torch.Tensor
+    landing: torch.Tensor
     out: torch.Tensor | None = None
     graph: object | None = None
+
+    @property
+    def index(self) -> torch.Tensor:
+        return self.inputs[0]
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.inputs[1]
+
+    @property
+    def position(self) -> torch.Tensor:
+        return self.inputs[2]
 
 
 class SlotDecoder:
@@ -52,11 +67,14 @@ class SlotDecoder:
     retirement; the extra slot is scratch for the padding rows of a bucket.
     Positions past a request's length are masked out, never read.
 
-    `buckets` (active-batch sizes) run the step on static buffers padded to
+    `prefill_many` prefills the requests admitted together in batched
+    forwards. `buckets` (active-batch sizes) run the step on static buffers padded to
     the smallest bucket that fits, attending over the whole context; on a GPU
     each bucket is one CUDA graph (`capture=True`). Without buckets, or above
     the largest, the step runs eagerly over the longest request's span.
     """
+
+    PREFILL_TOKENS = 4096  # padded positions per prefill forward: bounds its attention scores' memory
 
     def __init__(
         self, lm: nn.Module, slots: int, max_context: int, device: torch.device, buckets: tuple[int, ...] = (), capture: bool = False
@@ -77,6 +95,7 @@ class SlotDecoder:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self._positions = torch.arange(max_context, device=device)
+        self._done = torch.cuda.Event() if device.type == "cuda" else None
         self.buckets = [self._static(size) for size in sorted(set(buckets)) if size >= 1]
         if capture:
             self._capture()
@@ -89,19 +108,51 @@ class SlotDecoder:
     def cache_bytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
 
-    @torch.inference_mode()
     def prefill(self, slot: int, prompt: list[int]) -> int:
         """Fill `slot` with the prompt's keys and values; the first generated token."""
-        length = len(prompt)
-        ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
-        x = self._embed(ids, self._positions[:length])  # [L, E]
-        causal = self._positions[:length, None] >= self._positions[None, :length]  # [L, L]
+        return self.prefill_many([slot], [prompt])[0]
+
+    def prefill_many(self, slots: list[int], prompts: list[list[int]]) -> list[int]:
+        """Prefill several requests, in batched forwards of at most
+        `PREFILL_TOKENS` padded positions each (prompts sorted by length, so
+        that each batch pads little); the first generated token of each.
+
+        Eager, every kernel launched from Python: one batched forward instead
+        of one per request pays those launches once."""
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        tokens = [0] * len(prompts)
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and (end + 1 - start) * len(prompts[order[end]]) <= self.PREFILL_TOKENS:
+                end += 1
+            chunk = order[start:end]
+            for i, token in zip(chunk, self._prefill([slots[i] for i in chunk], [prompts[i] for i in chunk])):
+                tokens[i] = token
+            start = end
+        return tokens
+
+    @torch.inference_mode()
+    def _prefill(self, slots: list[int], prompts: list[list[int]]) -> list[int]:
+        """One forward over the prompts padded to the longest. Causal masking
+        alone keeps a real position from seeing padding (padding comes after
+        it); the padding's keys and values land in the cache past the prompt,
+        where decoding overwrites each position before any step can see it."""
+        lengths = [len(p) for p in prompts]
+        span = max(lengths)
+        ids = torch.tensor([p + [0] * (span - len(p)) for p in prompts], dtype=torch.long).to(self.device, non_blocking=True)
+        meta = torch.tensor([slots, [n - 1 for n in lengths]], dtype=torch.long).to(self.device, non_blocking=True)
+        index, last = meta[0], meta[1]
+        positions = self._positions[:span]
+        x = self._embed(ids, positions)  # [n, L, E]
+        causal = positions[:, None] >= positions[None, :]  # [L, L]
         for layer, block in enumerate(self.blocks):
-            q, k, v = self._qkv(block, x)  # [H, L, D] each
-            self.keys[layer, slot, :, :length] = k
-            self.values[layer, slot, :, :length] = v
+            q, k, v = self._qkv(block, x)  # [n, H, L, D] each
+            self.keys[layer][index, :, :span] = k
+            self.values[layer][index, :, :span] = v
             x = self._finish_block(block, x, self._attend(block, q, k, v, causal))
-        return int(self._logits(x[-1:]).argmax(-1))
+        rows = torch.arange(len(prompts), device=self.device)
+        return self._logits(x[rows, last]).argmax(-1).tolist()
 
     @torch.inference_mode()
     def step(self, slots: list[int], tokens: list[int], lengths: list[int]) -> list[int]:
@@ -113,13 +164,18 @@ class SlotDecoder:
             index, ids, position = (torch.tensor(v, dtype=torch.long, device=self.device) for v in (slots, tokens, lengths))
             return self._step(index, ids, position, max(lengths) + 1).tolist()
         pad = bucket.size - count
-        for static, values, filler in ((bucket.index, slots, self.scratch), (bucket.ids, tokens, 0), (bucket.position, lengths, 0)):
-            static.copy_(torch.tensor(values + [filler] * pad, dtype=torch.long))
+        bucket.staging.copy_(torch.tensor([slots + [self.scratch] * pad, tokens + [0] * pad, lengths + [0] * pad], dtype=torch.long))
+        bucket.inputs.copy_(bucket.staging, non_blocking=True)
         if bucket.graph is not None:
             bucket.graph.replay()
         else:
             bucket.out = self._step(bucket.index, bucket.ids, bucket.position, self.max_context)
-        return bucket.out[:count].tolist()
+        bucket.landing.copy_(bucket.out, non_blocking=True)
+        if self.device.type == "cuda":
+            # wait here, not inside tolist(): an event wait lets other Python threads run meanwhile
+            self._done.record()
+            self._done.synchronize()
+        return bucket.landing[:count].tolist()
 
     def _step(self, index: torch.Tensor, ids: torch.Tensor, position: torch.Tensor, span: int) -> torch.Tensor:
         """The step on device tensors (capturable: no host sync, no new host data)."""
@@ -136,8 +192,11 @@ class SlotDecoder:
         return self._logits(x).argmax(-1)
 
     def _static(self, size: int) -> _Bucket:
-        zeros = lambda: torch.zeros(size, dtype=torch.long, device=self.device)  # noqa: E731
-        return _Bucket(size, zeros() + self.scratch, zeros(), zeros())
+        inputs = torch.zeros(3, size, dtype=torch.long, device=self.device)
+        inputs[0] = self.scratch
+        pinned = self.device.type == "cuda"
+        staging = torch.zeros(3, size, dtype=torch.long, pin_memory=pinned)
+        return _Bucket(size, inputs, staging, torch.zeros(size, dtype=torch.long, pin_memory=pinned))
 
     @torch.inference_mode()
     def _capture(self) -> None:
