@@ -83,8 +83,9 @@ def loop_counters(metrics_url: str) -> dict[str, dict[str, float]]:
     with urllib.request.urlopen(metrics_url, timeout=30) as response:
         text = response.read().decode()
     counters: dict[str, dict[str, float]] = {}
-    for family, model, label, value in re.findall(r'^opara_generation_(seconds|events)_total\{model="(\w+)",(?:stage|kind)="(\w+)"\} (\S+)$', text, re.M):
-        counters.setdefault(model, {})[f"{family}:{label}"] = float(value)
+    for family, labels, value in re.findall(r"^opara_generation_(seconds|events)_total\{(.*)\} (\S+)$", text, re.M):
+        named = dict(re.findall(r'(\w+)="(\w*)"', labels))
+        counters.setdefault(named["model"], {})[f"{family}:{named.get('stage') or named.get('kind')}"] = float(value)
     return counters
 
 

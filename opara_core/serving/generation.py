@@ -151,12 +151,21 @@ def graph_buckets(max_active: int) -> tuple[int, ...]:
     return tuple(sorted({1 << i for i in range(max_active.bit_length()) if 1 << i < max_active} | {max_active}))
 
 
+def prefill_shapes(max_active: int, max_context: int) -> tuple[tuple[int, int], ...]:
+    """Prefill shapes to capture: up to 8 rows (graph_buckets), lengths in
+    powers of two from 16 up to max_context, and max_context."""
+    lengths = sorted({1 << i for i in range(4, max_context.bit_length()) if 1 << i < max_context} | {max_context})
+    return tuple((rows, length) for rows in graph_buckets(min(8, max_active)) for length in lengths)
+
+
 def make_decoder(lm: torch.nn.Module, settings: GenerationSettings, device: torch.device) -> SlotDecoder:
-    """CUDA graphs per bucket on a GPU (when enabled); eager elsewhere, or
-    when the capture fails (logged; the model still serves)."""
+    """CUDA graphs per decoding bucket and prefill shape on a GPU (when
+    enabled); eager elsewhere, or when the capture fails (logged; the model
+    still serves)."""
     if device.type == "cuda" and settings.cuda_graphs:
         try:
-            return SlotDecoder(lm, settings.max_active, settings.max_context, device, graph_buckets(settings.max_active), capture=True)
+            buckets, shapes = graph_buckets(settings.max_active), prefill_shapes(settings.max_active, settings.max_context)
+            return SlotDecoder(lm, settings.max_active, settings.max_context, device, buckets, capture=True, prefill_shapes=shapes)
         except Exception:  # noqa: BLE001 - serve eagerly rather than not at all
             log.exception("capturing the decoding step failed; decoding eagerly")
             torch.cuda.synchronize(device)
@@ -601,7 +610,8 @@ class GenerationModel:
         self.metrics = GenerationMetrics(pb_utils, name, self.generator)
         self.generator.start()
         graphs = [b.size for b in decoder.buckets if b.graph is not None]
-        built = f"decoding step as CUDA graphs, {len(graphs)} buckets" if graphs else "eager decoding step"
+        prefills = sum(b.graph is not None for b in decoder.prefill_buckets)
+        built = f"decoding step as CUDA graphs, {len(graphs)} buckets, prefill in {prefills} shapes" if graphs else "eager decoding step"
         details = [
             f"{settings.scheduling} scheduling",
             f"{settings.max_active} slots x {settings.max_context} positions ({decoder.cache_bytes / 2**20:.0f} MiB of KV cache)",
