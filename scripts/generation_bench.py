@@ -68,12 +68,12 @@ def lone_request(url: str, model: str, prompt_len: int, max_tokens: int, repeats
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| scheduling | rate (req/s) | requests | errors | req/s | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| scheduling | rate (req/s) | requests | errors | req/s | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | client send lag p99 (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         cells = [r["scheduling"], f"{r['rate']:g}", r["requests"], r["errors"], f"{r['requests_per_s']:.2f}", f"{r['tokens_per_s']:.0f}"]
-        cells += ["-" if r[k] is None else f"{r[k]:.1f}" for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")]
+        cells += ["-" if r.get(k) is None else f"{r[k]:.1f}" for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "send_lag_p99_ms")]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
