@@ -189,12 +189,20 @@ def main() -> int:
         admin_key=os.environ.get(ADMIN_KEY_ENV) or secrets.token_hex(32),
     )  # fmt: skip
     rows, lone = [], []
+
+    def save() -> None:
+        """The JSON so far: written after every row, so that a run cut short keeps what it measured."""
+        if args.json:
+            meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "parameters": parameters}
+            args.json.write_text(json.dumps({"meta": meta, "rows": rows, "lone": lone}, indent=1))
+
     server = TritonServer(config, args.log or work / "server.log").start()
     try:
         server.wait_ready(timeout_s=900)
         for scheduling in schedulings:
             lone.append(lone_request(server.grpc_url, MODELS[scheduling], 128, 64))
             print(json.dumps(lone[-1]), flush=True)
+            save()
         for scheduling in schedulings:
             model = MODELS[scheduling]
             for rate in rates[scheduling]:
@@ -208,6 +216,7 @@ def main() -> int:
                 loop = loop_breakdown(before, loop_counters(server.metrics_url).get(model, {}), result.duration_s)
                 rows.append({"scheduling": scheduling, "rate": rate, **result.summary(), "loop": loop})
                 print(json.dumps(rows[-1]), flush=True)
+                save()
     finally:
         server.stop()
     print()
@@ -222,9 +231,7 @@ def main() -> int:
             print(f"p99 TPOT <= {bound:g} ms, {scheduling}: {found}")
     for entry in lone:
         print(f"lone request on {entry['model']}: TTFT {entry['ttft_ms']:.1f} ms (128-token prompt), TPOT {entry['tpot_ms']:.2f} ms")
-    if args.json:
-        meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "parameters": parameters}
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows, "lone": lone}, indent=1))
+    save()
     if args.plot:
         plot(rows, args.plot, bounds[0])
     return 0

@@ -31,6 +31,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
@@ -43,7 +44,7 @@ from opara_core.models.gpt2 import GPT2Logits, SlotDecoder
 from opara_core.planning.iteration import ITERATION, Limits, Rejected, Scheduler, Sequence
 from opara_core.serving import weights
 from opara_core.serving.startup import ready_line
-from opara_core.serving.triton_backend import input_tensor, parameters, select_device
+from opara_core.serving.triton_backend import StageClock, input_tensor, parameters, select_device
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,8 @@ class Responder:
     `report(Gone(key))`.
     """
 
-    CANCEL_CHECK_S = 0.05  # every is_cancelled() is an IPC round trip to the server
+    CANCEL_CHECK_S = 0.05  # every is_cancelled() is an IPC round trip to the server:
+    PROBES_PER_CHECK = 8  # at most this many per thread and check (hundreds may be waiting)
 
     def __init__(self, pb_utils, threads: int, report: Callable[[Gone], None]) -> None:
         self._pb = pb_utils
@@ -249,6 +251,7 @@ class Responder:
         work, stats = self._queues[index], self.stats[index]
         streams: dict[int, Stream] = {}
         gone: set[int] = set()
+        to_probe: deque[int] = deque()  # this thread's open streams, in probing order
         next_probe = time.monotonic() + self.CANCEL_CHECK_S
         while True:
             try:
@@ -259,27 +262,48 @@ class Responder:
                 return
             if item:
                 started = time.perf_counter()
-                self._handle(item, streams, gone)
-                stats["send"] += time.perf_counter() - started
-                stats["responses"] += item[0] != "open"
-                with self._idle:
-                    self._pending -= 1
-                    if not self._pending:
-                        self._idle.notify_all()
+                try:
+                    self._handle(item, streams, gone, to_probe)
+                except Exception:  # noqa: BLE001 - keep the thread (and drain) alive
+                    log.exception("sending a response failed")
+                finally:
+                    stats["send"] += time.perf_counter() - started
+                    stats["responses"] += item[0] != "open"
+                    with self._idle:
+                        self._pending -= 1
+                        if not self._pending:
+                            self._idle.notify_all()
             if time.monotonic() >= next_probe:
                 started = time.perf_counter()
-                for key, stream in streams.items():
-                    if key not in gone and _is_cancelled(stream):
-                        gone.add(key)
-                        self._report(Gone(key))
+                self._probe(streams, gone, to_probe)
                 stats["probe"] += time.perf_counter() - started
                 next_probe = time.monotonic() + self.CANCEL_CHECK_S
 
-    def _handle(self, item: tuple, streams: dict[int, Stream], gone: set[int]) -> None:
-        kind, key = item[0], item[1].sequence.key if item[0] == "open" else item[1]
+    def _probe(self, streams: dict[int, Stream], gone: set[int], to_probe: deque[int]) -> None:
+        """Ask up to PROBES_PER_CHECK open streams, round robin, whether their client went away."""
+        probed = 0
+        for _ in range(len(to_probe)):
+            if probed == self.PROBES_PER_CHECK:
+                return
+            key = to_probe.popleft()
+            if key not in streams or key in gone:
+                continue  # closed since, or already reported: dropped from the order
+            probed += 1
+            if _is_cancelled(streams[key]):
+                gone.add(key)
+                self._report(Gone(key))
+            else:
+                to_probe.append(key)
+
+    def _handle(self, item: tuple, streams: dict[int, Stream], gone: set[int], to_probe: deque[int]) -> None:
+        kind = item[0]
         if kind == "open":
-            streams[key] = item[1]
-        elif kind == "token":
+            stream = item[1]
+            streams[stream.sequence.key] = stream
+            to_probe.append(stream.sequence.key)
+            return
+        key = item[1]
+        if kind == "token":
             if key in gone or key not in streams:
                 return
             tensor = self._pb.Tensor(OUTPUT, np.array([item[2]], dtype=np.int64))
@@ -289,41 +313,36 @@ class Responder:
                 log.info("request %d: sending failed (%s); retiring it", key, error)
                 gone.add(key)
                 self._report(Gone(key))
+            return
+        stream = streams.pop(key, None)
+        gone.discard(key)
+        if stream is None:
+            return
+        if kind == "close":
+            close(self._pb, stream.sender)
         else:
-            stream = streams.pop(key, None)
-            gone.discard(key)
-            if stream is None:
-                return
-            if kind == "close":
-                close(self._pb, stream.sender)
-            else:
-                fail(self._pb, stream.sender, item[2], item[3])
+            fail(self._pb, stream.sender, item[2], item[3])
+
+
+class LoopClock(StageClock):
+    """The loop thread's seconds by stage: prefill (the admitted requests'
+    batched prefill), step (the decoding step, tokens on the host), drain
+    (waiting for the senders to finish the previous iteration's responses),
+    respond (handing tokens and final responses to the senders, retiring)."""
+
+    STAGES = ("prefill", "step", "drain", "respond")
 
 
 @dataclass
 class GenerationStats:
     """What the loop did, for the metrics and the log: iterations, decoded
-    rows (requests per step, summed), prefilled requests, and the loop's
-    seconds by stage: prefill (admitted requests' batched prefill), step (the
-    decoding step, tokens on the host), drain (waiting for the senders to
-    finish the previous iteration's responses), respond (handing tokens and
-    final responses to the senders, retiring). Written by the loop thread only."""
-
-    STAGES = ("prefill", "step", "drain", "respond")
+    rows (requests per step, summed), prefilled requests, and its clock.
+    Written by the loop thread only."""
 
     iterations: int = 0
     rows: int = 0
     prefills: int = 0
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(GenerationStats.STAGES, 0.0))
-    _last: float = 0.0
-
-    def mark(self) -> None:
-        self._last = time.perf_counter()
-
-    def lap(self, stage: str) -> None:
-        now = time.perf_counter()
-        self.seconds[stage] += now - self._last
-        self._last = now
+    clock: LoopClock = field(default_factory=LoopClock)
 
 
 class Generator:
@@ -430,26 +449,26 @@ class Generator:
             self.responder.close(key)
 
     def _iteration(self) -> None:
-        stats = self.stats
-        stats.mark()
+        stats, clock = self.stats, self.stats.clock
+        clock.restart()
         self._retire()
         admitted = self.scheduler.admit()
         if admitted:
             tokens = self.decoder.prefill_many([s.slot for s in admitted], [self.streams[s.key].prompt for s in admitted])
-            stats.lap("prefill")
+            clock.lap("prefill")
             self._emit(admitted, tokens)
             self._retire()
-            stats.lap("respond")
+            clock.lap("respond")
             stats.prefills += len(admitted)
         batch = self.scheduler.step_batch()
         if batch:
             tokens = self.decoder.step([s.slot for s in batch], [s.generated[-1] for s in batch], [s.length - 1 for s in batch])
-            stats.lap("step")
+            clock.lap("step")
             self.responder.drain()  # at most one iteration's responses in flight
-            stats.lap("drain")
+            clock.lap("drain")
             self._emit(batch, tokens)
             self._retire()
-            stats.lap("respond")
+            clock.lap("respond")
             stats.rows += len(batch)
         stats.iterations += 1
 
@@ -471,7 +490,7 @@ class GenerationMetrics:
     log line every `LOG_SECONDS` while it is busy.
 
     opara_generation_seconds_total{model,stage}: the loop thread's seconds in
-    prefill, step, drain and respond (GenerationStats), and the sender
+    prefill, step, drain and respond (LoopClock), and the sender
     threads' seconds in send and probe (summed over the threads);
     opara_generation_events_total{model,kind}: iterations, rows (decoded
     rows: requests per step, summed), prefills (requests prefilled) and
@@ -532,7 +551,7 @@ class GenerationMetrics:
 def totals(generator: Generator) -> dict[str, float]:
     """The generator's counts so far, as "family:label" -> value (safe to read from any thread)."""
     stats, senders = generator.stats, generator.responder.stats
-    values = {f"seconds:{stage}": spent for stage, spent in list(stats.seconds.items())}
+    values = {f"seconds:{stage}": spent for stage, spent in list(stats.clock.seconds.items())}
     for name in ("send", "probe"):
         values[f"seconds:{name}"] = sum(s[name] for s in senders)
     values.update({"events:iterations": stats.iterations, "events:rows": stats.rows, "events:prefills": stats.prefills})
@@ -544,7 +563,7 @@ def summary(before: dict[str, float], after: dict[str, float], wall_s: float) ->
     """One line on what the loop did between two `totals`: its time per iteration by stage."""
     delta = {name: after[name] - before[name] for name in after}
     iterations = max(delta["events:iterations"], 1)
-    stages = ", ".join(f"{stage} {delta[f'seconds:{stage}'] / iterations * 1000:.2f}" for stage in GenerationStats.STAGES)
+    stages = ", ".join(f"{stage} {delta[f'seconds:{stage}'] / iterations * 1000:.2f}" for stage in LoopClock.STAGES)
     per_response = delta["seconds:send"] / max(delta["events:responses"], 1) * 1000
     return (
         f"{wall_s:.1f} s: {delta['events:iterations']:.0f} iterations, mean batch {delta['events:rows'] / iterations:.1f}, "
