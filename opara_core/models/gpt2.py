@@ -206,7 +206,7 @@ class SlotDecoder:
         bucket.landing.copy_(bucket.out, non_blocking=True)
         if self.device.type == "cuda":
             # wait here, not inside tolist(): an event wait lets other Python threads run meanwhile
-            self._done.record()
+            self._done.record(torch.cuda.current_stream(self.device))
             self._done.synchronize()
         return bucket.landing[:count].tolist()
 
