@@ -319,9 +319,9 @@ class Responder:
         if stream is None:
             return
         if kind == "close":
-            close(self._pb, stream.sender)
+            send_final(self._pb, stream.sender)
         else:
-            fail(self._pb, stream.sender, item[2], item[3])
+            send_error(self._pb, stream.sender, item[2], item[3])
 
 
 class LoopClock(StageClock):
@@ -378,7 +378,7 @@ class Generator:
             sequence = Sequence(next(self._keys), len(prompt), max_tokens, end_id)
             self.scheduler.check(sequence)  # reads only the limits: safe beside the loop thread
         except Rejected as error:
-            fail(self._pb, sender, str(error), self._pb.TritonError.INVALID_ARG)
+            send_error(self._pb, sender, str(error), self._pb.TritonError.INVALID_ARG)
             return
         self._inbox.put(Stream(sequence, prompt, sender, request))
 
@@ -433,7 +433,7 @@ class Generator:
                     self.streams[item.sequence.key] = item
                     self.responder.open(item)
                 except Rejected as error:  # overloaded: worth retrying later
-                    fail(self._pb, item.sender, str(error), self._pb.TritonError.UNAVAILABLE)
+                    send_error(self._pb, item.sender, str(error), self._pb.TritonError.UNAVAILABLE)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -572,7 +572,7 @@ def summary(before: dict[str, float], after: dict[str, float], wall_s: float) ->
     )
 
 
-def close(pb_utils, sender) -> None:
+def send_final(pb_utils, sender) -> None:
     """The final (empty) response of a request."""
     try:
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -580,7 +580,7 @@ def close(pb_utils, sender) -> None:
         log.debug("final response not sent: %s", error)
 
 
-def fail(pb_utils, sender, message: str, code) -> None:
+def send_error(pb_utils, sender, message: str, code) -> None:
     """A request's final response, carrying an error."""
     response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
     try:
