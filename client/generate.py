@@ -161,6 +161,7 @@ class Outcome:
     tpot_s: float | None = None
     latency_s: float | None = None
     error: str | None = None
+    lag_s: float = 0.0  # how late it was sent against its planned arrival (the load generator's own delay)
 
 
 @dataclass
@@ -187,6 +188,7 @@ class LoadResult:
             "ttft_p99_ms": pct(ttft, 99),
             "tpot_p50_ms": pct(tpot, 50),
             "tpot_p99_ms": pct(tpot, 99),
+            "send_lag_p99_ms": pct([o.lag_s for o in self.outcomes], 99),
         }
 
 
@@ -216,7 +218,9 @@ def run_load(config: LoadConfig, stop: threading.Event | None = None) -> LoadRes
             if stop is not None and stop.is_set():
                 break
             stream = TokenStream(config.url, config.timeout_s)
-            sent.append((time.perf_counter(), stream.send(config.model, prompt, max_tokens), Outcome(len(prompt), max_tokens)))
+            sent_at = time.perf_counter()
+            outcome = Outcome(len(prompt), max_tokens, lag_s=sent_at - (start + at))
+            sent.append((sent_at, stream.send(config.model, prompt, max_tokens), outcome))
         for sent_at, stream, outcome in sent:
             times = []
             try:

@@ -260,11 +260,44 @@ def test_the_client_cli_streams_tokens_and_runs_a_load(server, tmp_path):
     assert bad.returncode == 1 and bad.stderr.startswith("error:") and "positions" in bad.stderr
 
 
+def loop_counts(server) -> dict[str, float]:
+    """gpt2's opara_generation_*_total counters, as "stage" or "kind" -> value."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    counts = {}
+    for labels, value in re.findall(r"^opara_generation_(?:seconds|events)_total\{(.*)\} (\S+)$", text, re.M):
+        named = dict(re.findall(r'(\w+)="(\w*)"', labels))
+        if named["model"] == "gpt2":
+            counts[named.get("stage") or named["kind"]] = float(value)
+    return counts
+
+
+def test_the_loop_counts_its_iterations_and_where_their_time_goes(server):
+    """One request of 12 tokens: the counters (pushed by a timer) grow by at
+    least its prefill, its 11 decoded rows in as many iterations and its 13
+    responses (12 tokens and the final one); every stage is there."""
+    before = loop_counts(server)
+    assert generate(server.grpc_url, [2, 7, 1, 8], 12) == oracle([2, 7, 1, 8], 12)
+    deadline = time.monotonic() + 10
+    grew = {}
+    while time.monotonic() < deadline:
+        after = loop_counts(server)
+        grew = {name: after[name] - before.get(name, 0.0) for name in after}
+        if grew.get("responses", 0) >= 13:
+            break
+        time.sleep(0.1)  # polling for the pushed counts
+    assert grew["responses"] >= 13 and grew["prefills"] >= 1 and grew["rows"] >= 11 and grew["iterations"] >= 11, grew
+    assert {"prefill", "step", "drain", "respond", "send", "probe"} <= set(after), sorted(after)
+    assert grew["step"] > 0 and grew["send"] > 0, grew
+
+
 # --- the model's parameters (no server) --------------------------------------------------------
 
 
 def test_parameters_parse_and_bad_ones_are_named():
-    from opara_core.serving.generation import GenerationSettings, graph_buckets
+    from opara_core.serving.generation import GenerationSettings, graph_buckets, prefill_shapes
 
     settings = GenerationSettings.from_parameters({"scheduling": "request", "max_active": "3", "config_overrides": "n_layer=2,initializer_range=0.2"})
     assert settings.scheduling == "request" and settings.limits().kv_tokens == 3 * settings.max_context
@@ -275,7 +308,9 @@ def test_parameters_parse_and_bad_ones_are_named():
         ({"max_active": "0"}, "max_active must be >= 1"),
         ({"scheduling": "orca"}, "scheduling must be one of"),
         ({"config_overrides": "n_layer"}, "expected key=number"),
+        ({"sender_threads": "0"}, "sender_threads must be >= 1"),
     ):
         with pytest.raises(ValueError, match=re.escape(problem)):
             GenerationSettings.from_parameters(params)
     assert graph_buckets(1) == (1,) and graph_buckets(12) == (1, 2, 4, 8, 12)
+    assert prefill_shapes(2, 48) == ((1, 16), (1, 32), (1, 48), (2, 16), (2, 32), (2, 48))

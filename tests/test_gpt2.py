@@ -26,14 +26,19 @@ def reference(lm: torch.nn.Module, prompt: list[int], count: int) -> list[int]:
 def decode_staggered(decoder: SlotDecoder, prompts: list[list[int]], counts: list[int], joins: list[int]) -> list[list[int]]:
     """Request i joins at step joins[i] or once a slot is free, and leaves after
     counts[i] tokens; it takes the lowest free slot, so later requests reuse
-    the slots (and stale cache entries) of earlier ones."""
+    the slots (and stale cache entries) of earlier ones. Requests joining at
+    the same step are prefilled in one call."""
     free, active, out = list(range(decoder.slots)), {}, [[] for _ in prompts]
     for step in range(1000):
+        joining = []
         for i, join in enumerate(joins):
-            if join <= step and not out[i] and free:
+            if join <= step and not out[i] and i not in active and free:
                 free.sort()
                 active[i] = free.pop(0)
-                out[i].append(decoder.prefill(active[i], prompts[i]))
+                joining.append(i)
+        if joining:  # those joining at one step are prefilled together
+            for i, token in zip(joining, decoder.prefill_many([active[i] for i in joining], [prompts[i] for i in joining])):
+                out[i].append(token)
         for i in [i for i in active if len(out[i]) >= counts[i]]:
             free.append(active.pop(i))
         if active:
@@ -50,12 +55,20 @@ def decode_staggered(decoder: SlotDecoder, prompts: list[list[int]], counts: lis
     return out
 
 
-def check(device: torch.device, buckets: tuple[int, ...] = (), capture: bool = False) -> SlotDecoder:
+def check(
+    device: torch.device,
+    buckets: tuple[int, ...] = (),
+    capture: bool = False,
+    prefill_tokens: int | None = None,
+    prefill_shapes: tuple[tuple[int, int], ...] = (),
+) -> SlotDecoder:
     lm = small_gpt2(SMALL).lm.to(device)
     prompts = [[1, 2, 3], [50256] * 9, [7], [4, 5, 6, 7, 8, 9, 10, 11], [300, 301], [9, 9, 9, 9]]
     counts = [12, 5, 20, 3, 9, 14]
-    joins = [0, 0, 1, 2, 4, 6]  # 6 requests through 3 slots: slots are reused
-    decoder = SlotDecoder(lm, slots=3, max_context=40, device=device, buckets=buckets, capture=capture)
+    joins = [0, 0, 0, 2, 4, 6]  # 6 requests through 3 slots: slots are reused; 3 prompts of 3, 9 and 1 tokens prefilled together
+    decoder = SlotDecoder(lm, slots=3, max_context=40, device=device, buckets=buckets, capture=capture, prefill_shapes=prefill_shapes)
+    if prefill_tokens is not None:
+        decoder.PREFILL_TOKENS = prefill_tokens
     got = decode_staggered(decoder, prompts, counts, joins)
     assert got == [reference(lm, p, n) for p, n in zip(prompts, counts)]
     return decoder
@@ -65,11 +78,32 @@ def test_staggered_batched_decoding_equals_transformers_generate():
     check(torch.device("cpu"))
 
 
+def test_prompts_prefilled_together_in_several_forwards_equal_transformers_generate():
+    """A prefill budget of 9 padded positions: the three prompts joining
+    together (1, 3 and 9 tokens, sorted by length) go in two forwards."""
+    check(torch.device("cpu"), prefill_tokens=9)
+
+
 def test_bucketed_steps_pad_with_the_scratch_slot_and_attend_over_the_whole_context():
     """Buckets 1 and 2 (3 active requests fall back to the eager step): the
     padded, full-context step a CUDA graph replays, run eagerly on the CPU."""
     decoder = check(torch.device("cpu"), buckets=(1, 2))
     assert all(bucket.out is not None for bucket in decoder.buckets)  # both buckets ran
+
+
+def test_a_bucket_of_every_slot_reads_the_cache_in_place():
+    """Bucket 3 of 3 slots: each request sits in its slot's row, free slots'
+    rows are padding (3 and 2 active requests take it)."""
+    decoder = check(torch.device("cpu"), buckets=(1, 3))
+    assert all(bucket.out is not None for bucket in decoder.buckets)
+
+
+def test_prefill_shapes_pad_prompts_and_rows_to_static_buffers():
+    """Shapes (1, 4), (2, 8) and (2, 16): the three prompts joining together
+    (1, 3 and 9 tokens) go in two calls of at most 2 rows, padded in length
+    and rows, as a captured prefill replays them; a prompt of 1 fits (1, 4)."""
+    decoder = check(torch.device("cpu"), prefill_shapes=((1, 4), (2, 8), (2, 16)))
+    assert all(bucket.out is not None for bucket in decoder.prefill_buckets)  # every shape ran
 
 
 @pytest.mark.gpu
@@ -79,8 +113,8 @@ def test_staggered_batched_decoding_equals_transformers_generate_on_the_gpu():
 
 @pytest.mark.gpu
 def test_cuda_graph_buckets_equal_transformers_generate(strict_fp32):
-    decoder = check(torch.device("cuda"), buckets=(1, 2, 4), capture=True)
-    assert all(bucket.graph is not None for bucket in decoder.buckets)
+    decoder = check(torch.device("cuda"), buckets=(1, 2, 3), capture=True, prefill_shapes=((1, 4), (2, 8), (2, 16)))
+    assert all(bucket.graph is not None for bucket in [*decoder.buckets, *decoder.prefill_buckets])
 
 
 def test_a_context_longer_than_the_model_is_refused():

@@ -4,9 +4,9 @@
 cache, so the planner and the tests see one plain `forward(ids) -> logits`.
 
 `SlotDecoder` is what the generation server runs, on the same weights: a KV
-cache preallocated with one slot per active request, a prefill per admitted
-request, and one decoding step for all active requests at once (Orca's
-selective batching). The dense operators (LayerNorms, QKV and output
+cache preallocated with one slot per active request, one batched prefill for
+the requests admitted together, and one decoding step for all active requests
+at once (Orca's selective batching). The dense operators (LayerNorms, QKV and output
 projections, MLP, LM head) run over the batch of new tokens; attention runs
 per request over its own keys and values, by masking each row of the padded
 cache to its own length.
@@ -15,6 +15,7 @@ cache to its own length.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -33,15 +34,23 @@ class GPT2Logits(nn.Module):
 
 @dataclass
 class _Bucket:
-    """Static inputs and output of the decoding step for `size` rows (a CUDA
-    graph replays on exactly these addresses)."""
+    """Static buffers of one padded call shape: `shape` is (rows,) for a
+    decoding step and (rows, length) for a prefill. A CUDA graph replays on
+    exactly these addresses. `inputs` holds all of a call's integers, so one
+    copy from the pinned `staging` fills it; `forward` computes `out` from
+    `inputs`; `landing` (pinned) takes `out` back."""
 
-    size: int
-    index: torch.Tensor
-    ids: torch.Tensor
-    position: torch.Tensor
+    shape: tuple[int, ...]
+    inputs: torch.Tensor
+    staging: torch.Tensor
+    landing: torch.Tensor
+    forward: Callable[[], torch.Tensor]
     out: torch.Tensor | None = None
     graph: object | None = None
+
+    @property
+    def size(self) -> int:
+        return self.shape[0]
 
 
 class SlotDecoder:
@@ -53,13 +62,29 @@ class SlotDecoder:
     Positions past a request's length are masked out, never read.
 
     `buckets` (active-batch sizes) run the step on static buffers padded to
-    the smallest bucket that fits, attending over the whole context; on a GPU
+    the smallest bucket that fits, attending over the whole context (a bucket
+    of all slots puts each request in its slot's row); on a GPU
     each bucket is one CUDA graph (`capture=True`). Without buckets, or above
     the largest, the step runs eagerly over the longest request's span.
+
+    `prefill_many` prefills the requests admitted together in batched
+    forwards; `prefill_shapes` ((rows, length) pairs) do the same on static
+    buffers padded to the smallest shape that fits, one CUDA graph each with
+    `capture` (an eager prefill of GPT-2 small launches some 300 kernels from
+    Python; every decoding step of the other requests waits for it).
     """
 
+    PREFILL_TOKENS = 4096  # padded positions per prefill forward: bounds its attention scores' memory
+
     def __init__(
-        self, lm: nn.Module, slots: int, max_context: int, device: torch.device, buckets: tuple[int, ...] = (), capture: bool = False
+        self,
+        lm: nn.Module,
+        slots: int,
+        max_context: int,
+        device: torch.device,
+        buckets: tuple[int, ...] = (),
+        capture: bool = False,
+        prefill_shapes: tuple[tuple[int, int], ...] = (),
     ) -> None:
         config = lm.config
         if max_context > config.n_positions:
@@ -77,9 +102,14 @@ class SlotDecoder:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self._positions = torch.arange(max_context, device=device)
-        self.buckets = [self._static(size) for size in sorted(set(buckets)) if size >= 1]
+        self._done = torch.cuda.Event() if device.type == "cuda" else None
+        self.buckets = [self._step_bucket(size) for size in sorted(set(buckets)) if size >= 1]
+        for rows, length in prefill_shapes:
+            if not (rows >= 1 and 1 <= length <= max_context):
+                raise ValueError(f"prefill shape {(rows, length)}: needs rows >= 1 and 1 <= length <= max_context {max_context}")
+        self.prefill_buckets = [self._prefill_bucket(*shape) for shape in sorted(set(prefill_shapes), key=lambda s: (s[0] * s[1], s))]
         if capture:
-            self._capture()
+            self._capture([*self.buckets, *self.prefill_buckets])
 
     @property
     def slots(self) -> int:
@@ -89,19 +119,61 @@ class SlotDecoder:
     def cache_bytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
 
-    @torch.inference_mode()
     def prefill(self, slot: int, prompt: list[int]) -> int:
         """Fill `slot` with the prompt's keys and values; the first generated token."""
-        length = len(prompt)
-        ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
-        x = self._embed(ids, self._positions[:length])  # [L, E]
-        causal = self._positions[:length, None] >= self._positions[None, :length]  # [L, L]
+        return self.prefill_many([slot], [prompt])[0]
+
+    def prefill_many(self, slots: list[int], prompts: list[list[int]]) -> list[int]:
+        """Prefill several requests, in batched forwards (prompts sorted by
+        length, so that each pads little) of at most `PREFILL_TOKENS` padded
+        positions and, with prefill shapes, at most their largest row count;
+        the first generated token of each."""
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        max_rows = max((b.shape[0] for b in self.prefill_buckets), default=len(prompts))
+        tokens = [0] * len(prompts)
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and end + 1 - start <= max_rows and (end + 1 - start) * len(prompts[order[end]]) <= self.PREFILL_TOKENS:
+                end += 1
+            chunk = order[start:end]
+            for i, token in zip(chunk, self._prefill([slots[i] for i in chunk], [prompts[i] for i in chunk])):
+                tokens[i] = token
+            start = end
+        return tokens
+
+    @torch.inference_mode()
+    def _prefill(self, slots: list[int], prompts: list[list[int]]) -> list[int]:
+        """One forward over the prompts padded to the longest, or to the
+        smallest prefill shape that fits them."""
+        count, span = len(prompts), max(len(p) for p in prompts)
+        bucket = next((b for b in self.prefill_buckets if b.shape[0] >= count and b.shape[1] >= span), None)
+        rows, length = bucket.shape if bucket else (count, span)
+        table = [p + [0] * (length - len(p)) + [slot, len(p) - 1] for slot, p in zip(slots, prompts)]
+        table += [[0] * length + [self.scratch, 0]] * (rows - count)
+        host = torch.tensor(table, dtype=torch.long)
+        if bucket is None:
+            inputs = host.to(self.device, non_blocking=True)
+            return self._prefill_forward(inputs[:, :length], inputs[:, length], inputs[:, length + 1]).tolist()
+        return self._run(bucket, host, count)
+
+    def _prefill_forward(self, ids: torch.Tensor, index: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Prompts `ids` [n, L] into cache slots `index`; the token after
+        position `last` of each (capturable). Causal masking alone keeps a
+        real position from seeing padding (padding comes after it); the
+        padding's keys and values land in the cache past the prompt, where
+        decoding overwrites each position before any step can see it."""
+        span = ids.shape[1]
+        positions = self._positions[:span]
+        x = self._embed(ids, positions)  # [n, L, E]
+        causal = positions[:, None] >= positions[None, :]  # [L, L]
         for layer, block in enumerate(self.blocks):
-            q, k, v = self._qkv(block, x)  # [H, L, D] each
-            self.keys[layer, slot, :, :length] = k
-            self.values[layer, slot, :, :length] = v
+            q, k, v = self._qkv(block, x)  # [n, H, L, D] each
+            self.keys[layer][index, :, :span] = k
+            self.values[layer][index, :, :span] = v
             x = self._finish_block(block, x, self._attend(block, q, k, v, causal))
-        return int(self._logits(x[-1:]).argmax(-1))
+        rows = torch.arange(ids.shape[0], device=self.device)
+        return self._logits(x[rows, last]).argmax(-1)
 
     @torch.inference_mode()
     def step(self, slots: list[int], tokens: list[int], lengths: list[int]) -> list[int]:
@@ -112,17 +184,37 @@ class SlotDecoder:
         if bucket is None:
             index, ids, position = (torch.tensor(v, dtype=torch.long, device=self.device) for v in (slots, tokens, lengths))
             return self._step(index, ids, position, max(lengths) + 1).tolist()
+        if bucket.size == self.slots:  # a row per slot, in slot order: a free slot's row only writes its own position 0
+            table = [list(range(self.slots)), [0] * self.slots, [0] * self.slots]
+            for slot, token, length in zip(slots, tokens, lengths):
+                table[1][slot], table[2][slot] = token, length
+            out = self._run(bucket, torch.tensor(table, dtype=torch.long), self.slots)
+            return [out[slot] for slot in slots]
         pad = bucket.size - count
-        for static, values, filler in ((bucket.index, slots, self.scratch), (bucket.ids, tokens, 0), (bucket.position, lengths, 0)):
-            static.copy_(torch.tensor(values + [filler] * pad, dtype=torch.long))
+        host = torch.tensor([slots + [self.scratch] * pad, tokens + [0] * pad, lengths + [0] * pad], dtype=torch.long)
+        return self._run(bucket, host, count)
+
+    def _run(self, bucket: _Bucket, host: torch.Tensor, count: int) -> list[int]:
+        """Fill the bucket's inputs from `host` (one copy), replay its graph
+        (or run it eagerly), and return the first `count` outputs."""
+        bucket.staging.copy_(host)
+        bucket.inputs.copy_(bucket.staging, non_blocking=True)
         if bucket.graph is not None:
             bucket.graph.replay()
         else:
-            bucket.out = self._step(bucket.index, bucket.ids, bucket.position, self.max_context)
-        return bucket.out[:count].tolist()
+            bucket.out = bucket.forward()
+        bucket.landing.copy_(bucket.out, non_blocking=True)
+        if self.device.type == "cuda":
+            # wait here, not inside tolist(): an event wait lets other Python threads run meanwhile
+            self._done.record(torch.cuda.current_stream(self.device))
+            self._done.synchronize()
+        return bucket.landing[:count].tolist()
 
-    def _step(self, index: torch.Tensor, ids: torch.Tensor, position: torch.Tensor, span: int) -> torch.Tensor:
-        """The step on device tensors (capturable: no host sync, no new host data)."""
+    def _step(self, index: torch.Tensor, ids: torch.Tensor, position: torch.Tensor, span: int, by_slot: bool = False) -> torch.Tensor:
+        """The step on device tensors (capturable: no host sync, no new host
+        data). `by_slot`: row i is slot i, for every slot, so attention reads
+        the cache in place instead of gathering each row's slot (at 32 slots of
+        512 positions, that gather copied ~100 MB per layer and step)."""
         x = self._embed(ids, position)  # [B, E]
         visible = (self._positions[None, :span] <= position[:, None])[:, None, None, :]  # [B, 1, 1, span]
         rows = torch.arange(ids.shape[0], device=self.device)
@@ -131,30 +223,59 @@ class SlotDecoder:
             keys, values = self.keys[layer], self.values[layer]
             keys[index, :, position] = k[rows, :, 0]
             values[index, :, position] = v[rows, :, 0]
-            attended = self._attend(block, q, keys[index, :, :span], values[index, :, :span], visible)  # [B, 1, E]
+            if by_slot:
+                mine_k, mine_v = keys[: self.slots, :, :span], values[: self.slots, :, :span]
+            else:
+                mine_k, mine_v = keys[index, :, :span], values[index, :, :span]
+            attended = self._attend(block, q, mine_k, mine_v, visible)  # [B, 1, E]
             x = self._finish_block(block, x, attended[:, 0])
         return self._logits(x).argmax(-1)
 
-    def _static(self, size: int) -> _Bucket:
-        zeros = lambda: torch.zeros(size, dtype=torch.long, device=self.device)  # noqa: E731
-        return _Bucket(size, zeros() + self.scratch, zeros(), zeros())
+    def _step_bucket(self, size: int) -> _Bucket:
+        """Rows of `inputs`: cache slot (the scratch slot for padding), token,
+        position. A bucket of as many rows as slots runs `by_slot`."""
+        bucket = self._bucket((size,), (3, size))
+        bucket.inputs[0] = self.scratch
+        inputs = bucket.inputs
+        by_slot = size == self.slots
+        bucket.forward = lambda: self._step(inputs[0], inputs[1], inputs[2], self.max_context, by_slot)
+        return bucket
+
+    def _prefill_bucket(self, rows: int, length: int) -> _Bucket:
+        """A row of `inputs`: `length` prompt ids, then the cache slot and the prompt's last position."""
+        bucket = self._bucket((rows, length), (rows, length + 2))
+        bucket.inputs[:, length] = self.scratch
+        inputs = bucket.inputs
+        bucket.forward = lambda: self._prefill_forward(inputs[:, :length], inputs[:, length], inputs[:, length + 1])
+        return bucket
+
+    def _bucket(self, shape: tuple[int, ...], inputs: tuple[int, int]) -> _Bucket:
+        pinned = self.device.type == "cuda"
+        return _Bucket(
+            shape,
+            torch.zeros(inputs, dtype=torch.long, device=self.device),
+            torch.zeros(inputs, dtype=torch.long, pin_memory=pinned),
+            torch.zeros(shape[0], dtype=torch.long, pin_memory=pinned),
+            forward=lambda: None,
+        )
 
     @torch.inference_mode()
-    def _capture(self) -> None:
+    def _capture(self, buckets: list[_Bucket]) -> None:
         """One CUDA graph per bucket, warmed up on a side stream first; the
         graphs share one memory pool (they never run at the same time)."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for bucket in self.buckets:
+            for bucket in buckets:
                 for _ in range(2):
-                    self._step(bucket.index, bucket.ids, bucket.position, self.max_context)
+                    bucket.forward()
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = None
-        for bucket in reversed(self.buckets):  # the largest first, so the smaller ones fit in its pool
+        # the largest first, so the smaller ones fit in its pool
+        for bucket in sorted(buckets, key=lambda b: b.inputs.numel(), reverse=True):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                bucket.out = self._step(bucket.index, bucket.ids, bucket.position, self.max_context)
+                bucket.out = bucket.forward()
             bucket.graph, pool = graph, graph.pool()
         torch.cuda.synchronize(self.device)
 

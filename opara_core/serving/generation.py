@@ -2,13 +2,21 @@
 
 `execute` only validates and enqueues each request and returns at once. A
 background thread runs the iteration-level scheduler (opara_core.planning.
-iteration): at every iteration boundary it admits waiting requests (prefill
-into their own KV-cache slot), runs one batched decoding step for all active
-requests (models.gpt2.SlotDecoder), sends each new token to its client at
-once, and retires a finished request at once (max_tokens reached, end_id
-generated, or its client cancelled). A request that cannot be taken (queue
-full, too long) gets a clear error; a failed step fails only the requests in
-it. The parameter `scheduling: request` selects the request-level baseline.
+iteration): at every iteration boundary it admits waiting requests (one
+batched prefill into their own KV-cache slots), runs one batched decoding step
+for all active requests (models.gpt2.SlotDecoder), hands each new token to a
+sender thread at once, and retires a finished request at once (max_tokens
+reached, end_id generated, or its client cancelled). A request that cannot be
+taken (queue full, too long) gets a clear error; a failed step fails only the
+requests in it. The parameter `scheduling: request` selects the request-level
+baseline; everything else is the same code.
+
+Responses go out on `sender_threads` threads (`Responder`): a Python-backend
+send is a blocking round trip to the server process, and one thread sending a
+token to each of 32 requests in turn spent most of every iteration waiting.
+The loop's time per iteration (prefill, step, drain, respond) and the senders'
+time are counted (`GenerationStats`), exported as Prometheus counters and
+logged every `LOG_SECONDS` while busy.
 
 Every response carries one token in `output_ids`; the last is an empty
 response flagged TRITONSERVER_RESPONSE_COMPLETE_FINAL (gRPC clients see it
@@ -23,9 +31,12 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, fields
+from collections import deque
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import torch
 
 from opara_core import zoo
@@ -33,7 +44,7 @@ from opara_core.models.gpt2 import GPT2Logits, SlotDecoder
 from opara_core.planning.iteration import ITERATION, Limits, Rejected, Scheduler, Sequence
 from opara_core.serving import weights
 from opara_core.serving.startup import ready_line
-from opara_core.serving.triton_backend import input_tensor, parameters, select_device
+from opara_core.serving.triton_backend import StageClock, input_tensor, parameters, select_device
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +64,9 @@ class GenerationSettings:
     none; the tests serve a small GPT-2 this way, since GPT-2 small generates
     too slowly for CI on a shared two-core CPU), with weights from the zoo seed;
     cuda_graphs: 1 (default) captures the decoding step as one CUDA graph per
-    active-batch bucket (powers of two up to max_active) on a GPU instance, 0 runs it eagerly.
+    active-batch bucket (powers of two up to max_active) on a GPU instance, 0 runs it eagerly;
+    sender_threads: threads that send the responses (each owns the streams
+    whose key maps to it, so a stream's responses stay in order).
     """
 
     scheduling: str = ITERATION
@@ -63,6 +76,7 @@ class GenerationSettings:
     max_queue: int = 64
     config_overrides: str = ""
     cuda_graphs: int = 1
+    sender_threads: int = 8
 
     def limits(self) -> Limits:
         return Limits(
@@ -100,6 +114,8 @@ class GenerationSettings:
             except ValueError:
                 raise ValueError(f"parameter {key} has an invalid value {text!r}") from None
         settings = cls(**values)
+        if settings.sender_threads < 1:
+            raise ValueError(f"sender_threads must be >= 1, got {settings.sender_threads}")
         settings.limits()  # raises on impossible limits
         settings.overrides()
         Scheduler(settings.limits(), settings.scheduling)  # raises on an unknown mode
@@ -136,12 +152,21 @@ def graph_buckets(max_active: int) -> tuple[int, ...]:
     return tuple(sorted({1 << i for i in range(max_active.bit_length()) if 1 << i < max_active} | {max_active}))
 
 
+def prefill_shapes(max_active: int, max_context: int) -> tuple[tuple[int, int], ...]:
+    """Prefill shapes to capture: up to 8 rows (graph_buckets), lengths in
+    powers of two from 16 up to max_context, and max_context."""
+    lengths = sorted({1 << i for i in range(4, max_context.bit_length()) if 1 << i < max_context} | {max_context})
+    return tuple((rows, length) for rows in graph_buckets(min(8, max_active)) for length in lengths)
+
+
 def make_decoder(lm: torch.nn.Module, settings: GenerationSettings, device: torch.device) -> SlotDecoder:
-    """CUDA graphs per bucket on a GPU (when enabled); eager elsewhere, or
-    when the capture fails (logged; the model still serves)."""
+    """CUDA graphs per decoding bucket and prefill shape on a GPU (when
+    enabled); eager elsewhere, or when the capture fails (logged; the model
+    still serves)."""
     if device.type == "cuda" and settings.cuda_graphs:
         try:
-            return SlotDecoder(lm, settings.max_active, settings.max_context, device, graph_buckets(settings.max_active), capture=True)
+            buckets, shapes = graph_buckets(settings.max_active), prefill_shapes(settings.max_active, settings.max_context)
+            return SlotDecoder(lm, settings.max_active, settings.max_context, device, buckets, capture=True, prefill_shapes=shapes)
         except Exception:  # noqa: BLE001 - serve eagerly rather than not at all
             log.exception("capturing the decoding step failed; decoding eagerly")
             torch.cuda.synchronize(device)
@@ -158,10 +183,170 @@ class Stream:
     request: object
 
 
+@dataclass(frozen=True)
+class Gone:
+    """A note from a sender thread to the loop: this request's client went away."""
+
+    key: int
+
+
+class Responder:
+    """Sends the responses of open streams on `threads` threads.
+
+    Each stream belongs to thread `key % threads`, which sends its tokens, its
+    final response and probes it for cancellation: so a stream's responses go
+    out in order, and no probe reaches a stream after its final response (the
+    server frees the response factory a probe would ask). The loop only puts
+    work on queues; `drain` waits until everything put so far is sent. A send
+    that fails, or a probe that finds the client gone, is reported through
+    `report(Gone(key))`.
+    """
+
+    CANCEL_CHECK_S = 0.05  # every is_cancelled() is an IPC round trip to the server:
+    PROBES_PER_CHECK = 8  # at most this many per thread and check (hundreds may be waiting)
+
+    def __init__(self, pb_utils, threads: int, report: Callable[[Gone], None]) -> None:
+        self._pb = pb_utils
+        self._report = report
+        self._queues = [queue.SimpleQueue() for _ in range(threads)]
+        self._pending = 0
+        self._idle = threading.Condition()
+        # per thread, written only by that thread: seconds sending and probing, responses sent
+        self.stats = [{"send": 0.0, "probe": 0.0, "responses": 0} for _ in range(threads)]
+        self._threads = [threading.Thread(target=self._run, args=(i,), name=f"generation-send-{i}", daemon=True) for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def open(self, stream: Stream) -> None:
+        self._put(stream.sequence.key, ("open", stream))
+
+    def token(self, key: int, token: int) -> None:
+        self._put(key, ("token", key, token))
+
+    def close(self, key: int) -> None:
+        """The final (empty) response; the stream is done."""
+        self._put(key, ("close", key))
+
+    def fail(self, key: int, message: str, code) -> None:
+        """A final error response; the stream is done."""
+        self._put(key, ("fail", key, message, code))
+
+    def drain(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+
+    def stop(self) -> None:
+        """Send what is queued, then end the threads."""
+        for work in self._queues:
+            work.put(None)
+        for thread in self._threads:
+            thread.join(30)
+
+    def _put(self, key: int, item: tuple) -> None:
+        with self._idle:
+            self._pending += 1
+        self._queues[key % len(self._queues)].put(item)
+
+    def _run(self, index: int) -> None:
+        work, stats = self._queues[index], self.stats[index]
+        streams: dict[int, Stream] = {}
+        gone: set[int] = set()
+        to_probe: deque[int] = deque()  # this thread's open streams, in probing order
+        next_probe = time.monotonic() + self.CANCEL_CHECK_S
+        while True:
+            try:
+                item = work.get(timeout=max(0.0, next_probe - time.monotonic()))
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            if item:
+                started = time.perf_counter()
+                try:
+                    self._handle(item, streams, gone, to_probe)
+                except Exception:  # noqa: BLE001 - keep the thread (and drain) alive
+                    log.exception("sending a response failed")
+                finally:
+                    stats["send"] += time.perf_counter() - started
+                    stats["responses"] += item[0] != "open"
+                    with self._idle:
+                        self._pending -= 1
+                        if not self._pending:
+                            self._idle.notify_all()
+            if time.monotonic() >= next_probe:
+                started = time.perf_counter()
+                self._probe(streams, gone, to_probe)
+                stats["probe"] += time.perf_counter() - started
+                next_probe = time.monotonic() + self.CANCEL_CHECK_S
+
+    def _probe(self, streams: dict[int, Stream], gone: set[int], to_probe: deque[int]) -> None:
+        """Ask up to PROBES_PER_CHECK open streams, round robin, whether their client went away."""
+        probed = 0
+        for _ in range(len(to_probe)):
+            if probed == self.PROBES_PER_CHECK:
+                return
+            key = to_probe.popleft()
+            if key not in streams or key in gone:
+                continue  # closed since, or already reported: dropped from the order
+            probed += 1
+            if _is_cancelled(streams[key]):
+                gone.add(key)
+                self._report(Gone(key))
+            else:
+                to_probe.append(key)
+
+    def _handle(self, item: tuple, streams: dict[int, Stream], gone: set[int], to_probe: deque[int]) -> None:
+        kind = item[0]
+        if kind == "open":
+            stream = item[1]
+            streams[stream.sequence.key] = stream
+            to_probe.append(stream.sequence.key)
+            return
+        key = item[1]
+        if kind == "token":
+            if key in gone or key not in streams:
+                return
+            tensor = self._pb.Tensor(OUTPUT, np.array([item[2]], dtype=np.int64))
+            try:
+                streams[key].sender.send(self._pb.InferenceResponse(output_tensors=[tensor]))
+            except Exception as error:  # noqa: BLE001 - the client is gone: retire it
+                log.info("request %d: sending failed (%s); retiring it", key, error)
+                gone.add(key)
+                self._report(Gone(key))
+            return
+        stream = streams.pop(key, None)
+        gone.discard(key)
+        if stream is None:
+            return
+        if kind == "close":
+            send_final(self._pb, stream.sender)
+        else:
+            send_error(self._pb, stream.sender, item[2], item[3])
+
+
+class LoopClock(StageClock):
+    """The loop thread's seconds by stage: prefill (the admitted requests'
+    batched prefill), step (the decoding step, tokens on the host), drain
+    (waiting for the senders to finish the previous iteration's responses),
+    respond (handing tokens and final responses to the senders, retiring)."""
+
+    STAGES = ("prefill", "step", "drain", "respond")
+
+
+@dataclass
+class GenerationStats:
+    """What the loop did, for the metrics and the log: iterations, decoded
+    rows (requests per step, summed), prefilled requests, and its clock.
+    Written by the loop thread only."""
+
+    iterations: int = 0
+    rows: int = 0
+    prefills: int = 0
+    clock: LoopClock = field(default_factory=LoopClock)
+
+
 class Generator:
     """The scheduler loop around a SlotDecoder; `submit` may be called from any thread."""
-
-    CANCEL_CHECK_S = 0.05  # every is_cancelled() is an IPC round trip to the server
 
     def __init__(self, pb_utils, decoder: SlotDecoder, settings: GenerationSettings, vocab: int) -> None:
         self._pb = pb_utils
@@ -169,10 +354,11 @@ class Generator:
         self.vocab = vocab
         self.scheduler = Scheduler(settings.limits(), settings.scheduling)
         self.streams: dict[int, Stream] = {}
+        self.stats = GenerationStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.responder = Responder(pb_utils, settings.sender_threads, self._inbox.put)
         self._keys = itertools.count()
         self._stop = threading.Event()
-        self._last_cancel_check = 0.0
         self._thread = threading.Thread(target=self._loop, name="generation", daemon=True)
 
     def start(self) -> None:
@@ -182,6 +368,7 @@ class Generator:
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(30)
+        self.responder.stop()
 
     def submit(self, request) -> None:
         """Validate one request and queue it (or answer it with its error)."""
@@ -191,7 +378,7 @@ class Generator:
             sequence = Sequence(next(self._keys), len(prompt), max_tokens, end_id)
             self.scheduler.check(sequence)  # reads only the limits: safe beside the loop thread
         except Rejected as error:
-            self._fail(sender, str(error), self._pb.TritonError.INVALID_ARG)
+            send_error(self._pb, sender, str(error), self._pb.TritonError.INVALID_ARG)
             return
         self._inbox.put(Stream(sequence, prompt, sender, request))
 
@@ -212,7 +399,7 @@ class Generator:
                 raise Rejected(f"input 'end_id': {end_id} is outside [0, {self.vocab})")
         return ids.tolist(), max_tokens, end_id
 
-    # --- the loop thread: the only one that touches the scheduler and the decoder
+    # --- the loop thread: the only one that touches the scheduler, the decoder and `streams`
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -226,10 +413,10 @@ class Generator:
                 for key in list(self.scheduler.active):
                     self.scheduler.cancel(key)
                 for sequence in self.scheduler.retire():
-                    stream = self.streams.pop(sequence.key)
-                    self._fail(stream.sender, "generation failed inside the model; see the server log", self._pb.TritonError.INTERNAL)
-        for stream in self.streams.values():
-            self._fail(stream.sender, "the model is shutting down", self._pb.TritonError.UNAVAILABLE)
+                    self.streams.pop(sequence.key)
+                    self.responder.fail(sequence.key, "generation failed inside the model; see the server log", self._pb.TritonError.INTERNAL)
+        for key in self.streams:
+            self.responder.fail(key, "the model is shutting down", self._pb.TritonError.UNAVAILABLE)
         self.streams.clear()
 
     def _take_inbox(self, block: bool) -> None:
@@ -238,72 +425,168 @@ class Generator:
         except queue.Empty:
             return
         while item is not None:
-            try:
-                self.scheduler.submit(item.sequence)
-                self.streams[item.sequence.key] = item
-            except Rejected as error:  # overloaded: worth retrying later
-                self._fail(item.sender, str(error), self._pb.TritonError.UNAVAILABLE)
+            if isinstance(item, Gone):
+                self._cancel(item.key)
+            else:
+                try:
+                    self.scheduler.submit(item.sequence)
+                    self.streams[item.sequence.key] = item
+                    self.responder.open(item)
+                except Rejected as error:  # overloaded: worth retrying later
+                    send_error(self._pb, item.sender, str(error), self._pb.TritonError.UNAVAILABLE)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
+    def _cancel(self, key: int) -> None:
+        """A client went away: a waiting request is dropped now, an active one at the next retire."""
+        if key not in self.streams:
+            return  # already finished
+        self.scheduler.cancel(key)
+        if key not in self.scheduler.active:
+            self.streams.pop(key)
+            self.responder.close(key)
+
     def _iteration(self) -> None:
-        self._check_cancelled()
+        stats, clock = self.stats, self.stats.clock
+        clock.restart()
         self._retire()
-        for sequence in self.scheduler.admit():
-            token = self.decoder.prefill(sequence.slot, self.streams[sequence.key].prompt)
-            self._emit(sequence, token)
-        self._retire()
+        admitted = self.scheduler.admit()
+        if admitted:
+            tokens = self.decoder.prefill_many([s.slot for s in admitted], [self.streams[s.key].prompt for s in admitted])
+            clock.lap("prefill")
+            self._emit(admitted, tokens)
+            self._retire()
+            clock.lap("respond")
+            stats.prefills += len(admitted)
         batch = self.scheduler.step_batch()
         if batch:
-            tokens = self.decoder.step(
-                [s.slot for s in batch], [s.generated[-1] for s in batch], [s.length - 1 for s in batch]
-            )
-            for sequence, token in zip(batch, tokens):
-                self._emit(sequence, token)
+            tokens = self.decoder.step([s.slot for s in batch], [s.generated[-1] for s in batch], [s.length - 1 for s in batch])
+            clock.lap("step")
+            self.responder.drain()  # at most one iteration's responses in flight
+            clock.lap("drain")
+            self._emit(batch, tokens)
             self._retire()
+            clock.lap("respond")
+            stats.rows += len(batch)
+        stats.iterations += 1
 
-    def _emit(self, sequence: Sequence, token: int) -> None:
-        self.scheduler.record(sequence.key, token)
-        tensor = self._pb.Tensor.from_dlpack(OUTPUT, torch.tensor([token], dtype=torch.int64))
-        try:
-            self.streams[sequence.key].sender.send(self._pb.InferenceResponse(output_tensors=[tensor]))
-        except Exception as error:  # noqa: BLE001 - the client is gone: retire it
-            log.info("request %d: sending failed (%s); retiring it", sequence.key, error)
-            self.scheduler.cancel(sequence.key)
+    def _emit(self, sequences: list[Sequence], tokens: list[int]) -> None:
+        for sequence, token in zip(sequences, tokens):
+            self.scheduler.record(sequence.key, token)
+            self.responder.token(sequence.key, token)
 
     def _retire(self) -> None:
         for sequence in self.scheduler.retire():
-            stream = self.streams.pop(sequence.key)
+            self.streams.pop(sequence.key)
             if sequence.cancelled:
                 log.info("request %d cancelled after %d tokens", sequence.key, len(sequence.generated))
-            self._close(stream.sender)
+            self.responder.close(sequence.key)
 
-    def _check_cancelled(self) -> None:
-        now = time.monotonic()
-        if now - self._last_cancel_check < self.CANCEL_CHECK_S:
-            return
-        self._last_cancel_check = now
-        for key, stream in list(self.streams.items()):
-            if _is_cancelled(stream):
-                self.scheduler.cancel(key)
-                if key not in self.scheduler.active:  # it was waiting: dropped at once
-                    self.streams.pop(key)
-                    self._close(stream.sender)
 
-    def _close(self, sender) -> None:
-        try:
-            sender.send(flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception as error:  # noqa: BLE001 - a cancelled request's sender may be closed
-            log.debug("final response not sent: %s", error)
+class GenerationMetrics:
+    """The generator's counts as Prometheus counters beside Triton's, and a
+    log line every `LOG_SECONDS` while it is busy.
 
-    def _fail(self, sender, message: str, code) -> None:
-        response = self._pb.InferenceResponse(output_tensors=[], error=self._pb.TritonError(message, code))
-        try:
-            sender.send(response, flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception as error:  # noqa: BLE001
-            log.debug("error response not sent: %s", error)
+    opara_generation_seconds_total{model,stage}: the loop thread's seconds in
+    prefill, step, drain and respond (LoopClock), and the sender
+    threads' seconds in send and probe (summed over the threads);
+    opara_generation_events_total{model,kind}: iterations, rows (decoded
+    rows: requests per step, summed), prefills (requests prefilled) and
+    responses sent. Each push is an IPC round trip to the server, so a timer
+    thread pushes the increments every `FLUSH_SECONDS`.
+    """
+
+    FLUSH_SECONDS = 0.5
+    LOG_SECONDS = 10.0
+
+    def __init__(self, pb_utils, model: str, generator: Generator) -> None:
+        kind = pb_utils.MetricFamily.COUNTER
+        # a MetricFamily must outlive its Metrics: keep both
+        self._families = {
+            "seconds": pb_utils.MetricFamily(
+                name="opara_generation_seconds_total", description="Seconds of the generation loop and its senders, by stage", kind=kind
+            ),
+            "events": pb_utils.MetricFamily(
+                name="opara_generation_events_total", description="Iterations, decoded rows, prefills and responses of the generation loop", kind=kind
+            ),
+        }
+        self._model = model
+        self._generator = generator
+        self._metrics: dict[str, object] = {}
+        self._pushed = dict.fromkeys(totals(generator), 0.0)
+        self._logged = (time.monotonic(), totals(generator))
+        self._stopped = threading.Event()
+        self._timer = threading.Thread(target=self._run, name=f"{model}-metrics", daemon=True)
+        self._timer.start()
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._timer.join(timeout=5)
+        self._push(totals(self._generator))
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.FLUSH_SECONDS):
+            now = totals(self._generator)
+            self._push(now)
+            since, before = self._logged
+            if time.monotonic() - since >= self.LOG_SECONDS:
+                if now["events:iterations"] > before["events:iterations"]:
+                    log.info("%s: %s", self._model, summary(before, now, time.monotonic() - since))
+                self._logged = (time.monotonic(), now)
+
+    def _push(self, now: dict[str, float]) -> None:
+        for name, value in now.items():
+            if name not in self._metrics:
+                family, label = name.split(":")
+                self._metrics[name] = self._families[family].Metric(
+                    labels={"model": self._model, "stage" if family == "seconds" else "kind": label}
+                )
+            if value > self._pushed[name]:
+                self._metrics[name].increment(value - self._pushed[name])
+                self._pushed[name] = value
+
+
+def totals(generator: Generator) -> dict[str, float]:
+    """The generator's counts so far, as "family:label" -> value (safe to read from any thread)."""
+    stats, senders = generator.stats, generator.responder.stats
+    values = {f"seconds:{stage}": spent for stage, spent in list(stats.clock.seconds.items())}
+    for name in ("send", "probe"):
+        values[f"seconds:{name}"] = sum(s[name] for s in senders)
+    values.update({"events:iterations": stats.iterations, "events:rows": stats.rows, "events:prefills": stats.prefills})
+    values["events:responses"] = sum(s["responses"] for s in senders)
+    return values
+
+
+def summary(before: dict[str, float], after: dict[str, float], wall_s: float) -> str:
+    """One line on what the loop did between two `totals`: its time per iteration by stage."""
+    delta = {name: after[name] - before[name] for name in after}
+    iterations = max(delta["events:iterations"], 1)
+    stages = ", ".join(f"{stage} {delta[f'seconds:{stage}'] / iterations * 1000:.2f}" for stage in LoopClock.STAGES)
+    per_response = delta["seconds:send"] / max(delta["events:responses"], 1) * 1000
+    return (
+        f"{wall_s:.1f} s: {delta['events:iterations']:.0f} iterations, mean batch {delta['events:rows'] / iterations:.1f}, "
+        f"{delta['events:prefills']:.0f} prefills; ms per iteration: {stages}; "
+        f"senders: {delta['events:responses']:.0f} responses, {per_response:.3f} ms each, probing {delta['seconds:probe']:.2f} s"
+    )
+
+
+def send_final(pb_utils, sender) -> None:
+    """The final (empty) response of a request."""
+    try:
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    except Exception as error:  # noqa: BLE001 - a cancelled request's sender may be closed
+        log.debug("final response not sent: %s", error)
+
+
+def send_error(pb_utils, sender, message: str, code) -> None:
+    """A request's final response, carrying an error."""
+    response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
+    try:
+        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    except Exception as error:  # noqa: BLE001
+        log.debug("error response not sent: %s", error)
 
 
 def _is_cancelled(stream: Stream) -> bool:
@@ -343,13 +626,16 @@ class GenerationModel:
         decoder.prefill(0, [0, 1])  # warm-up; the slot is overwritten by its first request
         decoder.step([0], [2], [2])
         self.generator = Generator(pb_utils, decoder, settings, lm.config.vocab_size)
+        self.metrics = GenerationMetrics(pb_utils, name, self.generator)
         self.generator.start()
         graphs = [b.size for b in decoder.buckets if b.graph is not None]
-        built = f"decoding step as CUDA graphs, {len(graphs)} buckets" if graphs else "eager decoding step"
+        prefills = sum(b.graph is not None for b in decoder.prefill_buckets)
+        built = f"decoding step as CUDA graphs, {len(graphs)} buckets, prefill in {prefills} shapes" if graphs else "eager decoding step"
         details = [
             f"{settings.scheduling} scheduling",
             f"{settings.max_active} slots x {settings.max_context} positions ({decoder.cache_bytes / 2**20:.0f} MiB of KV cache)",
             f"graph buckets {graphs}" if graphs else "no CUDA graphs",
+            f"{settings.sender_threads} sender threads",
         ]
         log.info("%s", ready_line(name, str(device), time.monotonic() - started, built, details))
 
@@ -361,4 +647,5 @@ class GenerationModel:
     def finalize(self) -> None:
         started = time.monotonic()
         self.generator.stop()
+        self.metrics.close()
         log.info("generation loop stopped in %.2f s", time.monotonic() - started)
