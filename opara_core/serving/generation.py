@@ -36,7 +36,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from opara_core import zoo
@@ -306,7 +305,9 @@ class Responder:
         if kind == "token":
             if key in gone or key not in streams:
                 return
-            tensor = self._pb.Tensor(OUTPUT, np.array([item[2]], dtype=np.int64))
+            # through DLPack, never Tensor(name, ndarray): the stub's numpy bridge
+            # sends zero bytes for numpy 2 arrays (see triton_backend.input_tensor)
+            tensor = self._pb.Tensor.from_dlpack(OUTPUT, torch.tensor([item[2]], dtype=torch.int64))
             try:
                 streams[key].sender.send(self._pb.InferenceResponse(output_tensors=[tensor]))
             except Exception as error:  # noqa: BLE001 - the client is gone: retire it
