@@ -25,7 +25,10 @@
 #   twogpu     GoogLeNet at concurrency 16, 32 and 64 on one GPU (CUDA_VISIBLE_DEVICES=0) and then on
 #              every GPU of the machine (one instance each): $OUT/twogpu_one.json, $OUT/twogpu_all.json
 #   varlen     scripts/varlen_bench.py: BERT ($VARLEN_MODELS, default bert) with seeded lengths (mean 50, cap 512)
-#              at concurrency 1, 16, 64 under the padded, single, greedy and dp schedulers
+#              at concurrency 1, 16, 64 under the padded, single, greedy and dp schedulers, with where
+#              each level's execute time went; $OUT/varlen_bench.json, $OUT/varlen_server.log
+#   varlentests the variable-length GPU tests: two BERT shapes in one graph pool replayed in turns, and
+#              every scheduler on a few shapes' graphs, each against eager (tests/test_capture.py, tests/test_varlen.py)
 #   soak       GoogLeNet served by `python -m opara_core.serving.launcher serve` on ports 18000-18002,
 #              scripts/soak.py over gRPC at 1, 8 and 64 ($SOAK_SECONDS each, default 30, and as long a warm-up): errors, wrong
 #              answers, host and GPU memory growth
@@ -121,8 +124,10 @@ for spec in "$@"; do
     soak) step soak "$limit" bash -c soak ;;
     instances) step instances "$limit" bash -c instances ;;
     twogpu) step twogpu "$limit" bash -c twogpu ;;
+    varlentests) step varlentests "$limit" python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --durations=5 \
+        tests/test_capture.py tests/test_varlen.py -k "one_pool or on_a_gpu" ;;
     varlen) step varlen "$limit" python3 scripts/varlen_bench.py --models "${VARLEN_MODELS:-bert}" --concurrency 1,16,64 \
         --json "$out/varlen_bench.json" --log "$out/varlen_server.log" ;;
-    *) echo "unknown step $name (tests, servertests, launcher, csan, racecheck, transporttests, transport, serving, instances, twogpu, soak, varlen)" >&2; exit 2 ;;
+    *) echo "unknown step $name (tests, servertests, launcher, csan, racecheck, transporttests, transport, serving, instances, twogpu, soak, varlen, varlentests)" >&2; exit 2 ;;
     esac
 done
