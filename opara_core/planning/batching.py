@@ -104,6 +104,11 @@ class CostTable:
         }
 
     @cached_property
+    def batch_of(self) -> tuple[int, ...]:
+        """`batch_of[rows]`: the batch bucket of 1..max_batch rows (0 at 0)."""
+        return (0, *(self.batch_for(rows) for rows in range(1, self.max_batch + 1)))
+
+    @cached_property
     def least(self) -> dict[tuple[Shape, int], float]:
         """Every cell's cost: that of the cheapest cell that holds it."""
         return {cell: self.seconds[best] for cell, best in self.cheapest.items()}
@@ -143,7 +148,7 @@ def dp(lengths: Sequence[Length], table: CostTable) -> list[Group]:
     # the inner loop runs n * max_batch times inside `execute`: plain lookups only
     # (the bucket of the longest is the largest bucket, axis by axis)
     shapes = [table.shape_for(lengths[i]) for i in order]
-    batch_of = [0] + [table.batch_for(rows) for rows in range(1, table.max_batch + 1)]
+    batch_of = table.batch_of
     seconds = table.least
     states = [0.0] + [float("inf")] * n
     split = [0] * (n + 1)
