@@ -7,17 +7,18 @@ Python backend hands over each request's tensors separately, with its own
 shape, so no server-side concatenation has to be undone). Each request row is
 scheduled on its own: `planning.batching` splits the rows into sub-batches by a
 cost table `cost[shape bucket][batch bucket]`, each sub-batch is padded with
-zeros to its shape bucket (ids 0 are valid; attention-mask 0 hides the padded
-keys; T5's decoder is causal, so padding after a row's last decoder id changes
-none of its positions) and run on that shape's runner; each row's outputs are
-cut back to its own length.
+zeros to the cheapest cell that holds it, usually its own shape bucket (ids 0
+are valid; attention-mask 0 hides the padded keys; T5's decoder is causal, so
+padding after a row's last decoder id changes none of its positions) and run on
+that shape's runner; each row's outputs are cut back to its own length.
 
 Runners: per shape bucket, `engine.build.build_runner` for the zoo model fixed
 at that shape (on a GPU: one CUDA graph per batch bucket, the plan `auto`
-picks; on a CPU: eager). `capture` "load" builds every shape when the model
-loads; "first_use" builds a shape the first time a sub-batch needs it. The cost
-table comes from replay timings of the captured graphs; for eager runners, and
-for shapes not built yet, from a token-count model (`modelled_seconds`).
+picks, every shape's graphs in one memory pool; on a CPU: eager). `capture`
+"load" builds every shape when the model loads; "first_use" builds a shape the
+first time a sub-batch needs it. The cost table comes from replay timings of
+the captured graphs; for eager runners, and for shapes not built yet, from a
+token-count model (`modelled_seconds`).
 
 Config parameters (besides the engine's): `scheduler` (dp, greedy, padded,
 single; a request may choose another with its own parameter `scheduler`, which
