@@ -47,7 +47,9 @@ import numpy as np
 from client import bench
 from client.api import Client
 from client.inputs import random_inputs
+from client.lengths import parse as parse_lengths
 from opara_core import zoo
+from opara_core.planning import batching
 from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
 from opara_core.serving.triton_backend import ServingMetrics, StageClock
 from serving_bench import batch_counts, execute_counters
@@ -131,6 +133,35 @@ def cost_table(report: str) -> dict[str, float]:
     return costs
 
 
+def predicted(costs: dict[str, float], lengths: str, sizes: tuple[int, ...] = (1, 8, 16, 24), draws: int = 400) -> dict[str, dict[int, dict[str, float]]]:
+    """What the cost table predicts: per scheduler and batch size n, the mean GPU ms of
+    an execute of n requests with lengths drawn from `lengths` (seeded), and its sub-batches."""
+    if not costs:
+        return {}
+    cells = {(tuple(int(n) for n in label.rpartition("x")[0].split(",")), int(label.rpartition("x")[2])): ms for label, ms in costs.items()}
+    shapes = sorted({shape for shape, _ in cells})
+    axes = tuple(tuple(sorted({shape[a] for shape in shapes})) for a in range(len(shapes[0])))
+    table = batching.CostTable(axes, tuple(sorted({b for _, b in cells})), cells)
+    drawn = parse_lengths(lengths).lengths(draws * max(sizes))
+    result: dict[str, dict[int, dict[str, float]]] = {}
+    for name, scheduler in batching.SCHEDULERS.items():
+        for n in sizes:
+            # one variable axis: the drawn length; more axes (T5): the same length on each, capped at its limit
+            batches = [[tuple(min(int(x), limit) for limit in table.limits) for x in drawn[k * n : (k + 1) * n]] for k in range(draws)]
+            groups = [scheduler(batch, table) for batch in batches]
+            result.setdefault(name, {})[n] = {
+                "gpu_ms": round(sum(batching.total_cost(g, table) for g in groups) / draws, 3),
+                "sub_batches": round(sum(map(len, groups)) / draws, 2),
+            }
+    return result
+
+
+def print_prediction(model: str, prediction: dict[str, dict[int, dict[str, float]]], lengths: str) -> None:
+    print(f"\n{model}: what the cost table predicts, GPU ms per execute of n requests of {lengths} (mean of 400 draws; sub-batches)")
+    for name, by_size in prediction.items():
+        print(f"  {name:>7}: " + ", ".join(f"n={n} {v['gpu_ms']:.2f} ms ({v['sub_batches']})" for n, v in by_size.items()))
+
+
 def counters(server: TritonServer, model: str) -> tuple[tuple[int, int], dict[str, float], dict[str, float]]:
     """Triton's (inferences, executions), the model's execute seconds by stage and its cell counts,
     once the model's metrics of the level before have been pushed (every FLUSH_SECONDS)."""
@@ -204,7 +235,12 @@ def main() -> int:
     parser.add_argument("--queue-delay-us", type=int, default=None, help="max_queue_delay_microseconds (default: the config's)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, help="where the server log goes")
+    parser.add_argument("--predict", type=Path, metavar="JSON", help="only print what the cost tables of an earlier run's JSON predict for --lengths")
     args = parser.parse_args()
+    if args.predict:
+        for model, report in json.loads(args.predict.read_text())["meta"]["reports"].items():
+            print_prediction(model, predicted(cost_table(report), args.lengths), args.lengths)
+        return 0
     models = [zoo.get(m).name for m in args.models.split(",")]
     overrides: dict[str, dict[str, str]] = {}
     for item in args.set:
@@ -235,6 +271,7 @@ def main() -> int:
         reports = model_reports(log_path.read_text(errors="replace"))
         for model in models:
             costs = cost_table(reports.get(model, ""))
+            meta.setdefault("table_prediction", {})[model] = predicted(costs, args.lengths)
             errors = check_against_eager(server, model, [16, 50, 300, 7])
             meta["check_relative_error"][model] = errors
             print(f"{model}: relative error against eager fp32 on the CPU, lengths 16/50/300/7: {errors}", flush=True)
@@ -260,6 +297,8 @@ def main() -> int:
     print(table(rows))
     print()
     print(breakdown([*meta.get("lone_16_tokens", {}).values(), *rows]))
+    for model, prediction in meta.get("table_prediction", {}).items():
+        print_prediction(model, prediction, args.lengths)
     return 0
 
 
