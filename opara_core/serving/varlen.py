@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import statistics
 import threading
 import time
 from collections import Counter
@@ -258,8 +259,13 @@ class VarLenRunners:
         batches = tuple(sorted(settings.buckets))
         seconds = {(s, b): modelled_seconds(s, b) for s in batching.grid(varlen.axes) for b in batches}
         if varlen.capture == "load":
+            measured = {}
             for shape in reversed(batching.grid(varlen.axes)):
-                seconds.update(self._build(shape))
+                measured.update(self._build(shape))
+            if measured:
+                # shapes without graphs (a fallback to eager) keep the token-count model, in the measured cells' units
+                scale = statistics.median(ms / seconds[cell] for cell, ms in measured.items())
+                seconds = {cell: measured.get(cell, modelled * scale) for cell, modelled in seconds.items()}
         self.costs = self.report.costs = CostTable(varlen.axes, batches, seconds)
         kinds = {r.info.kind for r in self.runners.values()} or {"eager" if device.type != "cuda" else "cuda-graph"}
         self.report.runner = "+".join(sorted(kinds))
