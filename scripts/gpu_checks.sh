@@ -33,7 +33,10 @@
 #   twogpu     GoogLeNet at concurrency 16, 32 and 64 on one GPU (CUDA_VISIBLE_DEVICES=0) and then on
 #              every GPU of the machine (one instance each): $OUT/twogpu_one.json, $OUT/twogpu_all.json
 #   varlen     scripts/varlen_bench.py: BERT ($VARLEN_MODELS, default bert) with seeded lengths (mean 50, cap 512)
-#              at concurrency 1, 16, 64 under the padded, single, greedy and dp schedulers
+#              at concurrency 1, 16, 64 under the padded, single, greedy and dp schedulers, with where
+#              each level's execute time went; $OUT/varlen_bench.json, $OUT/varlen_server.log
+#   varlentests the variable-length GPU tests: two BERT shapes in one graph pool replayed in turns, and
+#              every scheduler on a few shapes' graphs, each against eager (tests/test_capture.py, tests/test_varlen.py)
 #   warmbuild  fused lanes' serving build, cold then warm: a repository of $WARM_MODELS (default googlenet)
 #              with fused_lanes on, `python -m opara_core.serving.launcher warm` twice with one fresh
 #              OPARA_CACHE_DIR (Inductor's compiled code, profiles): each model's build seconds both times
@@ -174,8 +177,10 @@ for spec in "$@"; do
     warmbuild) step warmbuild "$limit" bash -c warmbuild ;;
     instances) step instances "$limit" bash -c instances ;;
     twogpu) step twogpu "$limit" bash -c twogpu ;;
+    varlentests) step varlentests "$limit" python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --durations=5 \
+        tests/test_capture.py tests/test_varlen.py -k "one_pool or on_a_gpu" ;;
     varlen) step varlen "$limit" python3 scripts/varlen_bench.py --models "${VARLEN_MODELS:-bert}" --concurrency 1,16,64 \
         --json "$out/varlen_bench.json" --log "$out/varlen_server.log" ;;
-    *) echo "unknown step $name (tests, servertests, launcher, csan, racecheck, transporttests, transport, transportexp, serving, instances, twogpu, soak, warmbuild, varlen)" >&2; exit 2 ;;
+    *) echo "unknown step $name (tests, servertests, launcher, csan, racecheck, transporttests, transport, transportexp, serving, instances, twogpu, soak, warmbuild, varlen, varlentests)" >&2; exit 2 ;;
     esac
 done

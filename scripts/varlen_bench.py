@@ -17,7 +17,14 @@ sequence bucket, the cost table timed from their replays), then:
    the request parameter `scheduler`, so all four share one server and one set
    of graphs.
 
-Prints a markdown table and writes JSON (rows, the models' build reports with
+Where each level's time went, per `execute`, from the model's own metrics:
+the stages of `execute` (validate: read and check the requests; stage:
+schedule, pad and queue every sub-batch; run: wait for the GPU; respond),
+the sub-batches run (opara_batches_total by "shape x batch" cell) and what
+those cells cost by the model's cost table (the GPU time the scheduler
+expected), so a gap between `run` + `stage` and the table is overhead.
+
+Prints markdown tables and writes JSON (rows, the models' build reports with
 their cost tables from the server log, the check's errors, meta).
 """
 
@@ -40,8 +47,12 @@ import numpy as np
 from client import bench
 from client.api import Client
 from client.inputs import random_inputs
+from client.lengths import parse as parse_lengths
 from opara_core import zoo
+from opara_core.planning import batching
 from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
+from opara_core.serving.triton_backend import ServingMetrics, StageClock
+from serving_bench import batch_counts, execute_counters
 
 SCHEDULERS = ("padded", "single", "greedy", "dp")
 
@@ -92,33 +103,108 @@ def check_against_eager(server: TritonServer, model: str, lengths: list[int]) ->
     return errors
 
 
-def batch_counts(http_url: str, model: str) -> tuple[int, int]:
-    with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/stats", timeout=30) as response:
-        stats = json.load(response)["model_stats"]
-    return sum(int(m.get("inference_count", 0)) for m in stats), sum(int(m.get("execution_count", 0)) for m in stats)
+def cell_counts(metrics_url: str, model: str) -> dict[str, float]:
+    """opara_batches_total of the model by bucket: for variable lengths, "shape x batch" cells."""
+    with urllib.request.urlopen(metrics_url, timeout=30) as response:
+        text = response.read().decode()
+    pattern = rf'^opara_batches_total\{{(?=[^}}]*model="{model}")[^}}]*bucket="([^"]+)"[^}}]*\}} (\S+)$'
+    return {bucket: float(value) for bucket, value in re.findall(pattern, text, re.M)}
 
 
 def model_reports(log: str) -> dict[str, str]:
-    """Each model's build report (runner, shapes, memory, cost table) as logged when it became ready."""
-    reports = {}
-    for model, block in re.findall(r"model (\w+) ready on [^\n]*\n((?:(?![IWE]\d{4} ).*\n)*)", log):
-        reports[model] = block.rstrip()
-    return reports
+    """Each model's build report (runner, shapes, memory, cost table), from the
+    one line it logs when ready (the report's lines joined by "; ")."""
+    return {model: "\n".join(details.split("; ")) for model, details in re.findall(r"model (\w+) ready on [^\n|]*\| ([^\n]*)", log)}
 
 
-def measure(server: TritonServer, model: str, scheduler: str, concurrency: int, lengths: str, duration_s: float, warmup: int) -> dict:
+def cost_table(report: str) -> dict[str, float]:
+    """The cost table of a model's build report: ms per "shape x batch" cell."""
+    lines = report.splitlines()
+    header = next((k for k, line in enumerate(lines) if line.strip().startswith("shape \\ batch")), None)
+    if header is None:
+        return {}
+    batches = lines[header].split()[3:]
+    costs = {}
+    for line in lines[header + 1 :]:
+        fields = line.split()
+        if len(fields) != len(batches) + 2 or fields[1] not in ("m", "c"):
+            break
+        costs.update({f"{fields[0]}x{b}": float(ms) for b, ms in zip(batches, fields[2:])})
+    return costs
+
+
+def predicted(costs: dict[str, float], lengths: str, sizes: tuple[int, ...] = (1, 8, 16, 24), draws: int = 400) -> dict[str, dict[int, dict[str, float]]]:
+    """What the cost table predicts: per scheduler and batch size n, the mean GPU ms of
+    an execute of n requests with lengths drawn from `lengths` (seeded), and its sub-batches."""
+    if not costs:
+        return {}
+    cells = {(tuple(int(n) for n in label.rpartition("x")[0].split(",")), int(label.rpartition("x")[2])): ms for label, ms in costs.items()}
+    shapes = sorted({shape for shape, _ in cells})
+    axes = tuple(tuple(sorted({shape[a] for shape in shapes})) for a in range(len(shapes[0])))
+    table = batching.CostTable(axes, tuple(sorted({b for _, b in cells})), cells)
+    drawn = parse_lengths(lengths).lengths(draws * max(sizes))
+    result: dict[str, dict[int, dict[str, float]]] = {}
+    for name, scheduler in batching.SCHEDULERS.items():
+        for n in sizes:
+            # one variable axis: the drawn length; more axes (T5): the same length on each, capped at its limit
+            batches = [[tuple(min(int(x), limit) for limit in table.limits) for x in drawn[k * n : (k + 1) * n]] for k in range(draws)]
+            groups = [scheduler(batch, table) for batch in batches]
+            result.setdefault(name, {})[n] = {
+                "gpu_ms": round(sum(batching.total_cost(g, table) for g in groups) / draws, 3),
+                "sub_batches": round(sum(map(len, groups)) / draws, 2),
+            }
+    return result
+
+
+def print_prediction(model: str, prediction: dict[str, dict[int, dict[str, float]]], lengths: str) -> None:
+    print(f"\n{model}: what the cost table predicts, GPU ms per execute of n requests of {lengths} (mean of 400 draws; sub-batches)")
+    for name, by_size in prediction.items():
+        print(f"  {name:>7}: " + ", ".join(f"n={n} {v['gpu_ms']:.2f} ms ({v['sub_batches']})" for n, v in by_size.items()))
+
+
+def counters(server: TritonServer, model: str) -> tuple[tuple[int, int], dict[str, float], dict[str, float]]:
+    """Triton's (inferences, executions), the model's execute seconds by stage and its cell counts,
+    once the model's metrics of the level before have been pushed (every FLUSH_SECONDS)."""
+    time.sleep(ServingMetrics.FLUSH_SECONDS + 0.2)
+    return batch_counts(server.http_url, model), execute_counters(server.metrics_url).get(model, {}), cell_counts(server.metrics_url, model)
+
+
+def measure(server: TritonServer, model: str, scheduler: str, concurrency: int, lengths: str, duration_s: float, warmup: int, costs: dict[str, float]) -> dict:
     config = bench.BenchConfig(
         model=model, url=server.grpc_url, protocol="grpc", concurrency=(concurrency,), duration_s=duration_s,
         warmup=warmup, timeout_s=600, lengths=lengths, parameters=(("scheduler", scheduler),), progress=False,
     )  # fmt: skip
-    before = batch_counts(server.http_url, model)
+    before = counters(server, model)
     result = bench.run(config)
-    after = batch_counts(server.http_url, model)
-    executions = after[1] - before[1]
+    after = counters(server, model)
+    executions = after[0][1] - before[0][1]
     row = asdict(result.rows[0])
-    row["mean_batch"] = round((after[0] - before[0]) / executions, 2) if executions else None
+    row["mean_batch"] = round((after[0][0] - before[0][0]) / executions, 2) if executions else None
     row["error_messages"] = list(result.error_messages)
+    if executions:
+        # the level's warm-up requests are in these counts too: per execute, they change little
+        row["execute_ms"] = {stage: round((after[1].get(stage, 0) - before[1].get(stage, 0)) * 1e3 / executions, 3) for stage in StageClock.STAGES}
+        cells = {cell: after[2][cell] - before[2].get(cell, 0) for cell in after[2] if after[2][cell] > before[2].get(cell, 0)}
+        row["cells"] = cells
+        row["sub_batches_per_execute"] = round(sum(cells.values()) / executions, 2)
+        known = cells and all(c in costs for c in cells)
+        row["table_ms_per_execute"] = round(sum(n * costs[c] for c, n in cells.items()) / executions, 3) if known else None
     return {"model": model, "scheduler": scheduler, **row}
+
+
+def breakdown(rows: list[dict]) -> str:
+    """Where each level's `execute` time went, ms per execute."""
+    lines = [
+        "| model | scheduler | conc | mean batch | sub-batches | table GPU ms | " + " | ".join(StageClock.STAGES) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(StageClock.STAGES),
+    ]
+    for r in rows:
+        stages = r.get("execute_ms") or {}
+        cells = [r["model"], r["scheduler"], r["concurrency"], r.get("mean_batch") or "-", r.get("sub_batches_per_execute", "-")]
+        cells += ["-" if r.get("table_ms_per_execute") is None else f"{r['table_ms_per_execute']:.2f}"]
+        cells += [f"{stages[k]:.2f}" if k in stages else "-" for k in StageClock.STAGES]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -149,7 +235,12 @@ def main() -> int:
     parser.add_argument("--queue-delay-us", type=int, default=None, help="max_queue_delay_microseconds (default: the config's)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, help="where the server log goes")
+    parser.add_argument("--predict", type=Path, metavar="JSON", help="only print what the cost tables of an earlier run's JSON predict for --lengths")
     args = parser.parse_args()
+    if args.predict:
+        for model, report in json.loads(args.predict.read_text())["meta"]["reports"].items():
+            print_prediction(model, predicted(cost_table(report), args.lengths), args.lengths)
+        return 0
     models = [zoo.get(m).name for m in args.models.split(",")]
     overrides: dict[str, dict[str, str]] = {}
     for item in args.set:
@@ -177,16 +268,21 @@ def main() -> int:
         meta["load_seconds"] = round(time.perf_counter() - started, 1)
         print(f"server ready with {models} in {meta['load_seconds']:.0f} s", flush=True)
         meta["check_relative_error"], meta["lone_16_tokens"] = {}, {}
+        reports = model_reports(log_path.read_text(errors="replace"))
         for model in models:
+            costs = cost_table(reports.get(model, ""))
+            meta.setdefault("table_prediction", {})[model] = predicted(costs, args.lengths)
             errors = check_against_eager(server, model, [16, 50, 300, 7])
             meta["check_relative_error"][model] = errors
             print(f"{model}: relative error against eager fp32 on the CPU, lengths 16/50/300/7: {errors}", flush=True)
-            lone = measure(server, model, "dp", 1, "fixed:16", args.duration, args.warmup)
+            lone = measure(server, model, "dp", 1, "fixed:16", args.duration, args.warmup, costs)
+            lone["scheduler"] = "dp, lone 16 tokens"
             meta["lone_16_tokens"][model] = lone
-            print(f"{model}: a lone 16-token request: p50 {lone['p50_ms']:.3f} ms, server compute {lone['server_compute_infer_ms']:.3f} ms", flush=True)
+            print(f"{model}: a lone 16-token request: p50 {lone['p50_ms']:.3f} ms, server compute {lone['server_compute_infer_ms']:.3f} ms, "
+                  f"ms per execute {lone.get('execute_ms')}, cells {lone.get('cells')}", flush=True)  # fmt: skip
             for scheduler in args.schedulers.split(","):
                 for concurrency in (int(c) for c in args.concurrency.split(",")):
-                    rows.append(measure(server, model, scheduler, concurrency, args.lengths, args.duration, args.warmup))
+                    rows.append(measure(server, model, scheduler, concurrency, args.lengths, args.duration, args.warmup, costs))
                     print(json.dumps(rows[-1]), flush=True)
     finally:
         server.stop()
@@ -199,6 +295,10 @@ def main() -> int:
         print(f"\n{model}:\n{report}")
     print()
     print(table(rows))
+    print()
+    print(breakdown([*meta.get("lone_16_tokens", {}).values(), *rows]))
+    for model, prediction in meta.get("table_prediction", {}).items():
+        print_prediction(model, prediction, args.lengths)
     return 0
 
 

@@ -11,7 +11,7 @@ import torch
 from opara_core import zoo
 from opara_core.engine import runtime
 from opara_core.engine.build import Candidate, EngineSettings, build_runner, static_inputs
-from opara_core.engine.capture import CaptureError, LanePool, PlanCapture, pool_mb, time_replays
+from opara_core.engine.capture import CaptureError, GraphPool, LanePool, PlanCapture, pool_mb, time_replays
 from opara_core.engine.compare import max_relative_error
 from opara_core.engine.interpreter import plan_graph
 from opara_core.engine.trace import trace_zoo
@@ -149,3 +149,31 @@ def test_a_runner_keeps_the_weights_its_graphs_read_when_the_process_allocates_m
     after = replay(runner, inputs)[0]
     del filler
     assert torch.equal(after, before)
+
+
+def test_two_shapes_captured_into_one_pool_replay_in_turns_as_eager(strict_fp32):
+    """serving.varlen captures every shape of BERT into one GraphPool. Here two
+    shapes' runners share one: replayed in turns with nothing but stream order
+    between them (each output copied on the stream before the other shape
+    replays, one synchronisation at the end, as varlen does), every answer
+    equals eager, though one graph's intermediates may lie where the other's
+    outputs were."""
+    entry, device = zoo.get("bert"), torch.device("cuda")
+    module = entry.build().to(device)
+    pool = GraphPool.new(device)
+    settings = EngineSettings(policy="opara", buckets=(1, 2))
+    runners = {n: build_runner(module, entry.at((n,)), device, 2, settings, pool) for n in (64, 16)}
+    for runner, report in runners.values():
+        assert report.runner == "multi-stream graph", report.summary()
+        assert all(captured.graph.pool() == pool.handle and captured.peak_bytes > 0 for captured in runner.graphs.values())
+    answers, expected = [], []
+    with torch.inference_mode():
+        for turn in range(3):
+            for n, (runner, _) in runners.items():
+                rows = 1 + (turn + n) % 2
+                inputs = [t.to(device) for t in entry.at((n,)).example_inputs(rows, seed=100 * turn + n)]
+                answers.append(runner.run(inputs, outputs_on_device=True)[0].clone())
+                expected.append(module(*inputs))
+        torch.cuda.synchronize()
+    for answer, reference in zip(answers, expected):
+        assert max_relative_error([answer], [reference]) <= 1e-4

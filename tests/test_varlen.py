@@ -214,6 +214,32 @@ def test_a_fixed_length_config_is_refused():
         check_config(zoo.get("bert"), config)
 
 
+def test_a_sub_batch_runs_on_a_cheaper_longer_shape_and_answers_as_eager():
+    """Where the cost table says a longer shape is cheaper (an H100 timed BERT's
+    16-token batch-1 graph slower than its 32-token one), the rows run there,
+    padded further, and each answer still equals its own eager run."""
+    from opara_core.engine.build import EngineSettings
+    from opara_core.planning.batching import CostTable
+    from opara_core.serving.varlen import VarLenRunners, VarLenSettings
+
+    entry = zoo.get("bert")
+    module = entry.build()
+    axes = ((16, 64, 512),)
+    runners = VarLenRunners(module, entry, torch.device("cpu"), EngineSettings(buckets=(1, 2)), VarLenSettings(axes))
+    seconds = {((s,), b): float(s * b) for s in axes[0] for b in (1, 2)}
+    seconds[((16,), 1)] = seconds[((16,), 2)] = 1000.0  # two rows at 64 together (100) beat two alone (2 x 64)
+    seconds[((64,), 2)] = 100.0
+    runners.costs = CostTable(axes, (1, 2), seconds)
+    requests = [check_request(entry, dict(zip((s.name for s in entry.inputs), entry.at((n,)).example_inputs(1, seed=n))), "dp") for n in (5, 12)]
+    with torch.inference_mode():
+        expected = [module(*request.tensors) for request in requests]
+        answers = runners.run(requests)
+    assert dict(runners.batches) == {"64x2": 1}
+    for answer, reference in zip(answers, expected):
+        assert answer[0].shape == reference.shape
+        assert_close(answer[0].numpy(), reference.numpy())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["bert", "t5"])
 def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(model, strict_fp32):

@@ -22,7 +22,7 @@ import torch
 
 from opara_core import zoo
 from opara_core.engine import runtime
-from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, capture_module, time_replays
+from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, LanePool, PlanCapture, capture_module, time_replays
 from opara_core.engine.interpreter import reordered_graph
 from opara_core.engine.fused_lanes import SHAPES, InductorCapture
 from opara_core.engine.inductor_cache import CacheCount, use_inductor_cache
@@ -154,8 +154,13 @@ def build_runner(
     device: torch.device,
     max_batch: int,
     settings: EngineSettings = EngineSettings(),
+    pool: GraphPool | None = None,
 ) -> tuple[runtime.Runner, BuildReport]:
-    """The fastest correct runner for `module` on `device`, and how it was chosen."""
+    """The fastest correct runner for `module` on `device`, and how it was chosen.
+
+    `pool`: the graph memory pool and lane streams to capture into, shared
+    with other runners whose graphs never replay concurrently with these
+    (serving.varlen: one pool for every shape of a model); a new one if None."""
     report = BuildReport()
     if device.type != "cuda":
         return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
@@ -163,25 +168,25 @@ def build_runner(
     torch.backends.cudnn.benchmark = settings.autotune
     compiled_before = CacheCount.now()
     graphs = traced_graphs(module, entry, device, settings, report)
-    lane_pool = LanePool(device)
+    lane_pool = LanePool(device) if pool is None else pool.lanes
 
     def multi_stream() -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
         if settings.fail_capture:
             raise CaptureError("capture failure forced by the fail_capture switch")
         captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool, settings.fused_shapes) for c, plan in candidates(graphs, settings).items()}
-        chosen = capture_fastest(captures, entry, device, settings.buckets, report)
+        chosen = capture_fastest(captures, entry, device, settings.buckets, report, None if pool is None else pool.handle)
         return chosen, {b: graphs[c.graph].module for b, c in report.choices.items()}
 
     def sequential() -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
-        pool = torch.cuda.graph_pool_handle()
+        shared = torch.cuda.graph_pool_handle() if pool is None else pool.handle
         with torch.inference_mode():  # no autograd state in the graphs or their outputs
             if graphs:
                 layout, graph = next(iter(graphs.items()))  # an ATen graph
                 capture = PlanCapture(graph, plan_graph(graph, "sequential"), lane_pool)
-                captured = {b: capture(static_inputs(entry, b, device), pool) for b in sorted(settings.buckets)}
+                captured = {b: capture(static_inputs(entry, b, device), shared) for b in sorted(settings.buckets, reverse=True)}
                 reference, choice = graph.module, Candidate(layout, "sequential", 1)
             else:
-                captured = {b: capture_module(module, static_inputs(entry, b, device), pool) for b in sorted(settings.buckets)}
+                captured = {b: capture_module(module, static_inputs(entry, b, device), shared) for b in sorted(settings.buckets, reverse=True)}
                 reference, choice = module, "module"
         report.choices = dict.fromkeys(captured, choice)
         return captured, dict.fromkeys(captured, reference)
@@ -221,10 +226,17 @@ def static_inputs(entry: zoo.ZooModel, bucket: int, device: torch.device) -> lis
 
 
 def capture_fastest(
-    captures: dict[Candidate, PlanCapture], entry: zoo.ZooModel, device: torch.device, buckets: Sequence[int], report: BuildReport
+    captures: dict[Candidate, PlanCapture],
+    entry: zoo.ZooModel,
+    device: torch.device,
+    buckets: Sequence[int],
+    report: BuildReport,
+    pool: Any = None,
 ) -> dict[int, CapturedGraph]:
     """`auto`: per bucket, capture the candidates, time their replays and keep
-    the fastest; then capture the chosen ones, every bucket in one memory pool.
+    the fastest; then capture the chosen ones, every bucket in one memory pool
+    (`pool`, or a new one), the largest bucket first: the smaller graphs then
+    fit in the blocks its intermediates freed.
 
     Buckets go smallest first (batch 1 is where latency matters most): the
     smallest times every candidate, each larger bucket re-times the sequential
@@ -271,8 +283,8 @@ def capture_fastest(
                 report.seconds[f"{stage} b{bucket}"] = spent
             log.info("auto: bucket %d -> %s (%s)", bucket, ranked[0], ", ".join(f"{c} {timings[c]:.3f} ms" for c in ranked))
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        chosen = {bucket: captures[report.choices[bucket]](static_inputs(entry, bucket, device), pool) for bucket in sorted(set(buckets))}
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        chosen = {b: captures[report.choices[b]](static_inputs(entry, b, device), pool) for b in sorted(set(buckets), reverse=True)}
         report.seconds["capture chosen"] = time.perf_counter() - start
     return chosen
 

@@ -95,6 +95,24 @@ class LanePool:
         return streams
 
 
+@dataclass(frozen=True, eq=False)
+class GraphPool:
+    """A CUDA graph memory pool to capture several runners' graphs into, with
+    the lane streams they are captured on: the allocator reuses a block freed
+    in a capture only for an allocation on the same stream, so graphs share
+    their intermediates' memory only when they share the streams too. Graphs
+    in one pool must never replay concurrently, and a graph's outputs must be
+    consumed (copied, on the replay's stream) before another graph of the pool
+    replays: its intermediates may lie where the first one's outputs are."""
+
+    handle: Any
+    lanes: LanePool
+
+    @classmethod
+    def new(cls, device: torch.device) -> GraphPool:
+        return cls(torch.cuda.graph_pool_handle(), LanePool(device))
+
+
 class StreamInterpreter(PlanInterpreter):
     """Runs the plan's order with each node on its lane's stream.
 
@@ -163,12 +181,16 @@ class CapturedGraph:
     traced module was freed when the build returned, and the next allocations
     (another build in the same process) overwrote weights that replays still
     read: wrong outputs, illegal addresses, out-of-bounds gathers on the H100.
+
+    `peak_bytes`: the most bytes its capture held at once (intermediates and
+    outputs), what the graph would need in a pool of its own.
     """
 
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]
     owner: Any = None
+    peak_bytes: int = 0
 
     @property
     def rows(self) -> int:
@@ -206,12 +228,14 @@ class PlanCapture:
         cuda_graph = torch.cuda.CUDAGraph()
         if self.plan.num_streams > 1:
             reuse_memory_across_lanes(self.reuse_memory)
+        held = _reset_peak()
         try:
             with torch.cuda.graph(cuda_graph, pool=pool, stream=capture_stream, capture_error_mode="thread_local"):
                 result = run_on_lanes(self.interpreter, static_in)
         except RuntimeError as error:
             raise CaptureError(f"capturing {self.plan.policy} with {self.plan.num_streams} lanes failed: {error}") from error
-        return CapturedGraph(cuda_graph, tuple(static_in), tuple(_tensors(result)), owner=self.interpreter.module)
+        peak = torch.cuda.max_memory_allocated() - held
+        return CapturedGraph(cuda_graph, tuple(static_in), tuple(_tensors(result)), owner=self.interpreter.module, peak_bytes=peak)
 
 
 def capture_module(module: torch.nn.Module, static_in: Sequence[torch.Tensor], pool: Any, warmup: int = 3) -> CapturedGraph:
@@ -227,12 +251,20 @@ def capture_module(module: torch.nn.Module, static_in: Sequence[torch.Tensor], p
             module(*static_in)
     torch.cuda.current_stream().wait_stream(side)
     cuda_graph = torch.cuda.CUDAGraph()
+    held = _reset_peak()
     try:
         with torch.cuda.graph(cuda_graph, pool=pool, capture_error_mode="thread_local"):
             result = module(*static_in)
     except RuntimeError as error:
         raise CaptureError(f"capturing the module on one stream failed: {error}") from error
-    return CapturedGraph(cuda_graph, tuple(static_in), tuple(_tensors(result)), owner=module)
+    peak = torch.cuda.max_memory_allocated() - held
+    return CapturedGraph(cuda_graph, tuple(static_in), tuple(_tensors(result)), owner=module, peak_bytes=peak)
+
+
+def _reset_peak() -> int:
+    """Start counting the allocator's peak afresh; the bytes allocated now."""
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
 
 
 def time_replays(captured: CapturedGraph, seconds: float = 0.02, repeats: int = 5, warmup: int = 3) -> float:

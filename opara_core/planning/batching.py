@@ -7,12 +7,18 @@ where a group runs as one batch padded to the sequence bucket of its longest
 request, at the batch bucket of its size, and costs what that (sequence, batch)
 runner was measured to take. Back-tracking the split points gives the groups.
 
+A group may run on any cell of the table that holds it: a longer shape (padded
+further) or a larger batch bucket (padded with empty rows), when that cell was
+measured faster (on an H100, BERT's 16-token batch-1 graph took 1.94 ms and its
+32-token one 1.53). So a group costs the cheapest cell at or above its own, and
+runs there: costs that never fall as a cell grows, whatever was measured.
+
 A length is a tuple, one entry per variable axis (BERT: the sequence; T5: the
 encoder and the decoder), and a shape bucket is one sequence bucket per axis.
-With one axis and costs that never fall as the sequence bucket grows, the best
-split of the sorted order is the best of all partitions (a group of the same
-size made of shorter requests never costs more); with two axes the groups are
-contiguous runs of the lexicographic order, the algorithm as published.
+With one axis, the best split of the sorted order is then the best of all
+partitions (a group of the same size made of shorter requests never costs
+more); with two axes the groups are contiguous runs of the lexicographic
+order, the algorithm as published.
 
 Also the baselines a benchmark compares it with: group by bucket (greedy),
 pad everything to the largest bucket, and every request alone.
@@ -24,6 +30,7 @@ import bisect
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 Length = tuple[int, ...]  # one length per variable axis
 Shape = tuple[int, ...]  # one sequence bucket per variable axis
@@ -32,7 +39,8 @@ Shape = tuple[int, ...]  # one sequence bucket per variable axis
 @dataclass(frozen=True)
 class Group:
     """One sub-batch: the requests it holds (indices into the scheduled list),
-    the sequence buckets they are padded to, and the batch bucket it runs at."""
+    the sequence buckets they are padded to, and the batch bucket it runs at
+    (the table's cheapest cell that holds them)."""
 
     items: tuple[int, ...]
     shape: Shape
@@ -83,8 +91,31 @@ class CostTable:
         """The smallest batch bucket that holds `rows`."""
         return _bucket(rows, self.batches)
 
+    @cached_property
+    def cheapest(self) -> dict[tuple[Shape, int], tuple[Shape, int]]:
+        """For every cell, the cheapest cell that holds what it holds: a shape at
+        least as long on every axis, a batch bucket at least as large (ties: the
+        smaller cell)."""
+        cells = sorted(self.seconds, key=lambda cell: (self.seconds[cell], cell))
+        return {
+            (shape, batch): next(c for c in cells if c[1] >= batch and all(n >= m for n, m in zip(c[0], shape)))
+            for shape in self.shapes()
+            for batch in self.batches
+        }
+
+    @cached_property
+    def batch_of(self) -> tuple[int, ...]:
+        """`batch_of[rows]`: the batch bucket of 1..max_batch rows (0 at 0)."""
+        return (0, *(self.batch_for(rows) for rows in range(1, self.max_batch + 1)))
+
+    @cached_property
+    def least(self) -> dict[tuple[Shape, int], float]:
+        """Every cell's cost: that of the cheapest cell that holds it."""
+        return {cell: self.seconds[best] for cell, best in self.cheapest.items()}
+
     def cost(self, shape: Shape, rows: int) -> float:
-        return self.seconds[(shape, self.batch_for(rows))]
+        """Seconds of `rows` requests padded to `shape`, on the cheapest cell that holds them."""
+        return self.least[(shape, self.batch_for(rows))]
 
 
 def grid(axes: Sequence[Sequence[int]]) -> list[Shape]:
@@ -102,7 +133,7 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 def _group(items: Sequence[int], lengths: Sequence[Length], table: CostTable, shape: Shape | None = None) -> Group:
     if shape is None:
         shape = table.shape_for(tuple(max(axis) for axis in zip(*(lengths[i] for i in items))))
-    return Group(tuple(items), shape, table.batch_for(len(items)))
+    return Group(tuple(items), *table.cheapest[(shape, table.batch_for(len(items)))])
 
 
 def _sorted(lengths: Sequence[Length]) -> list[int]:
@@ -117,8 +148,8 @@ def dp(lengths: Sequence[Length], table: CostTable) -> list[Group]:
     # the inner loop runs n * max_batch times inside `execute`: plain lookups only
     # (the bucket of the longest is the largest bucket, axis by axis)
     shapes = [table.shape_for(lengths[i]) for i in order]
-    batch_of = [0] + [table.batch_for(rows) for rows in range(1, table.max_batch + 1)]
-    seconds = table.seconds
+    batch_of = table.batch_of
+    seconds = table.least
     states = [0.0] + [float("inf")] * n
     split = [0] * (n + 1)
     for end in range(1, n + 1):
@@ -159,7 +190,7 @@ def padded(lengths: Sequence[Length], table: CostTable) -> list[Group]:
 
 
 def single(lengths: Sequence[Length], table: CostTable) -> list[Group]:
-    """Every request alone at its own bucket: no batching at all."""
+    """Every request alone (at its own bucket, or a cheaper cell): no batching at all."""
     return [_group((i,), lengths, table) for i in range(len(lengths))]
 
 

@@ -7,17 +7,18 @@ Python backend hands over each request's tensors separately, with its own
 shape, so no server-side concatenation has to be undone). Each request row is
 scheduled on its own: `planning.batching` splits the rows into sub-batches by a
 cost table `cost[shape bucket][batch bucket]`, each sub-batch is padded with
-zeros to its shape bucket (ids 0 are valid; attention-mask 0 hides the padded
-keys; T5's decoder is causal, so padding after a row's last decoder id changes
-none of its positions) and run on that shape's runner; each row's outputs are
-cut back to its own length.
+zeros to the cheapest cell that holds it, usually its own shape bucket (ids 0
+are valid; attention-mask 0 hides the padded keys; T5's decoder is causal, so
+padding after a row's last decoder id changes none of its positions) and run on
+that shape's runner; each row's outputs are cut back to its own length.
 
 Runners: per shape bucket, `engine.build.build_runner` for the zoo model fixed
 at that shape (on a GPU: one CUDA graph per batch bucket, the plan `auto`
-picks; on a CPU: eager). `capture` "load" builds every shape when the model
-loads; "first_use" builds a shape the first time a sub-batch needs it. The cost
-table comes from replay timings of the captured graphs; for eager runners, and
-for shapes not built yet, from a token-count model (`modelled_seconds`).
+picks, every shape's graphs in one memory pool; on a CPU: eager). `capture`
+"load" builds every shape when the model loads; "first_use" builds a shape the
+first time a sub-batch needs it. The cost table comes from replay timings of
+the captured graphs; for eager runners, and for shapes not built yet, from a
+token-count model (`modelled_seconds`).
 
 Config parameters (besides the engine's): `scheduler` (dp, greedy, padded,
 single; a request may choose another with its own parameter `scheduler`, which
@@ -28,18 +29,21 @@ benchmarks use to compare them on one server), `capture`,
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import statistics
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from opara_core import zoo
 from opara_core.engine.build import BuildReport, EngineSettings, build_runner
-from opara_core.engine.capture import time_replays
+from opara_core.engine.capture import GraphPool, pool_mb, time_replays
 from opara_core.engine.runtime import GraphRunner, Runner, RunnerInfo
 from opara_core.planning import batching
 from opara_core.planning.batching import CostTable
@@ -145,7 +149,13 @@ class VarLenRequest:
 
 def check_request(entry: zoo.ZooModel, tensors: dict[str, torch.Tensor | None], scheduler: str) -> VarLenRequest:
     lengths = request_lengths(entry, tensors)
-    return VarLenRequest(lengths, request_tensors(entry.at(lengths), tensors), scheduler)
+    return VarLenRequest(lengths, request_tensors(_at(entry, lengths), tensors), scheduler)
+
+
+@functools.lru_cache(maxsize=4096)
+def _at(entry: zoo.ZooModel, lengths: tuple[int, ...]) -> zoo.ZooModel:
+    """`entry.at(lengths)`, once per length (it took about a third of a request's check)."""
+    return entry.at(lengths)
 
 
 def modelled_seconds(shape: tuple[int, ...], batch: int) -> float:
@@ -165,6 +175,8 @@ class VarLenReport:
     shapes: dict[tuple[int, ...], BuildReport] = field(default_factory=dict)
     build_seconds: dict[tuple[int, ...], float] = field(default_factory=dict)
     memory_bytes: dict[tuple[int, ...], int] = field(default_factory=dict)  # device memory reserved by each shape's build
+    pool_bytes: int = 0  # the shared graph pool's segments
+    graph_bytes: dict[tuple[tuple[int, ...], int], int] = field(default_factory=dict)  # (shape, batch) -> its capture's own peak
     costs: CostTable | None = None
     measured: set[tuple[int, ...]] = field(default_factory=set)  # shapes whose costs are replay timings
 
@@ -180,7 +192,7 @@ class VarLenReport:
 
     def summary(self) -> str:
         lines = [f"variable lengths: runner {self.runner}, capture {self.capture}, scheduler {self.scheduler}"]
-        for shape, report in self.shapes.items():
+        for shape, report in sorted(self.shapes.items()):
             memory = f", {self.memory_bytes[shape] / 2**20:.0f} MiB" if shape in self.memory_bytes else ""
             lines.append(f"shape {_label(shape)}: {report.runner}, built in {self.build_seconds.get(shape, 0):.1f} s{memory}")
             if report.choices or report.fallbacks:
@@ -188,8 +200,16 @@ class VarLenReport:
         if self.memory_bytes:
             lines.append(f"device memory reserved by the shapes' builds: {sum(self.memory_bytes.values()) / 2**20:.0f} MiB "
                          f"(largest shape {max(self.memory_bytes.values()) / 2**20:.0f} MiB)")
+        if self.graph_bytes:
+            largest = max(self.graph_bytes, key=self.graph_bytes.get)
+            lines.append(
+                f"graph pool, shared by {len(self.graph_bytes)} graphs: {self.pool_bytes / 2**20:.0f} MiB; "
+                f"their own peaks sum to {sum(self.graph_bytes.values()) / 2**20:.0f} MiB, the largest "
+                f"({_label(largest[0])}x{largest[1]}) {self.graph_bytes[largest] / 2**20:.0f} MiB: "
+                f"pool / largest {self.pool_bytes / max(self.graph_bytes[largest], 1):.2f}"
+            )
         if self.costs is not None:
-            lines.append("cost table, ms per run (m: measured replays, c: token-count model):")
+            lines.append("cost table, ms per run (m: measured replays, c: token-count model; a run takes the cheapest cell that holds it):")
             lines.append("shape \\ batch " + " ".join(f"{b:>8}" for b in self.costs.batches))
             for shape in self.costs.shapes():
                 tag = "m" if shape in self.measured else "c"
@@ -206,7 +226,15 @@ class VarLenRunners:
     """The shape buckets' runners, the cost table and the scheduler: runs the
     rows of several variable-length requests and returns each request's outputs
     at its own lengths. Follows enough of the Runner protocol for the metrics
-    (`info`, `batches` keyed by "shape x batch", `padded_rows`)."""
+    (`info`, `batches` keyed by "shape x batch", `padded_rows`).
+
+    On a GPU every shape's graphs are captured into one memory pool (largest
+    shape first, so the smaller ones fit in the blocks it freed): sub-batches
+    replay one after another on one stream, under one lock, and each one's
+    outputs are copied off (queued on that stream) before the next replays.
+    The sub-batches of one `run` are queued without waiting for each other:
+    one synchronisation per `run`.
+    """
 
     def __init__(
         self,
@@ -224,11 +252,20 @@ class VarLenRunners:
         self.batches: Counter[str] = Counter()
         self.padded_rows = 0
         self._lock = threading.Lock()
+        self._cuda = device.type == "cuda"
+        self.pool = GraphPool.new(device) if self._cuda else None
+        self._inputs = {shape: entry.at(shape).inputs for shape in batching.grid(varlen.axes)}
+        self._along = {n: a for a, axis in enumerate(entry.lengths) for n in axis.outputs}
         batches = tuple(sorted(settings.buckets))
         seconds = {(s, b): modelled_seconds(s, b) for s in batching.grid(varlen.axes) for b in batches}
         if varlen.capture == "load":
-            for shape in batching.grid(varlen.axes):
-                seconds.update(self._build(shape))
+            measured = {}
+            for shape in reversed(batching.grid(varlen.axes)):
+                measured.update(self._build(shape))
+            if measured:
+                # shapes without graphs (a fallback to eager) keep the token-count model, in the measured cells' units
+                scale = statistics.median(ms / seconds[cell] for cell, ms in measured.items())
+                seconds = {cell: measured.get(cell, modelled * scale) for cell, modelled in seconds.items()}
         self.costs = self.report.costs = CostTable(varlen.axes, batches, seconds)
         kinds = {r.info.kind for r in self.runners.values()} or {"eager" if device.type != "cuda" else "cuda-graph"}
         self.report.runner = "+".join(sorted(kinds))
@@ -237,17 +274,19 @@ class VarLenRunners:
     def _build(self, shape: tuple[int, ...]) -> dict[tuple[tuple[int, ...], int], float]:
         """Build the runner of one shape; its replay timings, where it has graphs."""
         start = time.perf_counter()
-        cuda = self.device.type == "cuda"
-        reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
-        runner, report = build_runner(self.module, self.entry.at(shape), self.device, self.max_batch, self.engine_settings)
+        reserved = torch.cuda.memory_reserved(self.device) if self._cuda else 0
+        runner, report = build_runner(self.module, self.entry.at(shape), self.device, self.max_batch, self.engine_settings, self.pool)
         self.runners[shape], self.report.shapes[shape] = runner, report
         self.report.build_seconds[shape] = time.perf_counter() - start
         timings = {}
-        if cuda:
+        if self._cuda:
+            torch.cuda.empty_cache()  # the pools of the candidates auto timed and dropped
             self.report.memory_bytes[shape] = torch.cuda.memory_reserved(self.device) - reserved
         if isinstance(runner, GraphRunner):
             timings = {(shape, b): time_replays(graph) * 1e-3 for b, graph in runner.graphs.items()}
             self.report.measured.add(shape)
+            self.report.graph_bytes.update({(shape, b): graph.peak_bytes for b, graph in runner.graphs.items()})
+            self.report.pool_bytes = round(pool_mb(self.pool.handle) * 2**20)
         log.info("shape %s built in %.1f s (%s)", _label(shape), self.report.build_seconds[shape], report.runner)
         return timings
 
@@ -256,51 +295,54 @@ class VarLenRunners:
             self._build(shape)
         return self.runners[shape]
 
-    def run(self, requests: list[VarLenRequest]) -> list[list[torch.Tensor]]:
-        """Each request's outputs (host tensors), rows at the request's own lengths."""
+    def run(self, requests: list[VarLenRequest], queued: Callable[[], None] | None = None) -> list[list[torch.Tensor]]:
+        """Each request's outputs (host tensors), rows at the request's own
+        lengths. `queued` is called once every sub-batch is queued on the GPU,
+        before the wait for them (the adapter's stage clock)."""
         rows = [(k, r) for k, request in enumerate(requests) for r in range(request.rows)]
-        results: list[list[list[torch.Tensor]]] = [[[] for _ in self.entry.outputs] for _ in requests]
-        per_row: dict[tuple[int, int], list[torch.Tensor]] = {}
+        results = [self._outputs_for(request) for request in requests]
         with self._lock:
             for name in sorted({request.scheduler for request in requests}):
                 chosen = [row for row in rows if requests[row[0]].scheduler == name]
-                groups = batching.SCHEDULERS[name]([requests[k].lengths for k, _ in chosen], self.costs)
-                for group in groups:
-                    members = [chosen[i] for i in group.items]
-                    outputs = self._run_group(group, [requests[k] for k, _ in members], [r for _, r in members])
-                    for row, out in zip(members, outputs):
-                        per_row[row] = out
-        for k, r in rows:
-            for o, out in enumerate(per_row[(k, r)]):
-                results[k][o].append(out)
-        return [[torch.stack(blocks) for blocks in outs] for outs in results]
+                for group in batching.SCHEDULERS[name]([requests[k].lengths for k, _ in chosen], self.costs):
+                    self._run_group(group, [chosen[i] for i in group.items], requests, results)
+            if queued is not None:
+                queued()
+            if self._cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+        return results
 
-    def _run_group(self, group: batching.Group, requests: list[VarLenRequest], rows: list[int]) -> list[list[torch.Tensor]]:
-        """Pad the group's rows to its shape, run them, cut each row's outputs back."""
-        fixed = self.entry.at(group.shape)
-        inputs = []
-        for k, spec in enumerate(fixed.inputs):
-            batch = torch.zeros((len(rows), *spec.shape), dtype=spec.dtype)
-            for i, (request, r) in enumerate(zip(requests, rows)):
-                row = request.tensors[k][r]
-                batch[i, ..., : row.shape[-1]] = row
-            inputs.append(batch)
+    def _outputs_for(self, request: VarLenRequest) -> list[torch.Tensor]:
+        """The request's output tensors at its own lengths, on the host (pinned on a GPU host: copies to them are asynchronous)."""
+        outputs = []
+        for spec in self.entry.outputs:
+            shape = list(spec.shape)
+            if spec.name in self._along:
+                shape[0] = request.lengths[self._along[spec.name]]
+            outputs.append(torch.empty((request.rows, *shape), dtype=spec.dtype, pin_memory=self._cuda))
+        return outputs
+
+    def _run_group(self, group: batching.Group, members: list[tuple[int, int]], requests: list[VarLenRequest], results: list[list[torch.Tensor]]) -> None:
+        """Pad the group's rows to its cell (shape, and batch for graphs), run them,
+        queue the copy of each row's outputs, cut to its lengths, into `results`."""
         runner = self.runner_for(group.shape)
-        outputs = runner.run(inputs)
-        ran = runner.bucket_for(len(rows)) if isinstance(runner, GraphRunner) else len(rows)  # eager runs the rows as they are
-        self.batches[f"{_label(group.shape)}x{ran}"] += 1
-        self.padded_rows += ran - len(rows)
-        along = {n: a for a, axis in enumerate(self.entry.lengths) for n in axis.outputs}
-        cut = []
-        for i, request in enumerate(requests):
-            row_outputs = []
-            for spec, out in zip(self.entry.outputs, outputs):
-                row = out[i]
-                if spec.name in along:
-                    row = row[: request.lengths[along[spec.name]]]
-                row_outputs.append(row.to("cpu").clone())  # the runner's buffers are reused by its next run
-            cut.append(row_outputs)
-        return cut
+        graphs = isinstance(runner, GraphRunner)
+        size = group.batch if graphs else len(members)  # eager runs the rows as they are
+        inputs = []
+        for k, spec in enumerate(self._inputs[group.shape]):
+            # zeros: valid ids, and masks that hide the padding (pinned: the copy up is asynchronous)
+            batch = torch.zeros((size, *spec.shape), dtype=spec.dtype, pin_memory=self._cuda)
+            for i, (q, r) in enumerate(members):
+                row = requests[q].tensors[k][r]
+                batch[i, ..., : row.shape[-1]] = row
+            inputs.append(batch.to(self.device, non_blocking=True))
+        outputs = runner.run(inputs, outputs_on_device=True)
+        self.batches[f"{_label(group.shape)}x{size}"] += 1
+        self.padded_rows += size - len(members)
+        for i, (q, r) in enumerate(members):
+            for out, target in zip(outputs, results[q]):
+                # before another graph of the pool replays: its intermediates may lie where these outputs are
+                target[r].copy_(out[i][tuple(slice(0, n) for n in target.shape[1:])], non_blocking=True)
 
 
 def request_scheduler(request, default: str) -> str:
@@ -336,8 +378,8 @@ class VarLenModel(OparaModel):
         return False  # each request was brought to the host by _request; the runners copy it up
 
     def _run(self, good: list[tuple[int, VarLenRequest]], on_device: bool = False) -> list[list]:
-        self.metrics.clock.lap("stage")
-        outputs = self.runner.run([request for _, request in good])
+        # stage: schedule, pad, queue every sub-batch (copy up, replay, copy back); run: wait for them
+        outputs = self.runner.run([request for _, request in good], queued=lambda: self.metrics.clock.lap("stage"))
         self.metrics.clock.lap("run")
         return [
             [self._pb.Tensor.from_dlpack(spec.name, tensor.contiguous()) for spec, tensor in zip(self.entry.outputs, outs)]
