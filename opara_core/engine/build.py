@@ -74,8 +74,9 @@ class EngineSettings:
     # slower builds: each new shape in each bucket and layout is autotuned)
     autotune: bool = True
     # fused lanes: auto also tries plans whose segments Inductor compiles (GPU
-    # only). Off by default until builds are fast (engine.fused_lanes: two
-    # compiles per segment; engine.inductor_cache: compiled code kept on disk)
+    # only). Off by default until builds are fast: with static shapes every
+    # bucket compiles every segment (GoogLeNet's cold build: minutes on an
+    # H100); engine.inductor_cache keeps compiled code on disk between builds
     fused_lanes: bool = False
     # fused lanes compile each bucket's shapes ("static"), or the batch
     # dimension as a symbol from the second bucket on ("dynamic": faster

@@ -20,7 +20,8 @@ dimension changed and compiles it as a symbol (Dynamo's automatic dynamic
 shapes), and every later batch size reuses that code: two compiles per segment
 instead of one per bucket. But Inductor turns off its convolution layout
 optimisation under dynamic shapes (a known regression, pytorch#102670), so on
-an H100 GoogLeNet's dynamic code was 25-35% slower at batch 8 than static.
+an H100 GoogLeNet's dynamic code was 23-35% slower at batch 8 than static
+(docs/benchmarks.md, run 7).
 """
 
 from __future__ import annotations
