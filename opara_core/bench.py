@@ -17,8 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,8 +32,9 @@ import torch
 from opara_core import zoo
 from opara_core.engine.build import BuildReport, Candidate, EngineSettings, build_runner, candidates, capture_fastest, plan_capture, traced_graphs
 from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, capture_module, pool_mb
+from opara_core.engine.inductor_cache import INDUCTOR_ENV
 from opara_core.engine.interpreter import plan_graph
-from opara_core.engine.trace import OpGraph, trace_zoo
+from opara_core.engine.trace import trace_zoo
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,8 @@ class Row:
     critical_path_ms: float | None = None
     sum_of_ops_ms: float | None = None
     kernels: int = 0
-    plan_capture_s: float | None = None
+    plan_capture_s: float | None = None  # the serving build, cold
+    warm_build_s: float | None = None  # the same build again in a new process
     notes: list[str] = field(default_factory=list)
 
 
@@ -129,8 +134,12 @@ def bench_model(
     device = torch.device("cuda")
     entry = zoo.get(name)
     torch.backends.cudnn.benchmark = True
-    # the serving build first, while cuDNN's autotune cache holds none of this model's shapes
-    build = _plan_capture_seconds(entry, device, max_streams, fusion, layout) if time_build else None
+    # the serving build first, cold (an empty cache directory of its own, and
+    # cuDNN's autotune cache holds none of this model's shapes), then warm, in
+    # a new process as a server restart would; the columns below load the
+    # fused segments the cold build compiled
+    _fresh_cache(name)
+    build = _build_seconds(entry, device, max_streams, fusion, layout) if time_build else None
     module = entry.build().to(device).eval()  # eager and torch.compile
     unfused = trace_zoo(entry, module, device)
     report = BuildReport()
@@ -138,7 +147,9 @@ def bench_model(
     primary = "nhwc" if layout == "nhwc" else "nchw"
     graph = graphs[primary]
     fused_note = f"fusion: {report.fusion}" if report.fusion else "fusion off"
-    floors = [f for f in (_critical_path(g, entry, device) for k, g in graphs.items() if k != "inductor") if f is not None]
+    profiled = not any(f.startswith("profile") for f in report.fallbacks)
+    # measured kernel times (the graphs are profiled at batch 1): the least critical path over the layouts
+    floors = [(g.dag.critical_path_us / 1000, sum(g.dag.costs) / 1000) for k, g in graphs.items() if k != "inductor"] if profiled else []
     rows = []
     for batch in batches:
         row = Row(name, batch, kernels=len(graph.dag))
@@ -177,7 +188,8 @@ def bench_model(
                 progress.update()
             # auto exactly as the serving build chooses, for this one bucket
             auto_report = BuildReport()
-            captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool) for c, plan in candidates(graphs, EngineSettings(max_streams=max_streams, fused_lanes=True)).items()}
+            settings = EngineSettings(max_streams=max_streams, fused_lanes=True, layout=layout)
+            captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool) for c, plan in candidates(graphs, settings).items()}
             captured = capture_fastest(captures, entry, device, [batch], auto_report)[batch]
             row.timings["auto"] = time_calls(graph_call(captured, inputs))
             chosen = auto_report.choices[batch]
@@ -191,20 +203,9 @@ def bench_model(
             row.critical_path_ms, row.sum_of_ops_ms = min(floors)
         rows.append(row)
     if build:
-        rows[0].plan_capture_s, breakdown = build
+        rows[0].plan_capture_s, rows[0].warm_build_s, breakdown = build
         rows[0].notes.append(breakdown)
     return rows
-
-
-def _critical_path(graph: OpGraph, entry: zoo.ZooModel, device: torch.device) -> tuple[float, float] | None:
-    """(critical path, sum of all ops) in ms from per-op kernel times measured alone."""
-    try:
-        from opara_core.engine.profile import apply_profile, profile_graph
-    except ImportError:
-        return None
-    example = tuple(t.to(device) for t in entry.example_inputs(1, seed=5))
-    measured = apply_profile(graph, profile_graph(graph, example, device))
-    return measured.dag.critical_path_us / 1000, sum(measured.dag.costs) / 1000
 
 
 def _time_compiled(module: torch.nn.Module, inputs, row: Row, mode: str) -> Timing | None:
@@ -230,13 +231,50 @@ def _time_compiled(module: torch.nn.Module, inputs, row: Row, mode: str) -> Timi
         return None
 
 
-def _plan_capture_seconds(entry: zoo.ZooModel, device: torch.device, max_streams: int, fusion: bool, layout: str) -> tuple[float, str]:
-    """Plan + capture of all default buckets with `auto`, as serving builds it
-    (tracing excluded; fusion and its checks included), and where the time went."""
-    settings = EngineSettings(max_streams=max_streams, guard=False, fusion=fusion, layout=layout)
+def _fresh_cache(name: str) -> Path:
+    """An empty build cache directory for this model (compiled segments,
+    Inductor's own cache, profiles, remembered choices), for this process and
+    the processes it starts."""
+    directory = Path(tempfile.mkdtemp(prefix=f"opara-bench-{name}-"))
+    os.environ["OPARA_CACHE_DIR"] = str(directory)
+    os.environ[INDUCTOR_ENV] = str(directory / "inductor")
+    return directory
+
+
+def _build_seconds(entry: zoo.ZooModel, device: torch.device, max_streams: int, fusion: bool, layout: str) -> tuple[float, float | None, str]:
+    """The serving build of all default buckets with `auto` and fused lanes,
+    cold (this process, an empty cache) and warm (a new process, the same
+    cache): seconds of each (tracing excluded, fusion and profiling included)
+    and where the time went."""
+    cold = _build_report(entry.name, device, max_streams, fusion, layout)
+    warm_run = subprocess.run(
+        [sys.executable, "-m", "opara_core.bench", "--build-only", entry.name, "--max-streams", str(max_streams), "--layout", layout]
+        + (["--no-fusion"] if not fusion else []),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    warm = json.loads(warm_run.stdout.strip().splitlines()[-1]) if warm_run.returncode == 0 else None
+    if warm is None:
+        log.warning("the warm build failed: %s", warm_run.stderr[-2000:])
+    notes = [f"cold build seconds: {_breakdown(cold)}; {cold['inductor']}"]
+    notes += [f"warm build seconds: {_breakdown(warm)}; {warm['inductor']}" if warm else "warm build failed"]
+    return _build_total(cold), _build_total(warm) if warm else None, "; ".join(notes)
+
+
+def _build_report(name: str, device: torch.device, max_streams: int, fusion: bool, layout: str) -> dict[str, Any]:
+    entry = zoo.get(name)
+    settings = EngineSettings(max_streams=max_streams, guard=False, fusion=fusion, layout=layout, fused_lanes=True)
     _, report = build_runner(entry.build(), entry, device, max(settings.buckets), settings)
-    total = sum(report.seconds.get(k, 0.0) for k in ("fusion", "plan+capture", "capture"))
-    return total, "build seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in report.seconds.items())
+    return {"seconds": report.seconds, "inductor": report.inductor, "remembered": report.remembered, "runner": report.runner}
+
+
+def _build_total(report: dict[str, Any]) -> float:
+    return sum(v for k, v in report["seconds"].items() if k in ("fusion", "profile", "plan+capture", "capture"))
+
+
+def _breakdown(report: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in report["seconds"].items())
 
 
 # ---- report ------------------------------------------------------------------------
@@ -245,7 +283,7 @@ COLUMNS = ("eager", "compile", "compile max-autotune", "sequential (unfused)", "
 
 
 def table(rows: Sequence[Row]) -> str:
-    head = ["model", "batch", *COLUMNS, "floor", "best/seq", "auto pick", "peak MB seq/auto", "plan+capture s"]
+    head = ["model", "batch", *COLUMNS, "floor", "best/seq", "auto pick", "peak MB seq/auto", "build s cold/warm"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [row.model, str(row.batch)]
@@ -258,7 +296,7 @@ def table(rows: Sequence[Row]) -> str:
         cells.append("-" if seq is None or best is None else f"{seq.median_ms / best:.2f}x")
         cells.append(row.auto_choice or "-")
         cells.append(f"{row.peak_mb.get('sequential', 0):.0f}/{row.peak_mb.get('auto', 0):.0f}")
-        cells.append("-" if row.plan_capture_s is None else f"{row.plan_capture_s:.1f}")
+        cells.append("-" if row.plan_capture_s is None else f"{row.plan_capture_s:.1f}/" + ("-" if row.warm_build_s is None else f"{row.warm_build_s:.1f}"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -298,7 +336,7 @@ def plot_timeline(name: str, batch: int, path: Path, max_streams: int, fusion: b
     device = torch.device("cuda")
     entry = zoo.get(name)
     module = entry.build().to(device).eval()
-    settings = EngineSettings(max_streams=max_streams, buckets=(batch,), guard=False, fusion=fusion)
+    settings = EngineSettings(max_streams=max_streams, buckets=(batch,), guard=False, fusion=fusion, fused_lanes=True)
     runner, report = build_runner(module, entry, device, batch, settings)
     captured = runner.graphs[batch]
     for _ in range(3):
@@ -342,8 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="PNG of speedups over the sequential graph")
     parser.add_argument("--timeline", type=Path, help="PNG of the first model's stream timeline at batch 1")
     parser.add_argument("--report", type=Path, nargs="+", help="no run: print the table (and --plot) of these JSON files")
+    parser.add_argument("--build-only", metavar="MODEL", help=argparse.SUPPRESS)  # one serving build, its report as JSON (the warm build)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.build_only:
+        report = _build_report(args.build_only, torch.device("cuda"), args.max_streams, not args.no_fusion, args.layout)
+        print(json.dumps(report))
+        return 0
     if args.report:
         rows = [row for path in args.report for row in _read_json(path)]
         print(table(rows))

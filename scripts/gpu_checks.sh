@@ -40,6 +40,11 @@
 #   warmbuild  fused lanes' serving build, cold then warm: a repository of $WARM_MODELS (default googlenet)
 #              with fused_lanes on, `python -m opara_core.serving.launcher warm` twice with one fresh
 #              OPARA_CACHE_DIR (Inductor's compiled code, profiles): each model's build seconds both times
+#   fusedtests the GPU tests of fused lanes, remembered choices, builds, captures and profiles
+#              (tests/test_fused_lanes.py, test_choices.py, test_build.py, test_capture.py, test_profile.py)
+#   bench      python -m opara_core.bench for $BENCH_MODELS (default googlenet,bert) at $BENCH_BATCH
+#              (default 1,8,32): every column incl. torch.compile with freezing and fused lanes, the
+#              serving build cold and warm; $OUT/bench.json (rows saved after each model), $OUT/bench.log
 #   soak       GoogLeNet served by `python -m opara_core.serving.launcher serve` on ports 18000-18002,
 #              scripts/soak.py over gRPC at 1, 8 and 64 ($SOAK_SECONDS each, default 30, and as long a warm-up): errors, wrong
 #              answers, host and GPU memory growth
@@ -177,10 +182,14 @@ for spec in "$@"; do
     warmbuild) step warmbuild "$limit" bash -c warmbuild ;;
     instances) step instances "$limit" bash -c instances ;;
     twogpu) step twogpu "$limit" bash -c twogpu ;;
+    fusedtests) step fusedtests "$limit" python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --durations=10 \
+        tests/test_fused_lanes.py tests/test_choices.py tests/test_build.py tests/test_capture.py tests/test_profile.py ;;
+    bench) step bench "$limit" python3 -m opara_core.bench --models "${BENCH_MODELS:-googlenet,bert}" \
+        --batch "${BENCH_BATCH:-1,8,32}" --json "$out/bench.json" ${BENCH_ARGS:-} ;;
     varlentests) step varlentests "$limit" python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --durations=5 \
         tests/test_capture.py tests/test_varlen.py -k "one_pool or on_a_gpu" ;;
     varlen) step varlen "$limit" python3 scripts/varlen_bench.py --models "${VARLEN_MODELS:-bert}" --concurrency 1,16,64 \
         --json "$out/varlen_bench.json" --log "$out/varlen_server.log" ;;
-    *) echo "unknown step $name (tests, servertests, launcher, csan, racecheck, transporttests, transport, transportexp, serving, instances, twogpu, soak, warmbuild, varlen, varlentests)" >&2; exit 2 ;;
+    *) echo "unknown step $name (tests, fusedtests, bench, servertests, launcher, csan, racecheck, transporttests, transport, transportexp, serving, instances, twogpu, soak, warmbuild, varlen, varlentests)" >&2; exit 2 ;;
     esac
 done

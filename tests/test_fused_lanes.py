@@ -15,6 +15,7 @@ from opara_core.engine.capture import LanePool, PlanCapture, time_replays
 from opara_core.engine.compare import max_relative_error
 from opara_core.engine.fused_lanes import InductorCapture, fused_lanes
 from opara_core.engine.interpreter import plan_graph, run_plan
+from opara_core.engine.segment_compiler import CompiledSegment, prepare
 from opara_core.engine.trace import trace, trace_zoo
 
 
@@ -60,16 +61,19 @@ class Branches(torch.nn.Module):
         return torch.cat([self.left(x), self.right(x)], dim=1).mean(dim=(2, 3)).softmax(-1)
 
 
-def test_inductor_compiled_segments_equal_eager_on_the_cpu():
+def test_inductor_compiled_segments_equal_eager_on_the_cpu(tmp_path):
     module = Branches().eval()
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     graph = trace(module, (x,))
     plan = plan_graph(graph, "opara", 4)
     assert plan.num_streams > 1
     fused, segment_plan = fused_lanes(graph, plan)
-    with torch.inference_mode(), torch._inductor.config.patch(freezing=True):
+    count = prepare([(fused.module, [x])], tmp_path)
+    assert count.compiled == count.distinct == count.segments == len(segment_plan.order), count
+    with torch.inference_mode():
         got = run_plan(fused, segment_plan, x)
         expected = module(x)
+    assert not [m for m in fused.module.children() if isinstance(m, CompiledSegment) and m.eager_calls]
     assert max_relative_error(_as_list(got), [expected]) < 1e-4
 
 
@@ -78,13 +82,13 @@ def test_inductor_compiled_segments_equal_eager_on_the_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["googlenet", "bert"])
-def test_fused_lanes_replay_equals_eager_on_the_gpu(model, strict_fp32):
+def test_fused_lanes_replay_equals_eager_on_the_gpu(model, strict_fp32, tmp_path):
     device = torch.device("cuda")
     entry = zoo.get(model)
     module = entry.build().to(device).eval()
     graph = trace_zoo(entry, module, device)
     plan = plan_graph(graph, "opara", 8)
-    capture = InductorCapture(graph, plan, LanePool(device))
+    capture = InductorCapture(graph, plan, LanePool(device), tmp_path)
     assert capture.segments > 1 and capture.plan.num_streams > 1
     pool = torch.cuda.graph_pool_handle()  # static inputs are normal tensors: copied into below
     captured = {b: capture(static_inputs(entry, b, device), pool) for b in (1, 4)}
@@ -104,7 +108,7 @@ def test_auto_offers_fused_lanes_and_is_never_slower_than_the_aten_sequential_gr
     device = torch.device("cuda")
     entry = zoo.get("googlenet")
     module = entry.build().to(device).eval()
-    settings = EngineSettings(buckets=(1, 8), layout="nchw", fused_lanes=True)
+    settings = EngineSettings(buckets=(1, 8), layout="nchw", fused_lanes=True, remember_choices=False)
     runner, report = build_runner(module, entry, device, 8, settings)
     assert report.runner == "multi-stream graph", report.summary()
     timed = report.timings_ms[1]

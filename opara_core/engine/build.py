@@ -16,20 +16,23 @@ import logging
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from opara_core import zoo
-from opara_core.engine import runtime
+from opara_core.engine import choices, runtime
 from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, LanePool, PlanCapture, capture_module, time_replays
 from opara_core.engine.interpreter import reordered_graph
-from opara_core.engine.fused_lanes import SHAPES, InductorCapture
-from opara_core.engine.inductor_cache import CacheCount, use_inductor_cache
+from opara_core.engine.fused_lanes import InductorCapture, prepare_captures
+from opara_core.engine.inductor_cache import use_inductor_cache
+from opara_core.engine.segment_compiler import CompileCount
 from opara_core.engine.fusion import CONV, CONV_ADD_RELU, CONV_RELU, FusionReport, fuse_graph
 from opara_core.engine.compare import max_relative_error
 from opara_core.engine.trace import OpGraph, trace_zoo
 from opara_core.engine.interpreter import plan_graph
+from opara_core.engine.profile import apply_profile, profile_graph
 from opara_core.planning.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -74,14 +77,15 @@ class EngineSettings:
     # slower builds: each new shape in each bucket and layout is autotuned)
     autotune: bool = True
     # fused lanes: auto also tries plans whose segments Inductor compiles (GPU
-    # only). Off by default until builds are fast: with static shapes every
-    # bucket compiles every segment (GoogLeNet's cold build: minutes on an
-    # H100); engine.inductor_cache keeps compiled code on disk between builds
+    # only). Every bucket compiles its segments' shapes once; the compiled code
+    # is kept on disk (engine.segment_compiler) and loaded by later builds
     fused_lanes: bool = False
-    # fused lanes compile each bucket's shapes ("static"), or the batch
-    # dimension as a symbol from the second bucket on ("dynamic": faster
-    # builds, slower convolutions; see engine.fused_lanes)
-    fused_shapes: str = "static"
+    # auto's choice per bucket is remembered on disk (engine.choices); a later
+    # build of the same graphs on the same GPU and software captures only it
+    remember_choices: bool = True
+    # kernels profiled on the GPU (engine.profile, cached on disk) give the
+    # plans measured costs and Alg. 2 its resource demand; off: static estimates
+    profile: bool = True
     # where Inductor keeps compiled code ("": TORCHINDUCTOR_CACHE_DIR, else
     # $OPARA_CACHE_DIR/inductor, else ~/.cache/opara/inductor)
     inductor_cache: str = ""
@@ -99,8 +103,6 @@ class EngineSettings:
             raise ValueError(f"buckets must be positive batch sizes, got {list(self.buckets)}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
-        if self.fused_shapes not in SHAPES:
-            raise ValueError(f"unknown fused_shapes {self.fused_shapes!r}; known: {', '.join(SHAPES)}")
 
 
 @dataclass(frozen=True, order=True)
@@ -116,6 +118,13 @@ class Candidate:
     def __str__(self) -> str:
         return f"{self.graph}:{self.policy}/{self.lanes}"
 
+    @classmethod
+    def parse(cls, text: str) -> Candidate:
+        """The candidate `str` shows as `text` ("graph:policy/lanes")."""
+        graph, rest = text.split(":")
+        policy, lanes = rest.split("/")
+        return cls(graph, policy, int(lanes))
+
     @property
     def sequential(self) -> bool:
         return self.policy == "sequential"
@@ -129,14 +138,16 @@ class BuildReport:
     choices: dict[int, Candidate | str] = field(default_factory=dict)  # bucket -> candidate ("module" when untraced)
     timings_ms: dict[int, dict[Candidate, float]] = field(default_factory=dict)  # bucket -> candidate -> median ms
     fallbacks: list[str] = field(default_factory=list)
+    remembered: bool = False  # the choices came from an earlier build (engine.choices)
     seconds: dict[str, float] = field(default_factory=dict)
     fusion: FusionReport | None = None  # of the traced graph (both layouts share it)
-    inductor: str = ""  # fused lanes: the cache directory and its hits and misses in this build
+    inductor: str = ""  # fused lanes: the cache directory and what this build loaded and compiled
 
     def summary(self) -> str:
         lines = [f"runner {self.runner}"]
         lines += [f"fusion: {self.fusion}"] if self.fusion else []
         lines += [f"inductor cache: {self.inductor}"] if self.inductor else []
+        lines += ["choices: remembered from an earlier build"] if self.remembered else []
         for bucket, choice in sorted(self.choices.items()):
             times = ", ".join(f"{k} {v:.3f}" for k, v in sorted(self.timings_ms.get(bucket, {}).items(), key=lambda kv: kv[1]))
             lines.append(f"bucket {bucket}: {choice}" + (f" (median ms: {times})" if times else ""))
@@ -167,15 +178,36 @@ def build_runner(
         return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
     module = module.to(device).eval()
     torch.backends.cudnn.benchmark = settings.autotune
-    compiled_before = CacheCount.now()
     graphs = traced_graphs(module, entry, device, settings, report)
     lane_pool = LanePool(device) if pool is None else pool.lanes
+    segment_cache = Path(report.inductor) / "segments" if "inductor" in graphs else None
+    plans = candidates(graphs, settings)
+    key = choices.choices_key({k: g.fingerprint for k, g in graphs.items()}, map(str, plans), settings.buckets, device)
+    captures: dict[Candidate, PlanCapture] = {}
+    compiled: list[CompileCount] = []  # what preparing fused lanes up front loaded and compiled
 
     def multi_stream() -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
         if settings.fail_capture:
             raise CaptureError("capture failure forced by the fail_capture switch")
-        captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool, settings.fused_shapes) for c, plan in candidates(graphs, settings).items()}
-        chosen = capture_fastest(captures, entry, device, settings.buckets, report, None if pool is None else pool.handle)
+        captures.update({c: plan_capture(c, graphs[c.graph], plan, lane_pool, segment_cache) for c, plan in plans.items()})
+        handle = None if pool is None else pool.handle
+        known = choices.load(key) if settings.remember_choices else None
+        known = _remembered(known, captures, report) if known is not None else None
+        start = time.perf_counter()
+        compiled.append(_prepare_fused(captures, entry, device, settings.buckets, known))
+        if segment_cache is not None:
+            report.seconds["fused lanes prepare"] = time.perf_counter() - start
+        try:
+            chosen = capture_fastest(captures, entry, device, settings.buckets, report, handle, known)
+        except CaptureError as error:
+            if not report.remembered:
+                raise
+            log.warning("the remembered choices failed (%s); timing every candidate again", error)
+            choices.forget(key)
+            report.remembered = False
+            report.choices.clear()
+            report.timings_ms.clear()
+            chosen = capture_fastest(captures, entry, device, settings.buckets, report, handle)
         return chosen, {b: graphs[c.graph].module for b, c in report.choices.items()}
 
     def sequential() -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
@@ -206,6 +238,8 @@ def build_runner(
                 tolerances = {b: settings.fused_tolerance if b in fused else settings.guard_tolerance for b in report.choices}
                 check_against_eager(runner, references, entry, tolerances)
         except (CaptureError, GuardError, RuntimeError) as error:
+            if report.remembered:
+                choices.forget(key)
             report.fallbacks.append(f"{kind}: {error}")
             log.warning("%s failed, falling back to %s: %s", kind, "a sequential graph" if kind != "sequential graph" else "eager", error)
             report.choices.clear()
@@ -213,9 +247,11 @@ def build_runner(
             continue
         report.seconds[seconds_key] = time.perf_counter() - start
         report.runner = kind
-        if "inductor" in graphs:
-            compiled = CacheCount.now() - compiled_before
-            report.inductor += f": {compiled.hits} compiled graphs loaded, {compiled.misses} compiled anew"
+        if kind == "multi-stream graph" and settings.remember_choices and not report.remembered:
+            choices.store(key, report.choices, report.timings_ms)
+        if segment_cache is not None:
+            counts = [*compiled, *(c.count for c in captures.values() if isinstance(c, InductorCapture))]
+            report.inductor += f": {sum(counts, CompileCount())}"
         return runner, report
     report.runner = "eager"
     return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
@@ -233,6 +269,7 @@ def capture_fastest(
     buckets: Sequence[int],
     report: BuildReport,
     pool: Any = None,
+    known: Mapping[int, Candidate] | None = None,
 ) -> dict[int, CapturedGraph]:
     """`auto`: per bucket, capture the candidates, time their replays and keep
     the fastest; then capture the chosen ones, every bucket in one memory pool
@@ -248,6 +285,9 @@ def capture_fastest(
     chosen ones captured again at the end: the runner's pool holds only the
     graphs it replays, not the leftovers of the candidates it dropped.
 
+    `known`: a choice per bucket made by an earlier build (engine.choices):
+    those buckets capture only it, nothing is timed.
+
     Each graph keeps the traced module it reads alive (`CapturedGraph.owner`):
     before it did, the module's folded weights were freed when the build
     returned, and a later build in the same process overwrote them (the
@@ -257,6 +297,8 @@ def capture_fastest(
     shortlist = [c for c in captures if not c.sequential]
     with torch.inference_mode():  # no autograd state in the graphs or their outputs
         for bucket in sorted(set(buckets)):
+            if known and bucket in known:
+                continue
             static_in = static_inputs(entry, bucket, device)
             timings: dict[Candidate, float] = {}
             failures = []
@@ -317,17 +359,41 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
         except Exception as error:  # noqa: BLE001 - the unfused graph is still right
             report.fallbacks.append(f"fusion: {error}")
         report.seconds["fusion"] = time.perf_counter() - start
+    # kernels measured on the GPU at the smallest bucket, the latency-bound one
+    on_gpu = torch.device(device).type == "cuda"
+    profile_inputs = [t.to(device) for t in entry.example_inputs(min(settings.buckets), seed=5)]
+    if settings.profile and on_gpu:
+        graph = profiled(graph, profile_inputs, device, report)
     # NHWC is the same traced and fused graph with channels-last convolution
     # weights (tracing and fusing it again took as long as the first time)
     graphs = {layout: graph if layout == "nchw" else channels_last_graph(graph) for layout in layouts}
-    if settings.fused_lanes and torch.device(device).type == "cuda":
+    if settings.fused_lanes and on_gpu:
         try:
             report.inductor = str(use_inductor_cache(settings.inductor_cache))
         except ValueError as error:  # the ATen candidates still serve
             report.fallbacks.append(f"fused lanes: {error}")
             return graphs
-        graphs["inductor"] = fuse_graph(traced, device, passes=INDUCTOR_PASSES, check_inputs=checks)[0] if settings.fusion else traced
+        inductor = fuse_graph(traced, device, passes=INDUCTOR_PASSES, check_inputs=checks)[0] if settings.fusion else traced
+        if settings.profile:
+            inductor = profiled(inductor, profile_inputs, device, report)
+        # segments take their weights as inputs, and Inductor converts a
+        # convolution weight to channels-last at every call unless it already is
+        graphs["inductor"] = channels_last_graph(inductor) if has_convs else inductor
     return graphs
+
+
+def profiled(graph: OpGraph, inputs: Sequence[torch.Tensor], device: torch.device, report: BuildReport) -> OpGraph:
+    """`graph` with each kernel's measured time and launch resources (engine.profile,
+    cached on disk), for the plans' costs and Alg. 2's resource demand; the
+    graph as it was (static estimates) if profiling fails."""
+    start = time.perf_counter()
+    try:
+        measured = apply_profile(graph, profile_graph(graph, inputs, device))
+    except Exception as error:  # noqa: BLE001 - static estimates still plan correctly
+        report.fallbacks.append(f"profile: {type(error).__name__}: {error}")
+        measured = graph
+    report.seconds["profile"] = report.seconds.get("profile", 0.0) + time.perf_counter() - start
+    return measured
 
 
 def candidates(graphs: dict[str, OpGraph], settings: EngineSettings) -> dict[Candidate, Plan]:
@@ -343,11 +409,50 @@ def candidates(graphs: dict[str, OpGraph], settings: EngineSettings) -> dict[Can
     return found
 
 
-def plan_capture(candidate: Candidate, graph: OpGraph, plan: Plan, lane_pool: LanePool, shapes: str = "static") -> PlanCapture:
-    """The capture of one candidate: fused lanes compile their segments with Inductor (`shapes`: see EngineSettings)."""
+def plan_capture(candidate: Candidate, graph: OpGraph, plan: Plan, lane_pool: LanePool, segment_cache: Path | None = None) -> PlanCapture:
+    """The capture of one candidate: fused lanes compile their segments with
+    Inductor, keeping the code in `segment_cache` (default: under Inductor's
+    cache directory, engine.inductor_cache)."""
     if candidate.graph == "inductor":
-        return InductorCapture(graph, plan, lane_pool, shapes=shapes)
+        return InductorCapture(graph, plan, lane_pool, segment_cache or use_inductor_cache() / "segments")
     return PlanCapture(graph, plan, lane_pool)
+
+
+def _prepare_fused(captures: Mapping[Candidate, PlanCapture], entry: zoo.ZooModel, device: torch.device, buckets: Sequence[int], known: Mapping[int, Candidate] | None) -> CompileCount:
+    """Load or compile the segments of every fused-lanes candidate at every
+    bucket (only the remembered ones with `known`) in one go, so that one pool
+    of compile workers gets all of it. A failure here is left to the candidate's
+    own capture, which then drops only that candidate."""
+    runs = [(capture, static_inputs(entry, bucket, device)) for bucket in sorted(set(buckets)) for candidate, capture in captures.items()
+            if isinstance(capture, InductorCapture) and (known is None or known.get(bucket) == candidate)]
+    if not runs:
+        return CompileCount()
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            count = prepare_captures(runs)
+    except Exception as error:  # noqa: BLE001 - see the docstring
+        log.warning("preparing fused lanes failed, each candidate tries alone: %s: %s", type(error).__name__, error)
+        return CompileCount()
+    log.info("fused lanes: %s in %.1f s", count, time.perf_counter() - start)
+    return count
+
+
+def _remembered(known: tuple[dict[int, str], dict[int, dict[str, float]]], captures: Mapping[Candidate, Any], report: BuildReport) -> dict[int, Candidate] | None:
+    """An earlier build's choices as candidates of this build (into `report`),
+    or None if one of them is not a candidate now."""
+    chosen, timings = known
+    try:
+        parsed = {bucket: Candidate.parse(text) for bucket, text in chosen.items()}
+        times = {b: {Candidate.parse(c): t for c, t in per.items()} for b, per in timings.items()}
+    except ValueError:
+        return None
+    if not all(c in captures for c in parsed.values()):
+        return None
+    report.choices.update(parsed)
+    report.timings_ms.update(times)
+    report.remembered = True
+    return parsed
 
 
 def channels_last_graph(graph: OpGraph) -> OpGraph:

@@ -3,25 +3,18 @@
 `torch.compile` fuses elementwise chains, reductions and concatenations into
 generated kernels but runs one stream; the plans run ATen kernels on several
 streams. Here a plan is cut into segments (`planning.segments`), each segment's
-nodes become a submodule compiled by Inductor (default mode, no Inductor CUDA
-graphs of its own: the whole schedule is captured into one graph by `capture`),
-and a top-level graph calls the segments. The result is an ordinary
-`OpGraph` whose kernels are the segments, with the segment-level plan:
+nodes become a submodule compiled by Inductor (`engine.segment_compiler`: no
+Inductor CUDA graphs of its own, since the whole schedule is captured into one
+graph by `capture`), and a top-level graph calls the segments. The result is an
+ordinary `OpGraph` whose kernels are the segments, with the segment-level plan:
 `capture.PlanCapture` runs and captures it like any other.
 
 Inductor launches on the stream that is current when a compiled segment is
-called, so each segment's kernels land on its lane. Compilation happens on the
-first call at a new shape (the capture's warm-up), under inference mode with
-Inductor's freezing, which turns weights into constants and folds them.
-
-Shapes (`SHAPES`): "static" compiles each segment once per batch size.
-"dynamic" compiles the first batch size statically; the second finds the batch
-dimension changed and compiles it as a symbol (Dynamo's automatic dynamic
-shapes), and every later batch size reuses that code: two compiles per segment
-instead of one per bucket. But Inductor turns off its convolution layout
-optimisation under dynamic shapes (a known regression, pytorch#102670), so on
-an H100 GoogLeNet's dynamic code was 23-35% slower at batch 8 than static
-(docs/benchmarks.md, run 7).
+called, so each segment's kernels land on its lane. Each batch size's shapes
+are compiled (or loaded from the cache directory) before its capture's
+warm-up; shapes are static: Inductor turns its convolution layout optimisation
+off under dynamic shapes (pytorch#102670: 23-35% slower replays of GoogLeNet at
+batch 8 on an H100, docs/benchmarks.md run 7), and loading saved code is fast.
 """
 
 from __future__ import annotations
@@ -29,20 +22,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
 from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture
+from opara_core.engine.segment_compiler import CompileCount, CompiledSegment, prepare
+from opara_core.engine.segment_compiler import layout as segment_layout
 from opara_core.engine.trace import OpGraph
 from opara_core.planning.plan import Plan
 from opara_core.planning.segments import Segmentation, segment_plan
 
 log = logging.getLogger(__name__)
-
-SHAPES = ("static", "dynamic")
-
 
 def split_into_segments(graph: OpGraph, segmentation: Segmentation) -> GraphModule:
     """A top-level module that calls one submodule per segment, in segment order.
@@ -139,36 +133,59 @@ def _copied(graph: Graph, env: dict[Node, Node], node: Node) -> Node:
     return env[node]
 
 
-def fused_lanes(graph: OpGraph, plan: Plan, compile_segments: bool = True, shapes: str = "static") -> tuple[OpGraph, Plan]:
-    """The graph with each segment of `plan` as one (Inductor-compiled) submodule,
-    and the segment-level plan to run it with. `shapes`: one of SHAPES."""
-    if shapes not in SHAPES:
-        raise ValueError(f"unknown shapes {shapes!r}; known: {', '.join(SHAPES)}")
+def fused_lanes(graph: OpGraph, plan: Plan, compile_segments: bool = True) -> tuple[OpGraph, Plan]:
+    """The graph with each segment of `plan` as one submodule (a CompiledSegment,
+    compiled per shape by `segment_compiler.prepare`, or its plain fx module),
+    and the segment-level plan to run it with."""
     segmentation = segment_plan(graph.dag, plan)
     top = split_into_segments(graph, segmentation)
     for node in top.graph.nodes:
         node.meta["opara_free"] = node.op != "call_module"
     if compile_segments:
         for name in segmentation.members:
-            top.add_submodule(name, torch.compile(top.get_submodule(name), backend="inductor", fullgraph=True, dynamic=None if shapes == "dynamic" else False))
+            top.add_submodule(name, CompiledSegment(top.get_submodule(name)))
     log.info("%s: %d kernels in %d segments on %d lanes", plan.policy, len(plan.order), len(segmentation.members), plan.num_streams)
     return dataclasses.replace(graph, module=top, dag=segmentation.dag), segmentation.plan
 
 
 class InductorCapture(PlanCapture):
-    """PlanCapture of a fused-lanes graph: segments compile at the warm-up of
-    each new batch size, under inference mode with Inductor's freezing."""
+    """PlanCapture of a fused-lanes graph: before the first capture at a new
+    batch size, its segments are loaded from `cache_dir` or compiled there
+    (`prepare_captures` does that for several captures and batch sizes at once)."""
 
-    def __init__(self, graph: OpGraph, plan: Plan, lane_pool: LanePool, shapes: str = "static", **kwargs: Any):
-        fused, segment_level = fused_lanes(graph, plan, shapes=shapes)
+    def __init__(self, graph: OpGraph, plan: Plan, lane_pool: LanePool, cache_dir: Path, **kwargs: Any):
+        fused, segment_level = fused_lanes(graph, plan)
         super().__init__(fused, segment_level, lane_pool, **kwargs)
+        self.module = fused.module
+        self.cache_dir = cache_dir
         self.segments = len(segment_level.order)
+        self.count = CompileCount()
+        self.prepared: set[tuple] = set()  # input layouts whose segments are ready
 
     def __call__(self, static_in: Any, pool: Any) -> CapturedGraph:
+        what = f"fused lanes ({self.plan.policy}, {self.segments} segments)"
         try:
-            with torch.inference_mode(), torch._inductor.config.patch(freezing=True):
-                return super().__call__(static_in, pool)
+            with torch.inference_mode():
+                self.count += prepare_captures([(self, static_in)])
+                captured = super().__call__(static_in, pool)
         except CaptureError:
             raise
         except Exception as error:  # noqa: BLE001 - an Inductor failure only drops this candidate
-            raise CaptureError(f"fused lanes ({self.plan.policy}, {self.segments} segments): {type(error).__name__}: {error}") from error
+            raise CaptureError(f"{what}: {type(error).__name__}: {error}") from error
+        eager = [name for name, m in self.module.named_children() if isinstance(m, CompiledSegment) and m.eager_calls]
+        if eager:  # compiled code expects its inputs' exact layout; a segment that got another ran eagerly
+            raise CaptureError(f"{what}: {len(eager)} segments ran eagerly at batch {static_in[0].shape[0]} (e.g. {eager[0]}): inputs laid out unlike at compile time")
+        return captured
+
+
+def prepare_captures(runs: Sequence[tuple[InductorCapture, Sequence[torch.Tensor]]]) -> CompileCount:
+    """Load or compile the segments of each capture for its inputs' shapes, all
+    in one go (one pool of compile workers for everything that is missing).
+    Captures of one build share their cache directory."""
+    todo = [(capture, inputs) for capture, inputs in runs if segment_layout(inputs) not in capture.prepared]
+    if not todo:
+        return CompileCount()
+    count = prepare([(capture.module, inputs) for capture, inputs in todo], todo[0][0].cache_dir)
+    for capture, inputs in todo:
+        capture.prepared.add(segment_layout(inputs))
+    return count

@@ -1,23 +1,20 @@
-"""Where Inductor keeps the code it compiles for fused lanes, and what the cache did.
+"""Where Inductor keeps the code it compiles for fused lanes.
 
-Inductor caches compiled graphs (its FX graph cache) and Triton kernels on disk
-under TORCHINDUCTOR_CACHE_DIR, by default a per-user directory under /tmp that
-a reboot or a fresh container loses. Fused-lanes builds compile every segment,
+Inductor caches compiled graphs and Triton kernels on disk under
+TORCHINDUCTOR_CACHE_DIR, by default a per-user directory under /tmp that a
+reboot or a fresh container loses. Fused-lanes builds compile every segment,
 so the project points Inductor at a directory that lasts: the `inductor_cache`
 config parameter, else TORCHINDUCTOR_CACHE_DIR if the user set it, else
 $OPARA_CACHE_DIR/inductor, else ~/.cache/opara/inductor. Never inside the package.
-A build with a warm cache still traces each segment, but loads its compiled code
-instead of generating and compiling it.
+The compiled segments themselves are saved in its `segments` subdirectory
+(engine.segment_compiler), which a later build loads without compiling.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -70,19 +67,3 @@ def use_inductor_cache(configured: str = "") -> Path:
         os.environ[INDUCTOR_ENV] = str(directory)
         log.info("Inductor's cache: %s", directory)
     return directory
-
-
-@dataclass(frozen=True)
-class CacheCount:
-    """Inductor's FX graph cache hits and misses so far in this process."""
-
-    hits: int
-    misses: int
-
-    @classmethod
-    def now(cls) -> "CacheCount":
-        counters = torch._dynamo.utils.counters["inductor"]
-        return cls(counters["fxgraph_cache_hit"], counters["fxgraph_cache_miss"])
-
-    def __sub__(self, before: "CacheCount") -> "CacheCount":
-        return CacheCount(self.hits - before.hits, self.misses - before.misses)

@@ -88,8 +88,9 @@ def engine_settings(config: dict, own: tuple[str, ...] = ()) -> EngineSettings:
         "autotune": _boolean,
         "fused_lanes": _boolean,
         "fused_tolerance": float,
-        "fused_shapes": str,
         "inductor_cache": str,
+        "remember_choices": _boolean,
+        "profile": _boolean,
     }
     unknown = sorted(set(params) - set(parsers))
     if unknown:

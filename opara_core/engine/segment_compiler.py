@@ -1,0 +1,264 @@
+"""Inductor-compiled segments, kept on disk by structure and loaded without recompiling.
+
+Fused lanes compile every segment of a plan with Inductor at each bucket's
+shapes. Through `torch.compile` every build traced each segment again with
+Dynamo, and graphs with frozen weights cannot be saved to load later
+(`standalone_compile` refuses them). So a segment is compiled here as a function
+of its activations *and* its weights (each weight `get_attr` lifted to an input,
+every name made canonical) with `torch._inductor.standalone_compile`:
+
+- the code depends only on the segment's operators and its inputs' shapes,
+  strides and dtypes, never on weight values: segments of the same structure
+  at the same shapes (BERT's twelve layers) compile once, and new weights for a
+  model reuse its code;
+- each compilation is saved under that key in the cache directory; a later
+  build loads it (`CompiledArtifact.load`) without tracing or compiling;
+- what is missing compiles in parallel worker processes, one segment each:
+  Inductor's own compile is mostly single-threaded Python.
+
+Inductor converts a convolution weight that is an input to channels-last at
+every call unless it already is (its convolution lowering), so fused lanes
+compile the channels-last graph of convolutional models (engine.build).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import logging
+import multiprocessing
+import operator
+import os
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule, Interpreter
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bump when what a key covers changes
+MAX_WORKERS = 8
+
+# compiled code by key, shared by every segment of that structure in this process
+_loaded: dict[str, Callable[..., Any]] = {}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What compiled code assumes about one input."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: str
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorMeta:
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype, str(tensor.device))
+
+    def empty(self) -> torch.Tensor:
+        """An uninitialised tensor with exactly this layout (compiling reads no values)."""
+        extent = 1 + sum((size - 1) * step for size, step in zip(self.shape, self.stride)) if all(self.shape) else 0
+        storage = torch.empty(self.offset + extent, dtype=self.dtype, device=self.device)
+        return storage.as_strided(self.shape, self.stride, self.offset)
+
+
+def canonical(segment: GraphModule) -> tuple[GraphModule, list[torch.Tensor]]:
+    """The segment as a function of (inputs..., weights...) with canonical names,
+    and its weights in that order: two segments of the same structure get the
+    same code, whatever their nodes and weights were called."""
+    graph = Graph()
+    env: dict[Any, Any] = {}
+    placeholders = [n for n in segment.graph.nodes if n.op == "placeholder"]
+    weights = [n for n in segment.graph.nodes if n.op == "get_attr"]
+    for i, node in enumerate(placeholders):
+        env[node] = graph.placeholder(f"x{i}")
+    for i, node in enumerate(weights):
+        env[node] = graph.placeholder(f"w{i}")
+    body = [n for n in segment.graph.nodes if n.op not in ("placeholder", "get_attr")]
+    for i, node in enumerate(body):
+        args = torch.fx.map_arg(node.args, env.__getitem__)
+        kwargs = torch.fx.map_arg(node.kwargs, env.__getitem__)
+        env[node] = graph.create_node(node.op, node.target, args, kwargs, name=f"v{i}" if node.op != "output" else "output")
+    return GraphModule(torch.nn.Module(), graph), [operator.attrgetter(n.target)(segment) for n in weights]
+
+
+def segment_key(code: str, metas: Sequence[TensorMeta]) -> str:
+    """sha256 of everything the compiled code depends on."""
+    device = metas[0].device if metas else "cpu"
+    text = json.dumps(
+        {
+            "code": code,
+            "inputs": [[list(m.shape), list(m.stride), m.offset, str(m.dtype), m.device] for m in metas],
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else "",
+            "tf32": [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()],
+            "format": FORMAT,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def layout(inputs: Sequence[torch.Tensor]) -> tuple:
+    """What tells one compilation of a segment from another: its inputs' layouts."""
+    return tuple((tuple(x.shape), x.stride(), x.storage_offset(), x.dtype) for x in inputs)
+
+
+class CompiledSegment(torch.nn.Module):
+    """One segment: Inductor's code for each input layout it was compiled for,
+    called with the segment's weights; the segment's own fx module (eager) for
+    any other layout."""
+
+    def __init__(self, segment: GraphModule):
+        super().__init__()
+        self.eager = segment
+        self.code, self.weights = canonical(segment)
+        self.compiled: dict[tuple, Callable[..., Any]] = {}
+        self.eager_calls = 0  # calls at layouts not compiled for (see `prepare`)
+
+    def forward(self, *inputs: torch.Tensor) -> tuple:
+        compiled = self.compiled.get(layout(inputs))
+        if compiled is None:
+            self.eager_calls += 1
+            return self.eager(*inputs)
+        return tuple(compiled(*inputs, *self.weights))
+
+
+@dataclass(frozen=True)
+class CompileCount:
+    """What preparing one set of shapes did."""
+
+    segments: int = 0  # segment calls at these shapes
+    distinct: int = 0  # distinct keys among them
+    loaded: int = 0  # read from the cache directory
+    compiled: int = 0  # compiled anew (then saved)
+
+    def __add__(self, other: CompileCount) -> CompileCount:
+        return CompileCount(*(a + b for a, b in zip(self._values(), other._values())))
+
+    def _values(self) -> tuple[int, ...]:
+        return (self.segments, self.distinct, self.loaded, self.compiled)
+
+    def __str__(self) -> str:
+        return f"{self.segments} segment calls, {self.distinct} distinct: {self.loaded} loaded, {self.compiled} compiled"
+
+
+class _Recorder(Interpreter):
+    """Runs a fused-lanes top module once and keeps each segment's inputs."""
+
+    def __init__(self, module: GraphModule):
+        super().__init__(module)
+        self.calls: list[tuple[str, tuple]] = []
+
+    def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
+        self.calls.append((target, args))
+        return super().call_module(target, args, kwargs)
+
+
+def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_dir: Path, workers: int | None = None) -> CompileCount:
+    """Make every CompiledSegment of each fused-lanes module ready for its
+    inputs' shapes, for every (module, inputs) of `runs` at once: run each
+    module once (segments not compiled for these shapes run eagerly) to find
+    each segment's inputs, then load what the cache directory holds and
+    compile the rest, all of it in one pool of workers."""
+    wanted: dict[str, list[tuple[CompiledSegment, tuple]]] = {}
+    jobs: dict[str, tuple[GraphModule, list[TensorMeta]]] = {}
+    calls = 0
+    for top, inputs in runs:
+        recorder = _Recorder(top)
+        with torch.inference_mode():
+            recorder.run(*inputs)
+        for target, args in recorder.calls:
+            segment = top.get_submodule(target)
+            if not isinstance(segment, CompiledSegment) or layout(args) in segment.compiled:
+                continue
+            calls += 1
+            metas = [TensorMeta.of(x) for x in (*args, *segment.weights)]
+            key = segment_key(segment.code.code, metas)
+            wanted.setdefault(key, []).append((segment, layout(args)))
+            jobs[key] = (segment.code, metas)
+    missing = [key for key in wanted if key not in _loaded and not _path(cache_dir, key).exists()]
+    on_disk = [key for key in wanted if key not in _loaded and key not in missing]
+    if missing:
+        compile_all([(key, *jobs[key]) for key in missing], cache_dir, workers)
+    for key in (*on_disk, *missing):
+        _loaded[key] = torch._inductor.CompiledArtifact.load(path=str(_path(cache_dir, key)), format="binary")
+    for key, uses in wanted.items():
+        for segment, shapes in uses:
+            segment.compiled[shapes] = _loaded[key]
+    for top, _ in runs:
+        for segment in top.modules():
+            if isinstance(segment, CompiledSegment):
+                segment.eager_calls = 0  # the recording runs' do not count
+    return CompileCount(calls, len(wanted), len(on_disk), len(missing))
+
+
+def _path(cache_dir: Path, key: str) -> Path:
+    return cache_dir / f"{key}.bin"
+
+
+def compile_one(key: str, code: GraphModule, metas: Sequence[TensorMeta], cache_dir: Path) -> str:
+    """Compile one segment for inputs like `metas` and save it as `key` (atomically)."""
+    with torch.inference_mode():
+        artifact = torch._inductor.standalone_compile(code, [m.empty() for m in metas], dynamic_shapes="from_example_inputs")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    partial = cache_dir / f"{key}.{os.getpid()}.tmp"
+    try:
+        artifact.save(path=str(partial), format="binary")
+        os.replace(partial, _path(cache_dir, key))
+    finally:
+        partial.unlink(missing_ok=True)
+    return key
+
+
+def compile_all(jobs: Sequence[tuple[str, GraphModule, Sequence[TensorMeta]]], cache_dir: Path, workers: int | None = None) -> None:
+    """Compile and save every job: in parallel worker processes when there are
+    several (spawned, so they start clean of this process's CUDA state), else here.
+    A worker pool that cannot start or breaks leaves the rest to this process;
+    a segment Inductor cannot compile raises its error."""
+    workers = min(len(jobs), MAX_WORKERS, _cpus() // 2) if workers is None else min(workers, len(jobs))
+    done: set[str] = set()
+    if workers > 1:
+        try:
+            context = multiprocessing.get_context("spawn")
+            context.set_executable(_python())
+            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_setup) as pool:
+                futures = [pool.submit(compile_one, key, code, metas, cache_dir) for key, code, metas in jobs]
+                for future in concurrent.futures.as_completed(futures):
+                    done.add(future.result())
+        except (concurrent.futures.process.BrokenProcessPool, OSError) as error:
+            log.warning("parallel compilation failed (%s: %s); compiling the rest here", type(error).__name__, error)
+    for key, code, metas in jobs:
+        if key not in done:
+            compile_one(key, code, metas, cache_dir)
+
+
+def _worker_setup() -> None:
+    """A compile worker: Inductor's own parallel compile would start a pool per worker."""
+    torch._inductor.config.compile_threads = 1
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _python() -> str:
+    """The interpreter for workers. Inside Triton's Python backend this process is
+    the backend stub, not python: take the environment's own python."""
+    if Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    for candidate in (Path(sys.prefix) / "bin" / "python3", shutil.which("python3")):
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    raise RuntimeError("no python interpreter found for compile workers")

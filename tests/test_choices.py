@@ -1,0 +1,71 @@
+"""auto's remembered choices: keyed by everything they depend on, read back as
+written, and a file that cannot be read is ignored (CPU); a second build on the
+GPU captures only the remembered candidates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opara_core import zoo
+from opara_core.engine import choices
+from opara_core.engine.build import Candidate, EngineSettings, build_runner
+
+CPU = torch.device("cpu")
+GRAPHS = {"nchw": "sha256:aaa", "nhwc": "sha256:aaa"}
+CANDIDATES = ["nchw:sequential/1", "nchw:opara/8", "nhwc:asap/4"]
+
+
+def test_the_key_changes_with_each_thing_the_choice_depends_on():
+    key = choices.choices_key(GRAPHS, CANDIDATES, (1, 8), CPU)
+    assert key == choices.choices_key(dict(reversed(GRAPHS.items())), reversed(CANDIDATES), (8, 1, 8), CPU)
+    assert key != choices.choices_key({**GRAPHS, "nhwc": "sha256:bbb"}, CANDIDATES, (1, 8), CPU)
+    assert key != choices.choices_key(GRAPHS, CANDIDATES[:2], (1, 8), CPU)
+    assert key != choices.choices_key(GRAPHS, CANDIDATES, (1, 8, 32), CPU)
+    saved = torch.backends.cudnn.benchmark
+    try:
+        torch.backends.cudnn.benchmark = not saved
+        assert key != choices.choices_key(GRAPHS, CANDIDATES, (1, 8), CPU)
+    finally:
+        torch.backends.cudnn.benchmark = saved
+
+
+def test_stored_choices_read_back_and_forget_removes_them(tmp_path):
+    picked = {1: Candidate("nchw", "opara", 8), 8: Candidate("nhwc", "asap", 4)}
+    timings = {1: {Candidate("nchw", "opara", 8): 0.4, Candidate("nchw", "sequential", 1): 0.6}, 8: {Candidate("nhwc", "asap", 4): 0.9}}
+    choices.store("k", picked, timings, tmp_path)
+    got, got_timings = choices.load("k", tmp_path)
+    assert {b: Candidate.parse(c) for b, c in got.items()} == picked
+    assert got_timings == {1: {"nchw:opara/8": 0.4, "nchw:sequential/1": 0.6}, 8: {"nhwc:asap/4": 0.9}}
+    choices.forget("k", tmp_path)
+    assert choices.load("k", tmp_path) is None
+
+
+def test_an_unreadable_file_is_ignored(tmp_path):
+    (tmp_path / "k.json").write_text("{not json")
+    assert choices.load("k", tmp_path) is None
+    (tmp_path / "k.json").write_text('{"choices": []}')
+    assert choices.load("k", tmp_path) is None
+
+
+def test_candidate_text_round_trips():
+    for candidate in (Candidate("nchw", "opara", 8), Candidate("inductor", "sequential", 1)):
+        assert Candidate.parse(str(candidate)) == candidate
+    with pytest.raises(ValueError):
+        Candidate.parse("opara/8")
+
+
+@pytest.mark.gpu
+def test_a_second_build_captures_only_the_remembered_choices(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
+    device = torch.device("cuda")
+    entry = zoo.get("deepfm")
+    settings = EngineSettings(buckets=(1, 4))
+    first_runner, first = build_runner(entry.build(), entry, device, 4, settings)
+    assert first.runner == "multi-stream graph" and not first.remembered, first.summary()
+    second_runner, second = build_runner(entry.build(), entry, device, 4, settings)
+    assert second.remembered and second.choices == first.choices, second.summary()
+    assert not any(k.startswith("timing") for k in second.seconds), second.seconds
+    inputs = entry.example_inputs(3, seed=11)
+    for a, b in zip(first_runner.run(inputs), second_runner.run(inputs)):
+        assert torch.allclose(a.cpu(), b.cpu(), rtol=1e-4, atol=1e-5)

@@ -1,0 +1,128 @@
+"""Inductor-compiled segments: one compilation per structure, saved and loaded
+by a later process without compiling, equal to the segments run eagerly (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from opara_core.engine.fused_lanes import fused_lanes
+from opara_core.engine.interpreter import plan_graph, run_plan
+from opara_core.engine.segment_compiler import CompiledSegment, TensorMeta, canonical, prepare, segment_key
+from opara_core.engine.trace import trace
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class Twins(torch.nn.Module):
+    """Two branches of the same structure with different weights, and a join."""
+
+    def __init__(self):
+        super().__init__()
+        self.left = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.Tanh())
+        self.right = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.Tanh())
+
+    def forward(self, x):
+        return (self.left(x) * self.right(x)).softmax(-1)
+
+
+def _fused(module, x):
+    graph = trace(module, (x,))
+    plan = plan_graph(graph, "opara", 4)
+    return fused_lanes(graph, plan)
+
+
+def test_segments_of_one_structure_get_one_key_and_keep_their_own_weights():
+    torch.manual_seed(0)
+    fused, plan = _fused(Twins().eval(), torch.randn(2, 16))
+    assert plan.num_streams > 1
+    segments = [m for m in fused.module.children() if isinstance(m, CompiledSegment)]
+    x = torch.randn(3, 16)
+    keys = {}
+    for segment in segments:
+        n_inputs = len([n for n in segment.eager.graph.nodes if n.op == "placeholder"])
+        metas = [TensorMeta.of(t) for t in (*[x] * n_inputs, *segment.weights)]
+        keys.setdefault(segment_key(segment.code.code, metas), []).append(segment)
+    twins = [group for group in keys.values() if len(group) == 2]
+    assert twins, "the two branches should share a key"
+    left, right = twins[0]
+    assert left.code.code == right.code.code
+    assert not all(torch.equal(a, b) for a, b in zip(left.weights, right.weights))
+
+
+def test_canonical_code_takes_weights_as_inputs_and_computes_what_the_segment_does():
+    torch.manual_seed(1)
+    fused, _ = _fused(Twins().eval(), torch.randn(2, 16))
+    segment = next(m for m in fused.module.children() if isinstance(m, CompiledSegment) and m.weights)
+    code, weights = canonical(segment.eager)
+    assert not [n for n in code.graph.nodes if n.op == "get_attr"]
+    x = torch.randn(5, 16)
+    n_inputs = len([n for n in segment.eager.graph.nodes if n.op == "placeholder"])
+    args = [x] * n_inputs
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(code(*args, *weights), segment.eager(*args)))
+
+
+def test_compiled_segments_equal_eager_and_twins_compile_once(tmp_path):
+    torch.manual_seed(2)
+    module = Twins().eval()
+    fused, plan = _fused(module, torch.randn(2, 16))
+    x = torch.randn(4, 16)
+    count = prepare([(fused.module, [x])], tmp_path, workers=1)
+    assert count.compiled == count.distinct < count.segments, count
+    assert count.loaded == 0
+    with torch.inference_mode():
+        got = run_plan(fused, plan, x)
+        expected = module(x)
+    segments = [m for m in fused.module.children() if isinstance(m, CompiledSegment)]
+    assert all(m.eager_calls == 0 for m in segments)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+    # a batch size not prepared runs eagerly, and says so
+    with torch.inference_mode():
+        assert torch.allclose(run_plan(fused, plan, x[:3]), module(x[:3]), rtol=1e-5, atol=1e-6)
+    assert any(m.eager_calls for m in segments)
+
+
+# A later build, in a fresh process: the same module's segments from the same cache directory.
+WORKER = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[2])
+from test_segment_compiler import Twins, _fused
+from opara_core.engine.segment_compiler import prepare
+from opara_core.engine.interpreter import run_plan
+torch.manual_seed(2)
+module = Twins().eval()
+fused, plan = _fused(module, torch.randn(2, 16))
+x = torch.randn(4, 16)
+count = prepare([(fused.module, [x])], __import__("pathlib").Path(sys.argv[1]), workers=int(sys.argv[3]))
+with torch.inference_mode():
+    error = (run_plan(fused, plan, x) - module(x)).abs().max().item()
+print(json.dumps({"loaded": count.loaded, "compiled": count.compiled, "distinct": count.distinct, "error": error}))
+"""
+
+
+def _build(cache: Path, workers: int) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", WORKER, str(cache), str(Path(__file__).parent), str(workers)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_loads_every_segment_and_compiles_none(tmp_path):
+    cold = _build(tmp_path / "segments", workers=2)  # in two worker processes
+    assert cold["compiled"] == cold["distinct"] > 1 and cold["loaded"] == 0, cold
+    assert cold["error"] < 1e-5, cold
+    warm = _build(tmp_path / "segments", workers=2)
+    assert warm["compiled"] == 0 and warm["loaded"] == cold["distinct"], (cold, warm)
+    assert warm["error"] < 1e-5, warm
