@@ -13,6 +13,7 @@ import torch
 
 from opara_core.engine.fused_lanes import fused_lanes
 from opara_core.engine.interpreter import plan_graph, run_plan
+from opara_core.engine import segment_compiler
 from opara_core.engine.segment_compiler import CompiledSegment, TensorMeta, canonical, prepare, segment_key
 from opara_core.engine.trace import trace
 
@@ -126,3 +127,33 @@ def test_a_second_process_loads_every_segment_and_compiles_none(tmp_path):
     warm = _build(tmp_path / "segments", workers=2)
     assert warm["compiled"] == 0 and warm["loaded"] == cold["distinct"], (cold, warm)
     assert warm["error"] < 1e-5, warm
+
+
+def _segment_with_weights():
+    torch.manual_seed(3)
+    fused, _ = _fused(Twins().eval(), torch.randn(2, 16))
+    return next(m for m in fused.module.children() if isinstance(m, CompiledSegment) and m.weights)
+
+
+def test_code_inductor_could_not_cache_is_used_only_if_it_computes_what_the_segment_does(tmp_path):
+    segment = _segment_with_weights()
+    n_inputs = len([n for n in segment.eager.graph.nodes if n.op == "placeholder"])
+    sample = tuple(torch.randn(4, 16) for _ in range(n_inputs))
+    with torch.inference_mode():
+        want = segment.eager(*sample)
+    right = segment_compiler._checked(segment, segment.code, sample, tmp_path / "right.unsaved")
+    assert right is segment.code and not (tmp_path / "right.unsaved").exists()
+
+    def broken(*args):  # torch 2.11's runtime wrapper on one of BERT's segments
+        raise IndexError("list index out of range")
+
+    def wrong(*args):
+        return tuple(t + 1 for t in segment.code(*args))
+
+    for name, code in (("broken", broken), ("wrong", wrong)):
+        marker = tmp_path / f"{name}.unsaved"
+        fallback = segment_compiler._checked(segment, code, sample, marker)
+        assert fallback is not code and marker.read_text(), name
+        with torch.inference_mode():
+            got = fallback(*sample, *segment.weights)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), name

@@ -40,10 +40,13 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Interpreter
 
+from opara_core.engine.compare import max_relative_error
+
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when what a key covers changes
 MAX_WORKERS = 8
+CHECK_TOLERANCE = 5e-2  # an uncacheable segment's code against its ATen operators (TF32 either side)
 
 # compiled code by key, shared by every segment of that structure in this process
 _loaded: dict[str, Callable[..., Any]] = {}
@@ -140,15 +143,17 @@ class CompileCount:
     distinct: int = 0  # distinct keys among them
     loaded: int = 0  # read from the cache directory
     compiled: int = 0  # compiled anew (then saved)
+    unsaved: int = 0  # of those, not saved (Inductor's cache bypassed them): compiled again by every build
 
     def __add__(self, other: CompileCount) -> CompileCount:
         return CompileCount(*(a + b for a, b in zip(self._values(), other._values())))
 
     def _values(self) -> tuple[int, ...]:
-        return (self.segments, self.distinct, self.loaded, self.compiled)
+        return (self.segments, self.distinct, self.loaded, self.compiled, self.unsaved)
 
     def __str__(self) -> str:
-        return f"{self.segments} segment calls, {self.distinct} distinct: {self.loaded} loaded, {self.compiled} compiled"
+        unsaved = f" ({self.unsaved} not saved: Inductor bypassed its cache)" if self.unsaved else ""
+        return f"{self.segments} segment calls, {self.distinct} distinct: {self.loaded} loaded, {self.compiled} compiled{unsaved}"
 
 
 class _Recorder(Interpreter):
@@ -171,6 +176,7 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
     compile the rest, all of it in one pool of workers."""
     wanted: dict[str, list[tuple[CompiledSegment, tuple]]] = {}
     jobs: dict[str, tuple[GraphModule, list[TensorMeta]]] = {}
+    samples: dict[str, tuple] = {}  # one call's inputs per key
     calls = 0
     for top, inputs in runs:
         recorder = _Recorder(top)
@@ -184,13 +190,27 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
             metas = [TensorMeta.of(x) for x in (*args, *segment.weights)]
             key = segment_key(segment.code.code, metas)
             wanted.setdefault(key, []).append((segment, layout(args)))
+            samples.setdefault(key, args)
             jobs[key] = (segment.code, metas)
     missing = [key for key in wanted if key not in _loaded and not _path(cache_dir, key).exists()]
     on_disk = [key for key in wanted if key not in _loaded and key not in missing]
-    if missing:
-        compile_all([(key, *jobs[key]) for key in missing], cache_dir, workers)
+    # segments an earlier build could not save compile here at once, not twice
+    unsaved = {key for key in missing if _unsaved_marker(cache_dir, key).exists()}
+    to_compile = [(key, *jobs[key]) for key in missing if key not in unsaved]
+    if to_compile:
+        for key in compile_all(to_compile, cache_dir, workers):
+            _unsaved_marker(cache_dir, key).touch()
+            unsaved.add(key)
+    for key in unsaved:  # Inductor compiled it but could not save it: compile it again here, kept in memory
+        segment, _ = wanted[key][0]
+        marker = _unsaved_marker(cache_dir, key)
+        if marker.read_text():  # an earlier build found its code wrong (the marker says how)
+            _loaded[key] = _Eager(segment.eager)
+        else:
+            _loaded[key] = _checked(segment, _compile(*jobs[key]), samples[key], marker)
     for key in (*on_disk, *missing):
-        _loaded[key] = torch._inductor.CompiledArtifact.load(path=str(_path(cache_dir, key)), format="binary")
+        if key not in unsaved:
+            _loaded[key] = torch._inductor.CompiledArtifact.load(path=str(_path(cache_dir, key)), format="binary")
     for key, uses in wanted.items():
         for segment, shapes in uses:
             segment.compiled[shapes] = _loaded[key]
@@ -198,34 +218,108 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
         for segment in top.modules():
             if isinstance(segment, CompiledSegment):
                 segment.eager_calls = 0  # the recording runs' do not count
-    return CompileCount(calls, len(wanted), len(on_disk), len(missing))
+    return CompileCount(calls, len(wanted), len(on_disk), len(missing), len(unsaved))
+
+
+def _checked(segment: CompiledSegment, compiled: Callable[..., Any], sample: tuple, marker: Path) -> Callable[..., Any]:
+    """Code Inductor could not cache, used only if it computes what the segment
+    does on `sample`: torch 2.11's runtime wrapper fails on some such segments
+    (an IndexError on BERT's). Otherwise the segment runs its ATen operators,
+    as a plain fx module inside the graph, and the marker says why."""
+    try:
+        with torch.inference_mode():
+            got = compiled(*[x.clone() for x in sample], *segment.weights)
+            want = segment.eager(*[x.clone() for x in sample])
+        error = max_relative_error(tuple(got), tuple(want))
+        if error <= CHECK_TOLERANCE:
+            return compiled
+        problem = f"relative error {error:.2g} against the segment's ATen operators"
+    except Exception as error:  # noqa: BLE001 - the ATen operators still run
+        problem = f"{type(error).__name__}: {error}"
+    log.warning("a segment Inductor could not cache fails its check (%s); it runs its ATen operators", problem)
+    marker.write_text(problem)
+    return _Eager(segment.eager)
+
+
+class _Eager:
+    """A segment's ATen operators called like compiled code (weights last, ignored:
+    the fx module holds its own)."""
+
+    def __init__(self, module: GraphModule):
+        self.module = module
+        self.inputs = len([n for n in module.graph.nodes if n.op == "placeholder"])
+
+    def __call__(self, *args: torch.Tensor) -> tuple:
+        return self.module(*args[: self.inputs])
 
 
 def _path(cache_dir: Path, key: str) -> Path:
     return cache_dir / f"{key}.bin"
 
 
-def compile_one(key: str, code: GraphModule, metas: Sequence[TensorMeta], cache_dir: Path) -> str:
-    """Compile one segment for inputs like `metas` and save it as `key` (atomically)."""
+def _unsaved_marker(cache_dir: Path, key: str) -> Path:
+    return cache_dir / f"{key}.unsaved"
+
+
+def _compile(code: GraphModule, metas: Sequence[TensorMeta]) -> Any:
     with torch.inference_mode():
-        artifact = torch._inductor.standalone_compile(code, [m.empty() for m in metas], dynamic_shapes="from_example_inputs")
+        return torch._inductor.standalone_compile(code, [m.empty() for m in metas], dynamic_shapes="from_example_inputs")
+
+
+def compile_one(key: str, code: GraphModule, metas: Sequence[TensorMeta], cache_dir: Path) -> tuple[str, str | None]:
+    """Compile one segment for inputs like `metas` and save it as `key`
+    (atomically). Returns the key and, where Inductor's cache bypassed the
+    segment so that there is nothing to save, why."""
+    bypassed = _BypassReasons()
+    with bypassed:
+        artifact = _compile(code, metas)
     cache_dir.mkdir(parents=True, exist_ok=True)
     partial = cache_dir / f"{key}.{os.getpid()}.tmp"
     try:
         artifact.save(path=str(partial), format="binary")
         os.replace(partial, _path(cache_dir, key))
+    except RuntimeError as error:  # "no artifact to save"
+        reason = "; ".join(bypassed.reasons) or str(error)
+        log.warning("segment %s compiled but not saved: %s", key, reason)
+        return key, reason
     finally:
         partial.unlink(missing_ok=True)
-    return key
+    return key, None
 
 
-def compile_all(jobs: Sequence[tuple[str, GraphModule, Sequence[TensorMeta]]], cache_dir: Path, workers: int | None = None) -> None:
+class _BypassReasons(logging.Handler):
+    """Collects why Inductor's FX graph cache bypassed a compilation (its log)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.reasons: list[str] = []
+        self.logger = logging.getLogger("torch._inductor.codecache")
+        self.level_before = self.logger.level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "Bypassing" in message:
+            self.reasons.append(message)
+
+    def __enter__(self) -> _BypassReasons:
+        self.logger.addHandler(self)
+        if not self.logger.isEnabledFor(logging.INFO):
+            self.logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level_before)
+
+
+def compile_all(jobs: Sequence[tuple[str, GraphModule, Sequence[TensorMeta]]], cache_dir: Path, workers: int | None = None) -> set[str]:
     """Compile and save every job: in parallel worker processes when there are
     several (spawned, so they start clean of this process's CUDA state), else here.
     A worker pool that cannot start or breaks leaves the rest to this process;
-    a segment Inductor cannot compile raises its error."""
+    a segment Inductor cannot compile raises its error. Returns the keys that
+    compiled but could not be saved."""
     workers = min(len(jobs), MAX_WORKERS, _cpus() // 2) if workers is None else min(workers, len(jobs))
-    done: set[str] = set()
+    done: dict[str, str | None] = {}
     if workers > 1:
         try:
             context = multiprocessing.get_context("spawn")
@@ -233,12 +327,14 @@ def compile_all(jobs: Sequence[tuple[str, GraphModule, Sequence[TensorMeta]]], c
             with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_setup) as pool:
                 futures = [pool.submit(compile_one, key, code, metas, cache_dir) for key, code, metas in jobs]
                 for future in concurrent.futures.as_completed(futures):
-                    done.add(future.result())
+                    key, reason = future.result()
+                    done[key] = reason
         except (concurrent.futures.process.BrokenProcessPool, OSError) as error:
             log.warning("parallel compilation failed (%s: %s); compiling the rest here", type(error).__name__, error)
     for key, code, metas in jobs:
         if key not in done:
-            compile_one(key, code, metas, cache_dir)
+            done[key] = compile_one(key, code, metas, cache_dir)[1]
+    return {key for key, reason in done.items() if reason is not None}
 
 
 def _worker_setup() -> None:
