@@ -213,6 +213,11 @@ def test_make_serve_runs_in_the_foreground_comes_back_after_sigkill_and_stops_on
             metrics = response.read().decode()
         assert 'opara_server_restarts_total{reason="server exited"} 1' in metrics, metrics
         client.close()
+        # The guard may answer ready a moment before the supervisor's own poll
+        # sees the new server and prints its ready line; wait for that line.
+        deadline = time.monotonic() + 60
+        while len(re.findall(r"^ready after ", log_path.read_text(), re.M)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.25)
         make.send_signal(signal.SIGTERM)
         assert make.wait(60) != -signal.SIGKILL
     finally:
