@@ -135,25 +135,44 @@ def _segment_with_weights():
     return next(m for m in fused.module.children() if isinstance(m, CompiledSegment) and m.weights)
 
 
-def test_code_inductor_could_not_cache_is_used_only_if_it_computes_what_the_segment_does(tmp_path):
+def test_inductor_code_is_used_only_if_it_computes_what_the_segment_does(tmp_path):
     segment = _segment_with_weights()
     n_inputs = len([n for n in segment.eager.graph.nodes if n.op == "placeholder"])
     sample = tuple(torch.randn(4, 16) for _ in range(n_inputs))
     with torch.inference_mode():
         want = segment.eager(*sample)
-    right = segment_compiler._checked(segment, segment.code, sample, tmp_path / "right.unsaved")
-    assert right is segment.code and not (tmp_path / "right.unsaved").exists()
+    right = segment_compiler._checked(segment, lambda *args: segment.code(*args), sample, tmp_path / "right.wrong")
+    assert right is not segment.code and not (tmp_path / "right.wrong").exists()
 
-    def broken(*args):  # torch 2.11's runtime wrapper on one of BERT's segments
+    def broken(*args):  # torch 2.11's runtime wrapper on BERT's attention mask segment
         raise IndexError("list index out of range")
 
     def wrong(*args):
         return tuple(t + 1 for t in segment.code(*args))
 
     for name, code in (("broken", broken), ("wrong", wrong)):
-        marker = tmp_path / f"{name}.unsaved"
+        marker = tmp_path / f"{name}.wrong"
         fallback = segment_compiler._checked(segment, code, sample, marker)
         assert fallback is not code and marker.read_text(), name
         with torch.inference_mode():
             got = fallback(*sample, *segment.weights)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), name
+
+
+def test_segments_an_earlier_build_found_wrong_run_their_aten_operators_with_their_own_weights(tmp_path, monkeypatch):
+    torch.manual_seed(4)
+    module = Twins().eval()
+    x = torch.randn(4, 16)
+    monkeypatch.setattr(segment_compiler, "_loaded", {})  # the structure compiled by earlier tests is kept in memory
+    fused, plan = _fused(module, torch.randn(2, 16))
+    first = prepare([(fused.module, [x])], tmp_path, workers=1)
+    for saved in tmp_path.glob("*.bin"):  # as if each segment's code had failed its check
+        saved.with_suffix(".wrong").write_text("IndexError: list index out of range")
+    monkeypatch.setattr(segment_compiler, "_loaded", {})  # a later build, in a fresh process
+    fused, plan = _fused(module, torch.randn(2, 16))
+    again = prepare([(fused.module, [x])], tmp_path, workers=1)
+    assert again.loaded == again.compiled == 0 and again.distinct == first.distinct < again.segments, (first, again)
+    with torch.inference_mode():
+        got = run_plan(fused, plan, x)
+        expected = module(x)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)  # the twins share a key, not weights

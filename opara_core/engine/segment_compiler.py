@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when what a key covers changes
 MAX_WORKERS = 8
-CHECK_TOLERANCE = 5e-2  # an uncacheable segment's code against its ATen operators (TF32 either side)
+CHECK_TOLERANCE = 5e-2  # a segment's code against its ATen operators (TF32 either side)
 
 # compiled code by key, shared by every segment of that structure in this process
 _loaded: dict[str, Callable[..., Any]] = {}
@@ -192,8 +192,9 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
             wanted.setdefault(key, []).append((segment, layout(args)))
             samples.setdefault(key, args)
             jobs[key] = (segment.code, metas)
-    missing = [key for key in wanted if key not in _loaded and not _path(cache_dir, key).exists()]
-    on_disk = [key for key in wanted if key not in _loaded and key not in missing]
+    wrong = {key for key in wanted if key not in _loaded and _wrong_marker(cache_dir, key).exists()}
+    missing = [key for key in wanted if key not in _loaded and key not in wrong and not _path(cache_dir, key).exists()]
+    on_disk = [key for key in wanted if key not in _loaded and key not in wrong and key not in missing]
     # segments an earlier build could not save compile here at once, not twice
     unsaved = {key for key in missing if _unsaved_marker(cache_dir, key).exists()}
     to_compile = [(key, *jobs[key]) for key in missing if key not in unsaved]
@@ -201,16 +202,15 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
         for key in compile_all(to_compile, cache_dir, workers):
             _unsaved_marker(cache_dir, key).touch()
             unsaved.add(key)
-    for key in unsaved:  # Inductor compiled it but could not save it: compile it again here, kept in memory
-        segment, _ = wanted[key][0]
-        marker = _unsaved_marker(cache_dir, key)
-        if marker.read_text():  # an earlier build found its code wrong (the marker says how)
-            _loaded[key] = _Eager(segment.eager)
-        else:
-            _loaded[key] = _checked(segment, _compile(*jobs[key]), samples[key], marker)
+    for key in wrong:  # an earlier build found its code wrong (the marker says how)
+        _loaded[key] = wanted[key][0][0].code
     for key in (*on_disk, *missing):
-        if key not in unsaved:
-            _loaded[key] = torch._inductor.CompiledArtifact.load(path=str(_path(cache_dir, key)), format="binary")
+        segment = wanted[key][0][0]
+        if key in unsaved:  # Inductor compiled it but could not save it: compile it again here, kept in memory
+            code = _compile(*jobs[key])
+        else:
+            code = torch._inductor.CompiledArtifact.load(path=str(_path(cache_dir, key)), format="binary")
+        _loaded[key] = _checked(segment, code, samples[key], _wrong_marker(cache_dir, key))
     for key, uses in wanted.items():
         for segment, shapes in uses:
             segment.compiled[shapes] = _loaded[key]
@@ -222,10 +222,12 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
 
 
 def _checked(segment: CompiledSegment, compiled: Callable[..., Any], sample: tuple, marker: Path) -> Callable[..., Any]:
-    """Code Inductor could not cache, used only if it computes what the segment
-    does on `sample`: torch 2.11's runtime wrapper fails on some such segments
-    (an IndexError on BERT's). Otherwise the segment runs its ATen operators,
-    as a plain fx module inside the graph, and the marker says why."""
+    """Inductor's code for a segment, used only if it computes what the segment
+    does on `sample` (once per process and key): torch 2.11's runtime wrapper
+    fails on some segments, with an IndexError on BERT's attention mask, saved
+    or not. Otherwise the segment runs its ATen operators: its canonical fx
+    module, which takes the weights of whichever segment of that structure
+    calls it; the marker says why to later builds."""
     try:
         with torch.inference_mode():
             got = compiled(*[x.clone() for x in sample], *segment.weights)
@@ -236,21 +238,9 @@ def _checked(segment: CompiledSegment, compiled: Callable[..., Any], sample: tup
         problem = f"relative error {error:.2g} against the segment's ATen operators"
     except Exception as error:  # noqa: BLE001 - the ATen operators still run
         problem = f"{type(error).__name__}: {error}"
-    log.warning("a segment Inductor could not cache fails its check (%s); it runs its ATen operators", problem)
+    log.warning("a segment's Inductor code fails its check (%s); it runs its ATen operators", problem)
     marker.write_text(problem)
-    return _Eager(segment.eager)
-
-
-class _Eager:
-    """A segment's ATen operators called like compiled code (weights last, ignored:
-    the fx module holds its own)."""
-
-    def __init__(self, module: GraphModule):
-        self.module = module
-        self.inputs = len([n for n in module.graph.nodes if n.op == "placeholder"])
-
-    def __call__(self, *args: torch.Tensor) -> tuple:
-        return self.module(*args[: self.inputs])
+    return segment.code
 
 
 def _path(cache_dir: Path, key: str) -> Path:
@@ -259,6 +249,10 @@ def _path(cache_dir: Path, key: str) -> Path:
 
 def _unsaved_marker(cache_dir: Path, key: str) -> Path:
     return cache_dir / f"{key}.unsaved"
+
+
+def _wrong_marker(cache_dir: Path, key: str) -> Path:
+    return cache_dir / f"{key}.wrong"
 
 
 def _compile(code: GraphModule, metas: Sequence[TensorMeta]) -> Any:
