@@ -209,26 +209,32 @@ def bench_model(
 
 
 def _time_compiled(module: torch.nn.Module, inputs, row: Row, mode: str) -> Timing | None:
-    """torch.compile as an inference user runs it: under `inference_mode`, with
-    Inductor's freezing (weights folded in as constants), replayed from a CUDA
-    graph captured here around the compiled call (copy in, replay), timed like
-    every other graph column. `mode` is torch.compile's ("default" or
-    "max-autotune-no-cudagraphs")."""
+    """The torch.compile column (see `compiled_graph`), timed like every other
+    graph column; a failing compile is a note, not fatal."""
     label = "torch.compile" + ("" if mode == "default" else f" {mode}")
     try:
-        torch._dynamo.reset()
-        with torch._inductor.config.patch(freezing=True), torch.inference_mode():
-            compiled = torch.compile(module, mode=mode)
-            start = time.perf_counter()
-            for x in inputs:
-                compiled(*x)
-            torch.cuda.synchronize()
-            row.notes.append(f"{label} (freezing) compile and warm-up {time.perf_counter() - start:.0f} s")
-            captured = capture_module(compiled, [x.clone() for x in inputs[0]], torch.cuda.graph_pool_handle())
-            return time_calls(graph_call(captured, inputs))
+        return time_calls(graph_call(compiled_graph(module, inputs, mode, row.notes), inputs))
     except Exception as error:  # noqa: BLE001 - a failing baseline is reported, not fatal
         row.notes.append(f"{label} failed: {type(error).__name__}: {str(error)[:200]}")
         return None
+
+
+def compiled_graph(module: torch.nn.Module, inputs, mode: str = "default", notes: list[str] | None = None) -> CapturedGraph:
+    """torch.compile as an inference user runs it: under `inference_mode`, with
+    Inductor's freezing (weights folded in as constants), replayed from a CUDA
+    graph captured here around the compiled call (copy in, replay). `mode` is
+    torch.compile's ("default" or "max-autotune-no-cudagraphs")."""
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(freezing=True), torch.inference_mode():
+        compiled = torch.compile(module, mode=mode)
+        start = time.perf_counter()
+        for x in inputs:
+            compiled(*x)
+        torch.cuda.synchronize()
+        if notes is not None:
+            label = "torch.compile" + ("" if mode == "default" else f" {mode}")
+            notes.append(f"{label} (freezing) compile and warm-up {time.perf_counter() - start:.0f} s")
+        return capture_module(compiled, [x.clone() for x in inputs[0]], torch.cuda.graph_pool_handle())
 
 
 def _fresh_cache(name: str) -> Path:
@@ -326,44 +332,63 @@ def plot_speedups(rows: Sequence[Row], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_timeline(name: str, batch: int, path: Path, max_streams: int, fusion: bool) -> str:
-    """Profile replays of the auto graph and draw its kernels per CUDA stream."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def auto_graph(name: str, batch: int, max_streams: int, fusion: bool) -> tuple[CapturedGraph, str]:
+    """The graph `auto` builds for one bucket, as serving does (fused lanes
+    among the candidates), and its choice."""
     device = torch.device("cuda")
     entry = zoo.get(name)
     module = entry.build().to(device).eval()
     settings = EngineSettings(max_streams=max_streams, buckets=(batch,), guard=False, fusion=fusion, fused_lanes=True)
     runner, report = build_runner(module, entry, device, batch, settings)
-    captured = runner.graphs[batch]
+    return runner.graphs[batch], str(report.choices.get(batch, "?"))
+
+
+def profile_replays(captured: CapturedGraph, replays: int, trace_path: Path) -> list[list[dict[str, Any]]]:
+    """Kineto's device events (kernels, copies, sets) of `replays` replays, one
+    list per replay in start order; the chrome trace is kept at `trace_path`."""
     for _ in range(3):
         captured.replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        captured.replay()
-        torch.cuda.synchronize()
-    trace_path = path.with_suffix(".trace.json")
+        for _ in range(replays):
+            captured.replay()
+            torch.cuda.synchronize()
     prof.export_chrome_trace(str(trace_path))
     device_work = ("kernel", "gpu_memcpy", "gpu_memset")
-    last = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("cat") in device_work]
-    if not last:
-        return "no kernels in the trace"
-    start = min(e["ts"] for e in last)
-    streams = sorted({e["args"].get("stream", e.get("tid")) for e in last})
+    events = sorted((e for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("cat") in device_work), key=lambda e: e["ts"])
+    per = len(events) // replays if replays else 0
+    return [events[k * per : (k + 1) * per] for k in range(replays)] if per else []
+
+
+def draw_timeline(events: Sequence[dict[str, Any]], title: str, path: Path) -> None:
+    """One replay's device events as bars, one row per CUDA stream."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    start = min(e["ts"] for e in events)
+    streams = sorted({e["args"].get("stream", e.get("tid")) for e in events})
     fig, ax = plt.subplots(figsize=(10, 0.35 * len(streams) + 1.5))
-    for e in last:
+    for e in events:
         row = streams.index(e["args"].get("stream", e.get("tid")))
         ax.barh(row, e["dur"], left=e["ts"] - start, height=0.8)
     ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams], fontsize=7)
     ax.set_xlabel("µs since the replay's first kernel")
-    ax.set_title(f"{name} batch {batch}: {report.choices.get(batch, '?')} graph replay, kernels per stream")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return str(report.choices.get(batch, "?"))
+
+
+def plot_timeline(name: str, batch: int, path: Path, max_streams: int, fusion: bool) -> str:
+    """Profile a replay of the auto graph and draw its kernels per CUDA stream."""
+    captured, choice = auto_graph(name, batch, max_streams, fusion)
+    replays = profile_replays(captured, 1, path.with_suffix(".trace.json"))
+    if not replays:
+        return "no kernels in the trace"
+    draw_timeline(replays[0], f"{name} batch {batch}: {choice} graph replay, kernels per stream", path)
+    return choice
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -156,6 +156,7 @@ class InductorCapture(PlanCapture):
     def __init__(self, graph: OpGraph, plan: Plan, lane_pool: LanePool, cache_dir: Path, **kwargs: Any):
         fused, segment_level = fused_lanes(graph, plan)
         super().__init__(fused, segment_level, lane_pool, **kwargs)
+        self.graph = fused  # the segments as kernels: other plans of it reuse the compiled code
         self.module = fused.module
         self.cache_dir = cache_dir
         self.segments = len(segment_level.order)
