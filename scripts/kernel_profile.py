@@ -95,8 +95,9 @@ def profile_model(name: str, batch: int, max_streams: int, traces: Path, timelin
     results.append(profile_graph(compiled, "compile", traces / f"{name}_b{batch}_compile.trace.json", None, ""))
     del compiled
     auto, choice = auto_graph(name, batch, max_streams, fusion=True)
-    for static, x in zip(auto.inputs, inputs[0]):
-        static.copy_(x)
+    with torch.inference_mode():  # the runner's static inputs are inference tensors
+        for static, x in zip(auto.inputs, inputs[0]):
+            static.copy_(x)
     png = traces / f"{name}_b{batch}_auto_timeline.png" if timeline else None
     title = f"{name} batch {batch}: auto ({choice}) graph replay, kernels per stream"
     results.append(profile_graph(auto, f"auto ({choice})", traces / f"{name}_b{batch}_auto.trace.json", png, title))

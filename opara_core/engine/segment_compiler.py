@@ -24,6 +24,7 @@ compile the channels-last graph of convolutional models (engine.build).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import logging
@@ -32,6 +33,7 @@ import operator
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,23 +139,25 @@ class CompiledSegment(torch.nn.Module):
 
 @dataclass(frozen=True)
 class CompileCount:
-    """What preparing one set of shapes did."""
+    """What preparing one set of shapes did, and where its seconds went."""
 
     segments: int = 0  # segment calls at these shapes
     distinct: int = 0  # distinct keys among them
     loaded: int = 0  # read from the cache directory
     compiled: int = 0  # compiled anew (then saved)
     unsaved: int = 0  # of those, not saved (Inductor's cache bypassed them): compiled again by every build
+    record_s: float = 0.0  # running each module once to find its segments' inputs
+    compile_s: float = 0.0  # the compile workers (and compiling unsaved segments here)
+    load_s: float = 0.0  # CompiledArtifact.load
+    check_s: float = 0.0  # each new code's check against its ATen operators
 
     def __add__(self, other: CompileCount) -> CompileCount:
-        return CompileCount(*(a + b for a, b in zip(self._values(), other._values())))
-
-    def _values(self) -> tuple[int, ...]:
-        return (self.segments, self.distinct, self.loaded, self.compiled, self.unsaved)
+        return CompileCount(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
     def __str__(self) -> str:
         unsaved = f" ({self.unsaved} not saved: Inductor bypassed its cache)" if self.unsaved else ""
-        return f"{self.segments} segment calls, {self.distinct} distinct: {self.loaded} loaded, {self.compiled} compiled{unsaved}"
+        seconds = f"; seconds: record {self.record_s:.1f}, compile {self.compile_s:.1f}, load {self.load_s:.1f}, check {self.check_s:.1f}"
+        return f"{self.segments} segment calls, {self.distinct} distinct: {self.loaded} loaded, {self.compiled} compiled{unsaved}{seconds}"
 
 
 class _Recorder(Interpreter):
@@ -178,6 +182,8 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
     jobs: dict[str, tuple[GraphModule, list[TensorMeta]]] = {}
     samples: dict[str, tuple] = {}  # one call's inputs per key
     calls = 0
+    seconds = dict.fromkeys(("record", "compile", "load", "check"), 0.0)
+    start = time.perf_counter()
     for top, inputs in runs:
         recorder = _Recorder(top)
         with torch.inference_mode():
@@ -192,25 +198,33 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
             wanted.setdefault(key, []).append((segment, layout(args)))
             samples.setdefault(key, args)
             jobs[key] = (segment.code, metas)
+    seconds["record"] = time.perf_counter() - start
     wrong = {key for key in wanted if key not in _loaded and _wrong_marker(cache_dir, key).exists()}
     missing = [key for key in wanted if key not in _loaded and key not in wrong and not _path(cache_dir, key).exists()]
     on_disk = [key for key in wanted if key not in _loaded and key not in wrong and key not in missing]
     # segments an earlier build could not save compile here at once, not twice
     unsaved = {key for key in missing if _unsaved_marker(cache_dir, key).exists()}
     to_compile = [(key, *jobs[key]) for key in missing if key not in unsaved]
+    start = time.perf_counter()
     if to_compile:
         for key in compile_all(to_compile, cache_dir, workers):
             _unsaved_marker(cache_dir, key).touch()
             unsaved.add(key)
+    seconds["compile"] = time.perf_counter() - start
     for key in wrong:  # an earlier build found its code wrong (the marker says how)
         _loaded[key] = wanted[key][0][0].code
     for key in (*on_disk, *missing):
         segment = wanted[key][0][0]
+        start = time.perf_counter()
         if key in unsaved:  # Inductor compiled it but could not save it: compile it again here, kept in memory
             code = _compile(*jobs[key])
+            seconds["compile"] += time.perf_counter() - start
         else:
             code = torch._inductor.CompiledArtifact.load(path=str(_path(cache_dir, key)), format="binary")
+            seconds["load"] += time.perf_counter() - start
+        start = time.perf_counter()
         _loaded[key] = _checked(segment, code, samples[key], _wrong_marker(cache_dir, key))
+        seconds["check"] += time.perf_counter() - start
     for key, uses in wanted.items():
         for segment, shapes in uses:
             segment.compiled[shapes] = _loaded[key]
@@ -218,7 +232,7 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
         for segment in top.modules():
             if isinstance(segment, CompiledSegment):
                 segment.eager_calls = 0  # the recording runs' do not count
-    return CompileCount(calls, len(wanted), len(on_disk), len(missing), len(unsaved))
+    return CompileCount(calls, len(wanted), len(on_disk), len(missing), len(unsaved), *(seconds[k] for k in ("record", "compile", "load", "check")))
 
 
 def _checked(segment: CompiledSegment, compiled: Callable[..., Any], sample: tuple, marker: Path) -> Callable[..., Any]:
