@@ -177,12 +177,71 @@ def test_identities_keep_copies_that_change_something_or_alias_an_input():
 def test_fuse_runs_every_cpu_pass_and_the_graph_rebuilds(patterns):
     module, graph = patterns
     gm, report = fused_copy(graph)  # the default passes; the cuDNN ones need CUDA
-    assert list(report.rewrites) == ["drop_identities", "cse", "fold_batchnorm", "merge_convs"]
+    assert list(report.rewrites) == ["drop_identities", "cse", "fold_batchnorm", "merge_convs", "merge_linears"]
     assert report.kernels_after < report.kernels_before == len(graph.dag)
     rebuilt = from_graph_module(gm)
     assert len(rebuilt.dag) == report.kernels_after
     assert aten.cudnn_convolution_relu.default not in targets(gm)
     assert_equal_to_eager(module, gm)
+
+
+class Projections(nn.Module):
+    """Attention's projections: query, key and value of one tensor (value narrower),
+    split into heads by views; a projection of another tensor; a bias-free pair (T5's
+    form); and, with `flatten`, a key whose result is flattened afterwards, which no
+    column slice of a wider result allows as a view."""
+
+    def __init__(self, flatten: bool = False) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.other = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 8), nn.Linear(16, 16)
+        self.a, self.b = nn.Linear(16, 4, bias=False), nn.Linear(16, 4, bias=False)
+        self.flatten = flatten
+
+    def forward(self, x, y):
+        batch, length, _ = x.shape
+        q = self.q(x).view(batch, length, 4, 4).permute(0, 2, 1, 3)
+        k = self.k(x).view(batch, length, 4, 4).permute(0, 2, 3, 1)
+        scores = (q @ k).softmax(-1)
+        keys = self.k(x).view(-1) if self.flatten else self.k(x)
+        return scores, self.v(x) * 2, self.other(y), self.a(x) * self.b(x), keys
+
+
+def projections_inputs(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(batch)
+    return torch.randn(batch, 5, 16, generator=generator), torch.randn(batch, 5, 16, generator=generator)
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_linear_layers_reading_one_tensor_become_one_gemm(flatten):
+    module = Projections(flatten).eval()
+    graph = trace(module, projections_inputs(2), ({0: torch.export.Dim("batch", min=1, max=8)}, {0: torch.export.Dim("batch", min=1, max=8)}))
+    assert count(graph.module, aten.addmm.default) == 5 and count(graph.module, aten.mm.default) == 2  # k twice until CSE
+    gm, report = fused_copy(graph, "cse", "merge_linears")
+    if flatten:  # q and v still merge (1 fewer), k keeps its own GEMM; the bias-free pair (1 fewer)
+        assert count(gm, aten.addmm.default) == 3 and report.rewrites["merge_linears"] == 2
+    else:  # q, k, v -> one (2 fewer); `other` reads y; the bias-free pair (1 fewer)
+        assert count(gm, aten.addmm.default) == 2 and report.rewrites["merge_linears"] == 3
+    assert count(gm, aten.mm.default) == 1
+    assert len(from_graph_module(gm).dag) == report.kernels_after
+    for batch in (1, 2, 3):
+        inputs = projections_inputs(batch)
+        with torch.no_grad():
+            assert max_relative_error(gm(*inputs), module(*inputs)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name, merged", [("bert", 24), ("t5", 35)])
+def test_merging_linear_layers_on_the_transformers(name, merged):
+    # BERT: 12 layers, query/key/value -> one GEMM each (2 fewer per layer). T5: 6 encoder
+    # and 6 decoder self-attentions (2 fewer each) and the 12 key/value projections of the
+    # encoder's output in the decoder's cross-attentions -> one (11 fewer).
+    graph = traced(name)
+    entry = zoo.get(name)
+    inputs = entry.example_inputs(2, seed=5)
+    fused, report = fusion.fuse_graph(graph, "cpu", check_inputs=[inputs])
+    assert report.note == "" and report.rewrites["merge_linears"] == merged
+    with torch.no_grad():
+        want = entry.build()(*inputs)
+    assert max_relative_error(run_plan(fused, plan_graph(fused, "opara"), *inputs), want) <= TOLERANCE
 
 
 def test_the_cudnn_passes_leave_cpu_graphs_alone(patterns):

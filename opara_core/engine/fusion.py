@@ -429,6 +429,138 @@ def merge_parallel_convs(gm: GraphModule) -> int:
     return count
 
 
+# ---- merging parallel linear layers ---------------------------------------------------
+
+ADDMM = aten.addmm.default
+MM = aten.mm.default
+PERMUTE = aten.permute.default
+VIEW = aten.view.default
+
+
+def _linear_weight(gm: GraphModule, node: Node) -> torch.Tensor | None:
+    """W of `x @ W.t()` (+ b), the exported form of nn.Linear: an addmm or mm whose
+    right operand is a constant 2-D weight permuted [1, 0], and (addmm) a constant
+    bias with the default alpha and beta."""
+    if node.kwargs or len(node.args) != (3 if node.target is ADDMM else 2):
+        return None
+    right = node.args[-1]
+    if not isinstance(right, Node) or right.target is not PERMUTE or list(right.args[1]) != [1, 0]:
+        return None
+    weight = _constant(gm, right.args[0])
+    if weight is None or weight.dim() != 2:
+        return None
+    bias = _constant(gm, node.args[0]) if node.target is ADDMM else None
+    if node.target is ADDMM and (bias is None or tuple(bias.shape) != (weight.shape[0],)):
+        return None
+    return weight
+
+
+def _linear_input(node: Node) -> tuple:
+    """What the left operand reads: views of one tensor to one shape are one input."""
+    left = node.args[-2]
+    if isinstance(left, Node) and left.target is VIEW:
+        return (left.args[0], _key(left.args[1]))
+    return (left,)
+
+
+# ops whose result shares its input's memory: they follow the input's strides, and a view may then be impossible
+VIEW_OPS = frozenset({
+    VIEW, PERMUTE, SLICE, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.select.int, aten.transpose.int, aten.t.default, aten.alias.default, aten._unsafe_view.default,
+})
+
+
+def _restrided(node: Node, val: torch.Tensor, mode: FakeTensorMode) -> dict[Node, torch.Tensor] | None:
+    """The fake values of `node` and of the views that read it (transitively) if
+    `node`'s value became `val`; None if one of those views is then impossible."""
+    values = {node: val}
+    todo = [node]
+    while todo:
+        for user in todo.pop().users:
+            if user.op != "call_function" or user.target not in VIEW_OPS or user in values:
+                continue
+            args = tree_map(lambda a: values.get(a, a.meta.get("val")) if isinstance(a, Node) else a, user.args)
+            try:
+                with mode:
+                    values[user] = user.target(*args, **user.kwargs)
+            except (RuntimeError, ValueError):  # ValueError: the fake kernels' "cannot view"
+                return None
+            todo.append(user)
+    return values
+
+
+def _mergeable(members: list[Node], mode: FakeTensorMode) -> tuple[list[Node], list[dict[Node, torch.Tensor]]]:
+    """The members whose results can become column slices of one contiguous result
+    (every view of them still possible), and the new fake values of those views.
+    A member that cannot keeps its own GEMM; the width, and so the strides, change
+    without it, so the rest is checked again."""
+    while len(members) >= 2:
+        val = members[0].meta["val"]
+        widths = [int(m.meta["val"].shape[1]) for m in members]
+        with mode:
+            merged = torch.empty((val.shape[0], sum(widths)), dtype=val.dtype, device=val.device)
+        parts, start = [], 0
+        for node, width in zip(members, widths):
+            with mode:
+                parts.append(_restrided(node, merged[:, start : start + width], mode))
+            start += width
+        if all(p is not None for p in parts):
+            return members, parts
+        members = [m for m, p in zip(members, parts) if p is not None]
+    return members, []
+
+
+def merge_parallel_linears(gm: GraphModule) -> int:
+    """Merge linear layers that read the same tensor into one matrix multiply.
+
+    BERT's query, key and value projections, and the key and value projections
+    of every T5 decoder layer over the encoder's output, each read one tensor:
+    one GEMM with the weights concatenated (and the biases) gives their outputs
+    as column slices (views, no kernel). Three small GEMMs at batch 1 make
+    cuBLAS pick split-K kernels with a memset, a scaling and a bias epilogue
+    each (an H100 profile of BERT, docs/benchmarks.md); one wide GEMM is one
+    kernel, as torch.compile's freezing does it. Returns the number of GEMMs
+    removed.
+    """
+    groups: dict[tuple, list[Node]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (ADDMM, MM):
+            weight = _linear_weight(gm, node)
+            if weight is not None:
+                groups[(node.target, _linear_input(node), int(weight.shape[1]), weight.dtype, weight.device)].append(node)
+    mode = _fake_mode(gm) if groups else None
+    count = 0
+    for (target, *_), members in groups.items():
+        members, parts = _mergeable(members, mode)
+        if len(members) < 2:
+            continue
+        weights = [_linear_weight(gm, m) for m in members]
+        sizes = [int(w.shape[0]) for w in weights]
+        first = members[0]
+        left = first.args[-2]
+        with gm.graph.inserting_before(first), torch.no_grad():
+            w_node = _add_constant(gm, torch.cat(weights), "merged_linear_weight")
+            right = _call(gm, PERMUTE, (w_node, [1, 0]), like=first.args[-1])
+            if target is ADDMM:
+                b_node = _add_constant(gm, torch.cat([_constant(gm, m.args[0]) for m in members]), "merged_linear_bias")
+                merged = _call(gm, ADDMM, (b_node, left, right), like=first)
+            else:
+                merged = _call(gm, MM, (left, right), like=first)
+            start = 0
+            for node, size, values in zip(members, sizes, parts):
+                column = _call(gm, SLICE, (merged, 1, start, start + size), like=node)
+                node.replace_all_uses_with(column)
+                for view, val in values.items():
+                    if view is not node:
+                        view.meta["val"] = val
+                start += size
+        for node in members:
+            gm.graph.erase_node(node)
+        count += len(members) - 1
+    _eliminate_dead_code(gm)
+    return count
+
+
 # ---- cuDNN fused convolutions (CUDA only) --------------------------------------------
 
 
@@ -595,13 +727,14 @@ PASSES: dict[str, Pass] = {
     "cse": eliminate_common_subexpressions,
     "fold_batchnorm": fold_batchnorm,
     "merge_convs": merge_parallel_convs,
+    "merge_linears": merge_parallel_linears,
     "conv_add_relu": fuse_conv_add_relu,
     "conv_relu": fuse_conv_relu,
 }
 CUDA_ONLY = frozenset({"conv_add_relu", "conv_relu"})
 # conv_add_relu is left out until measured: cuDNN's runtime-fused kernels are not
 # always faster than a convolution plus an elementwise kernel.
-DEFAULT_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_convs", "conv_relu")
+DEFAULT_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_convs", "merge_linears", "conv_relu")
 
 
 def _selected(passes: Sequence[str] | None, device: torch.device) -> list[str]:
