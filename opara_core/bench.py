@@ -213,7 +213,9 @@ def _time_compiled(module: torch.nn.Module, inputs, row: Row, mode: str) -> Timi
     graph column; a failing compile is a note, not fatal."""
     label = "torch.compile" + ("" if mode == "default" else f" {mode}")
     try:
-        return time_calls(graph_call(compiled_graph(module, inputs, mode, row.notes), inputs))
+        captured = compiled_graph(module, inputs, mode, row.notes)
+        with torch.inference_mode():  # its static inputs are inference tensors
+            return time_calls(graph_call(captured, inputs))
     except Exception as error:  # noqa: BLE001 - a failing baseline is reported, not fatal
         row.notes.append(f"{label} failed: {type(error).__name__}: {str(error)[:200]}")
         return None
