@@ -56,7 +56,8 @@ AUTO_KEEP = 3
 FUSED_CANDIDATES: tuple[tuple[str, int], ...] = (("opara", 8),)
 # The graph Inductor compiles: the project's rewrites that Inductor does not
 # do itself; cuDNN's fused convolution ops would hide the convolutions from it.
-INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm")
+# Inductor merges linear layers only with freezing, which lifted weights rule out.
+INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears")
 
 
 @dataclass(frozen=True)
