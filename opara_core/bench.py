@@ -211,13 +211,12 @@ def bench_model(
 def _time_compiled(module: torch.nn.Module, inputs, row: Row, mode: str) -> Timing | None:
     """The torch.compile column (see `compiled_graph`), timed like every other
     graph column; a failing compile is a note, not fatal."""
-    label = "torch.compile" + ("" if mode == "default" else f" {mode}")
     try:
         captured = compiled_graph(module, inputs, mode, row.notes)
         with torch.inference_mode():  # its static inputs are inference tensors
             return time_calls(graph_call(captured, inputs))
     except Exception as error:  # noqa: BLE001 - a failing baseline is reported, not fatal
-        row.notes.append(f"{label} failed: {type(error).__name__}: {str(error)[:200]}")
+        row.notes.append(f"{_compile_label(mode)} failed: {type(error).__name__}: {str(error)[:200]}")
         return None
 
 
@@ -234,9 +233,12 @@ def compiled_graph(module: torch.nn.Module, inputs, mode: str = "default", notes
             compiled(*x)
         torch.cuda.synchronize()
         if notes is not None:
-            label = "torch.compile" + ("" if mode == "default" else f" {mode}")
-            notes.append(f"{label} (freezing) compile and warm-up {time.perf_counter() - start:.0f} s")
+            notes.append(f"{_compile_label(mode)} (freezing) compile and warm-up {time.perf_counter() - start:.0f} s")
         return capture_module(compiled, [x.clone() for x in inputs[0]], torch.cuda.graph_pool_handle())
+
+
+def _compile_label(mode: str) -> str:
+    return "torch.compile" + ("" if mode == "default" else f" {mode}")
 
 
 def _fresh_cache(name: str) -> Path:
