@@ -141,8 +141,9 @@ def test_inductor_code_is_used_only_if_it_computes_what_the_segment_does(tmp_pat
     sample = tuple(torch.randn(4, 16) for _ in range(n_inputs))
     with torch.inference_mode():
         want = segment.eager(*sample)
-    right = segment_compiler._checked(segment, lambda *args: segment.code(*args), sample, tmp_path / "right.wrong")
-    assert right is not segment.code and not (tmp_path / "right.wrong").exists()
+    right_code = lambda *args: segment.code(*args)  # noqa: E731
+    right = segment_compiler._checked(segment, right_code, sample, tmp_path, "right")
+    assert right is right_code and not (tmp_path / "right.wrong").exists()
 
     def broken(*args):  # torch 2.11's runtime wrapper on BERT's attention mask segment
         raise IndexError("list index out of range")
@@ -152,8 +153,9 @@ def test_inductor_code_is_used_only_if_it_computes_what_the_segment_does(tmp_pat
 
     for name, code in (("broken", broken), ("wrong", wrong)):
         marker = tmp_path / f"{name}.wrong"
-        fallback = segment_compiler._checked(segment, code, sample, marker)
+        fallback = segment_compiler._checked(segment, code, sample, tmp_path, name)
         assert fallback is not code and marker.read_text(), name
+        assert not (tmp_path / f"{name}.passed").exists(), name
         with torch.inference_mode():
             got = fallback(*sample, *segment.weights)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), name
@@ -176,3 +178,39 @@ def test_segments_an_earlier_build_found_wrong_run_their_aten_operators_with_the
         got = run_plan(fused, plan, x)
         expected = module(x)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)  # the twins share a key, not weights
+
+
+def test_saved_code_that_passed_its_check_once_is_not_checked_again(tmp_path):
+    # a later build loads the same bytes: checking them again cost 1.5 s of GoogLeNet's warm build
+    segment = _segment_with_weights()
+    n_inputs = len([n for n in segment.eager.graph.nodes if n.op == "placeholder"])
+    sample = tuple(torch.randn(4, 16) for _ in range(n_inputs))
+    right_code = lambda *args: segment.code(*args)  # noqa: E731
+    assert segment_compiler._checked(segment, right_code, sample, tmp_path, "k") is right_code
+    assert (tmp_path / "k.passed").exists()
+
+    def broken(*args):
+        raise IndexError("list index out of range")
+
+    assert segment_compiler._checked(segment, broken, sample, tmp_path, "k") is broken  # trusted: passed before
+    # code that could not be saved is compiled anew by every build: always checked
+    assert segment_compiler._checked(segment, broken, sample, tmp_path, "k", saved=False) is not broken
+    assert (tmp_path / "k.wrong").exists()
+
+
+def test_code_in_memory_from_another_cache_directory_is_saved_in_this_one_too(tmp_path, monkeypatch):
+    # a process that builds two models (the benchmark) must leave each cache whole:
+    # a segment both share was once compiled for the first and missing from the second's
+    monkeypatch.setattr(segment_compiler, "_loaded", {})
+    torch.manual_seed(5)
+    module = Twins().eval()
+    x = torch.randn(4, 16)
+    fused, _ = _fused(module, torch.randn(2, 16))
+    first = prepare([(fused.module, [x])], tmp_path / "a", workers=1)
+    fused, _ = _fused(module, torch.randn(2, 16))
+    second = prepare([(fused.module, [x])], tmp_path / "b", workers=1)
+    assert second.compiled == first.compiled == first.distinct > 0, (first, second)
+    assert {p.name for p in (tmp_path / "a").glob("*.bin")} == {p.name for p in (tmp_path / "b").glob("*.bin")}
+    fused, _ = _fused(module, torch.randn(2, 16))
+    again = prepare([(fused.module, [x])], tmp_path / "b", workers=1)
+    assert again.compiled == again.loaded == 0, again  # in memory for this directory now

@@ -9,6 +9,8 @@ expected output has the same one is right (masked attention scores overflow to
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,3 +44,17 @@ def max_relative_error(actual: Any, expected: Any) -> float:
             return error
         worst = max(worst, error)
     return worst
+
+
+@contextlib.contextmanager
+def no_cudnn_autotuning() -> Iterator[None]:
+    """cuDNN's heuristics instead of its benchmark, for runs that only need
+    values (checks, recording a segment's inputs): benchmarking every
+    convolution of every bucket took 13-17 s of GoogLeNet's 26 s warm build
+    (H100, 2026-11-25), and those algorithms are never replayed."""
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = saved

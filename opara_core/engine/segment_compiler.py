@@ -24,7 +24,6 @@ compile the channels-last graph of convolutional models (engine.build).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -35,7 +34,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Interpreter
 
-from opara_core.engine.compare import max_relative_error
+from opara_core.engine.compare import max_relative_error, no_cudnn_autotuning
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +50,8 @@ FORMAT = 1  # bump when what a key covers changes
 MAX_WORKERS = 8
 CHECK_TOLERANCE = 5e-2  # a segment's code against its ATen operators (TF32 either side)
 
-# compiled code by key, shared by every segment of that structure in this process
-_loaded: dict[str, Callable[..., Any]] = {}
+# compiled code by cache directory and key, shared by every segment of that structure in this process
+_loaded: dict[str, dict[str, Callable[..., Any]]] = {}
 
 
 @dataclass(frozen=True)
@@ -187,7 +186,7 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
     start = time.perf_counter()
     for top, inputs in runs:
         recorder = _Recorder(top)
-        with torch.inference_mode(), _no_cudnn_autotuning():
+        with torch.inference_mode(), no_cudnn_autotuning():
             recorder.run(*inputs)
         for target, args in recorder.calls:
             segment = top.get_submodule(target)
@@ -200,9 +199,12 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
             samples.setdefault(key, args)
             jobs[key] = (segment.code, metas)
     seconds["record"] = time.perf_counter() - start
-    wrong = {key for key in wanted if key not in _loaded and _wrong_marker(cache_dir, key).exists()}
-    missing = [key for key in wanted if key not in _loaded and key not in wrong and not _path(cache_dir, key).exists()]
-    on_disk = [key for key in wanted if key not in _loaded and key not in wrong and key not in missing]
+    # code in memory counts only for the directory it came from, so that each
+    # cache directory ends up holding all of its builds' segments
+    loaded = _loaded.setdefault(str(cache_dir), {})
+    wrong = {key for key in wanted if key not in loaded and _wrong_marker(cache_dir, key).exists()}
+    missing = [key for key in wanted if key not in loaded and key not in wrong and not _path(cache_dir, key).exists()]
+    on_disk = [key for key in wanted if key not in loaded and key not in wrong and key not in missing]
     # segments an earlier build could not save compile here at once, not twice
     unsaved = {key for key in missing if _unsaved_marker(cache_dir, key).exists()}
     to_compile = [(key, *jobs[key]) for key in missing if key not in unsaved]
@@ -213,7 +215,7 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
             unsaved.add(key)
     seconds["compile"] = time.perf_counter() - start
     for key in wrong:  # an earlier build found its code wrong (the marker says how)
-        _loaded[key] = wanted[key][0][0].code
+        loaded[key] = wanted[key][0][0].code
     for key in (*on_disk, *missing):
         segment = wanted[key][0][0]
         start = time.perf_counter()
@@ -224,11 +226,11 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
             code = torch._inductor.CompiledArtifact.load(path=str(_path(cache_dir, key)), format="binary")
             seconds["load"] += time.perf_counter() - start
         start = time.perf_counter()
-        _loaded[key] = _checked(segment, code, samples[key], _wrong_marker(cache_dir, key))
+        loaded[key] = _checked(segment, code, samples[key], cache_dir, key, saved=key not in unsaved)
         seconds["check"] += time.perf_counter() - start
     for key, uses in wanted.items():
         for segment, shapes in uses:
-            segment.compiled[shapes] = _loaded[key]
+            segment.compiled[shapes] = loaded[key]
     for top, _ in runs:
         for segment in top.modules():
             if isinstance(segment, CompiledSegment):
@@ -236,39 +238,32 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
     return CompileCount(calls, len(wanted), len(on_disk), len(missing), len(unsaved), *(seconds[k] for k in ("record", "compile", "load", "check")))
 
 
-def _checked(segment: CompiledSegment, compiled: Callable[..., Any], sample: tuple, marker: Path) -> Callable[..., Any]:
+def _checked(segment: CompiledSegment, compiled: Callable[..., Any], sample: tuple, cache_dir: Path, key: str, saved: bool = True) -> Callable[..., Any]:
     """Inductor's code for a segment, used only if it computes what the segment
-    does on `sample` (once per process and key): torch 2.11's runtime wrapper
-    fails on some segments, with an IndexError on BERT's attention mask, saved
-    or not. Otherwise the segment runs its ATen operators: its canonical fx
-    module, which takes the weights of whichever segment of that structure
-    calls it; the marker says why to later builds."""
+    does on `sample`: torch 2.11's runtime wrapper fails on some segments, with
+    an IndexError on BERT's attention mask, saved or not. Otherwise the segment
+    runs its ATen operators: its canonical fx module, which takes the weights of
+    whichever segment of that structure calls it; the wrong marker says why to
+    later builds. Saved code that passed once is not checked again (its passed
+    marker): the same bytes load the same kernels."""
+    passed = _passed_marker(cache_dir, key)
+    if saved and passed.exists():
+        return compiled
     try:
-        with torch.inference_mode(), _no_cudnn_autotuning():
+        with torch.inference_mode(), no_cudnn_autotuning():
             got = compiled(*[x.clone() for x in sample], *segment.weights)
             want = segment.eager(*[x.clone() for x in sample])
         error = max_relative_error(tuple(got), tuple(want))
         if error <= CHECK_TOLERANCE:
+            if saved:
+                passed.touch()
             return compiled
         problem = f"relative error {error:.2g} against the segment's ATen operators"
     except Exception as error:  # noqa: BLE001 - the ATen operators still run
         problem = f"{type(error).__name__}: {error}"
     log.warning("a segment's Inductor code fails its check (%s); it runs its ATen operators", problem)
-    marker.write_text(problem)
+    _wrong_marker(cache_dir, key).write_text(problem)
     return segment.code
-
-
-@contextlib.contextmanager
-def _no_cudnn_autotuning() -> Iterator[None]:
-    """cuDNN's heuristics instead of its benchmark: the recording runs and checks
-    only need values, and benchmarking every convolution of every bucket's
-    eager segments took 13-17 s of GoogLeNet's 26 s warm build (H100, 2026-11-25)."""
-    saved = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = saved
 
 
 def _path(cache_dir: Path, key: str) -> Path:
@@ -281,6 +276,10 @@ def _unsaved_marker(cache_dir: Path, key: str) -> Path:
 
 def _wrong_marker(cache_dir: Path, key: str) -> Path:
     return cache_dir / f"{key}.wrong"
+
+
+def _passed_marker(cache_dir: Path, key: str) -> Path:
+    return cache_dir / f"{key}.passed"
 
 
 def _compile(code: GraphModule, metas: Sequence[TensorMeta]) -> Any:
