@@ -125,8 +125,10 @@ def bench_model(
     layout: str = "auto",
     time_build: bool = True,
     compile_autotune: bool = False,
+    on_row: Callable[[Row], None] | None = None,
 ) -> list[Row]:
-    """Every variant of one model at each batch size (see the module docstring).
+    """Every variant of one model at each batch size (see the module docstring);
+    `on_row` gets each row as soon as it is measured (a cut run keeps its rows).
 
     Policy columns use the NCHW graph (NHWC with --layout nhwc); `auto` chooses
     among the layouts `--layout` allows, as serving does.
@@ -201,10 +203,12 @@ def bench_model(
             progress.update()
         if floors:
             row.critical_path_ms, row.sum_of_ops_ms = min(floors)
+        if build and not rows:
+            row.plan_capture_s, row.warm_build_s, breakdown = build
+            row.notes.append(breakdown)
         rows.append(row)
-    if build:
-        rows[0].plan_capture_s, rows[0].warm_build_s, breakdown = build
-        rows[0].notes.append(breakdown)
+        if on_row is not None:
+            on_row(row)
     return rows
 
 
@@ -441,9 +445,12 @@ def main(argv: list[str] | None = None) -> int:
             progress.set_postfix_str(name)
             compile_ = args.compile_models is None or name in args.compile_models.split(",")
             autotune = name in args.compile_autotune.split(",")
-            rows += bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune)
-            if args.json:
-                _write_json(args.json, rows)
+            def keep(row: Row) -> None:
+                rows.append(row)
+                if args.json:
+                    _write_json(args.json, rows)
+
+            bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"fp32 (cuDNN TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'}), times in ms: median (p99)")
     print(table(rows))
