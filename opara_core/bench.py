@@ -23,9 +23,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
@@ -126,15 +126,19 @@ def bench_model(
     time_build: bool = True,
     compile_autotune: bool = False,
     on_row: Callable[[Row], None] | None = None,
+    columns: Collection[str] = (),
 ) -> list[Row]:
     """Every variant of one model at each batch size (see the module docstring);
-    `on_row` gets each row as soon as it is measured (a cut run keeps its rows).
+    `on_row` gets each row as soon as it is measured (a cut run keeps its rows);
+    `columns`: only these of COLUMNS (default all), so that a model too slow for
+    one call (NASNet) can be measured in several and merged by `--report`.
 
     Policy columns use the NCHW graph (NHWC with --layout nhwc); `auto` chooses
     among the layouts `--layout` allows, as serving does.
     """
     device = torch.device("cuda")
     entry = zoo.get(name)
+    wanted = set(columns or COLUMNS)
     torch.backends.cudnn.benchmark = True
     # the serving build first, cold (an empty cache directory of its own, and
     # cuDNN's autotune cache holds none of this model's shapes), then warm, in
@@ -157,13 +161,14 @@ def bench_model(
         row = Row(name, batch, kernels=len(graph.dag))
         row.notes.append(fused_note)
         inputs = rotating_inputs(entry, batch, device)
-        with torch.inference_mode():
-            row.timings["eager"] = time_calls(lambda i: module(*inputs[i % len(inputs)]))
+        if "eager" in wanted:
+            with torch.inference_mode():
+                row.timings["eager"] = time_calls(lambda i: module(*inputs[i % len(inputs)]))
         progress.update()
-        if compile_:
+        if compile_ and "compile" in wanted:
             row.timings["compile"] = _time_compiled(module, inputs, row, "default")
-            if compile_autotune:
-                row.timings["compile max-autotune"] = _time_compiled(module, inputs, row, "max-autotune-no-cudagraphs")
+        if compile_autotune and "compile max-autotune" in wanted:
+            row.timings["compile max-autotune"] = _time_compiled(module, inputs, row, "max-autotune-no-cudagraphs")
         progress.update()
         lane_pool = LanePool(device)
         static_in = [x.clone() for x in inputs[0]]
@@ -174,7 +179,7 @@ def bench_model(
         if "inductor" in graphs:  # fused lanes: one segment (torch.compile's kernels), and the opara plan's segments
             variants += [("fused sequential", graphs["inductor"], "sequential", None), ("fused opara", graphs["inductor"], "opara", max_streams)]
         with torch.inference_mode():
-            for label, g, policy, lanes in variants:
+            for label, g, policy, lanes in (v for v in variants if v[0] in wanted):
                 plan = plan_graph(g, policy, lanes)
                 kind = Candidate("inductor" if label.startswith("fused") else primary, policy, plan.num_streams)
                 try:
@@ -188,19 +193,19 @@ def bench_model(
                 row.peak_mb[label] = peak
                 del captured
                 progress.update()
-            # auto exactly as the serving build chooses, for this one bucket
-            auto_report = BuildReport()
-            settings = EngineSettings(max_streams=max_streams, fused_lanes=True, layout=layout)
-            captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool) for c, plan in candidates(graphs, settings).items()}
-            captured = capture_fastest(captures, entry, device, [batch], auto_report)[batch]
-            row.timings["auto"] = time_calls(graph_call(captured, inputs))
-            chosen = auto_report.choices[batch]
-            row.auto_choice = str(chosen)
-            del captured
-            # the memory of the chosen graph alone (auto's pool also held the candidates it dropped)
-            captured, row.peak_mb["auto"] = capture_measured(captures[chosen], static_in)
-            del captured
-            progress.update()
+            if "auto" in wanted:  # exactly as the serving build chooses, for this one bucket
+                auto_report = BuildReport()
+                settings = EngineSettings(max_streams=max_streams, fused_lanes=True, layout=layout)
+                captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool) for c, plan in candidates(graphs, settings).items()}
+                captured = capture_fastest(captures, entry, device, [batch], auto_report)[batch]
+                row.timings["auto"] = time_calls(graph_call(captured, inputs))
+                chosen = auto_report.choices[batch]
+                row.auto_choice = str(chosen)
+                del captured
+                # the memory of the chosen graph alone (auto's pool also held the candidates it dropped)
+                captured, row.peak_mb["auto"] = capture_measured(captures[chosen], static_in)
+                del captured
+                progress.update()
         if floors:
             row.critical_path_ms, row.sum_of_ops_ms = min(floors)
         if build and not rows:
@@ -409,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-models", default=None, help="models to time with torch.compile (default: all; it is slow to compile)")
     parser.add_argument("--compile-autotune", default="", help="models to also time with torch.compile max-autotune-no-cudagraphs (slow to compile)")
     parser.add_argument("--no-fusion", action="store_true")
+    parser.add_argument("--columns", default="", help=f"only these columns, comma-separated (default all: {', '.join(COLUMNS)}); --report merges a model's rows from several files")
     parser.add_argument("--no-plan-capture", action="store_true", help="skip timing the serving build of all buckets")
     parser.add_argument("--layout", choices=("auto", "nchw", "nhwc"), default="auto", help="layouts auto may choose (policy columns: NCHW unless nhwc)")
     parser.add_argument("--plot", type=Path, help="PNG of speedups over the sequential graph")
@@ -422,19 +428,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 0
     if args.report:
-        rows = [row for path in args.report for row in _read_json(path)]
+        rows = merge_rows([row for path in args.report for row in _read_json(path)])
         print(table(rows))
         if args.plot:
             plot_speedups(rows, args.plot)
         return 0
-    if not torch.cuda.is_available():
-        print("error: the benchmark needs a CUDA GPU", file=sys.stderr)
-        return 2
     try:
         models = [zoo.get(m).name for m in args.models.split(",")]
         batches = [int(b) for b in args.batch.split(",")]
+        columns = parse_columns(args.columns)
     except (KeyError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("error: the benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     from tqdm import tqdm
 
@@ -450,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:
                     _write_json(args.json, rows)
 
-            bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep)
+            bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"fp32 (cuDNN TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'}), times in ms: median (p99)")
     print(table(rows))
@@ -463,6 +470,41 @@ def main(argv: list[str] | None = None) -> int:
         choice = plot_timeline(models[0], 1, args.timeline, args.max_streams, not args.no_fusion)
         print(f"timeline: {models[0]} batch 1, {choice}")
     return 0
+
+
+def parse_columns(text: str) -> tuple[str, ...]:
+    """`--columns`: names of COLUMNS, comma-separated; empty for all."""
+    names = tuple(c.strip() for c in text.split(",") if c.strip())
+    unknown = [c for c in names if c not in COLUMNS]
+    if unknown:
+        raise ValueError(f"unknown column(s) {', '.join(map(repr, unknown))}; the columns are {', '.join(COLUMNS)}")
+    return names or COLUMNS
+
+
+def merge_rows(rows: Sequence[Row]) -> list[Row]:
+    """One row per (model, batch), in first-seen order: a model measured column
+    by column in several runs (`--columns`) becomes one row. Where two runs
+    measured the same column, the later one counts and a note says so."""
+    merged: dict[tuple[str, int], Row] = {}
+    for row in rows:
+        key = (row.model, row.batch)
+        if key not in merged:
+            merged[key] = replace(row, timings=dict(row.timings), streams=dict(row.streams), peak_mb=dict(row.peak_mb), notes=list(row.notes))
+            continue
+        into = merged[key]
+        again = sorted(set(into.timings) & set(row.timings))
+        if again:
+            into.notes.append(f"measured twice, the later run kept: {', '.join(again)}")
+        into.timings.update(row.timings)
+        into.streams.update(row.streams)
+        into.peak_mb.update(row.peak_mb)
+        into.notes += [n for n in row.notes if n not in into.notes]
+        into.auto_choice = row.auto_choice or into.auto_choice
+        into.kernels = into.kernels or row.kernels
+        for name in ("critical_path_ms", "sum_of_ops_ms", "plan_capture_s", "warm_build_s"):
+            if getattr(row, name) is not None:
+                setattr(into, name, getattr(row, name))
+    return list(merged.values())
 
 
 def _read_json(path: Path) -> list[Row]:

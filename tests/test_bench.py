@@ -1,0 +1,57 @@
+"""The benchmark's bookkeeping on the CPU: choosing columns, and merging a model
+measured column by column in several runs into one row per batch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+
+from opara_core import bench
+from opara_core.bench import COLUMNS, Row, Timing, merge_rows, parse_columns
+
+
+def _row(model, batch, **columns):
+    return Row(model, batch, timings={name.replace("_", " "): Timing(ms, ms * 1.1, 100) for name, ms in columns.items()})
+
+
+def test_no_columns_means_every_column_and_an_unknown_one_is_named():
+    assert parse_columns("") == COLUMNS
+    assert parse_columns("compile, auto") == ("compile", "auto")
+    with pytest.raises(ValueError, match="'autoo'"):
+        parse_columns("compile,autoo")
+
+
+def test_rows_of_one_model_and_batch_from_several_runs_become_one():
+    first = [_row("nasnet", 1, eager=9.0, compile=2.5), _row("nasnet", 8, eager=9.5, compile=4.0)]
+    second = [_row("nasnet", 1, auto=2.1, fused_opara=2.2), _row("googlenet", 1, auto=0.3)]
+    second[0].auto_choice, second[0].warm_build_s = "inductor:opara/8", 9.5
+    merged = merge_rows(first + second)
+    assert [(r.model, r.batch) for r in merged] == [("nasnet", 1), ("nasnet", 8), ("googlenet", 1)]
+    nasnet = merged[0]
+    assert {k: t.median_ms for k, t in nasnet.timings.items()} == {"eager": 9.0, "compile": 2.5, "auto": 2.1, "fused opara": 2.2}
+    assert (nasnet.auto_choice, nasnet.warm_build_s) == ("inductor:opara/8", 9.5)
+    assert set(first[0].timings) == {"eager", "compile"}  # the inputs are left as they were
+
+
+def test_a_column_measured_twice_keeps_the_later_run_and_says_so():
+    merged = merge_rows([_row("bert", 32, compile=17.0), _row("bert", 32, compile=16.9)])
+    assert len(merged) == 1 and merged[0].timings["compile"].median_ms == 16.9
+    assert any("compile" in note and "twice" in note for note in merged[0].notes)
+
+
+def test_report_prints_one_line_per_model_and_batch(tmp_path, capsys):
+    paths = []
+    for i, rows in enumerate(([_row("nasnet", 1, compile=2.5)], [_row("nasnet", 1, auto=2.1)])):
+        path = tmp_path / f"run{i}.json"
+        path.write_text(json.dumps({"meta": {}, "rows": [asdict(r) for r in rows]}))
+        paths.append(str(path))
+    assert bench.main(["--report", *paths]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| nasnet")]
+    assert len(lines) == 1 and "2.500" in lines[0] and "2.100" in lines[0], lines
+
+
+def test_an_unknown_column_is_refused_before_anything_runs(capsys):
+    assert bench.main(["--models", "googlenet", "--columns", "fastest"]) == 2
+    assert "'fastest'" in capsys.readouterr().err
