@@ -214,3 +214,34 @@ def test_code_in_memory_from_another_cache_directory_is_saved_in_this_one_too(tm
     fused, _ = _fused(module, torch.randn(2, 16))
     again = prepare([(fused.module, [x])], tmp_path / "b", workers=1)
     assert again.compiled == again.loaded == 0, again  # in memory for this directory now
+
+
+def test_code_from_a_compile_worker_that_fails_its_check_is_compiled_again_here(tmp_path, monkeypatch):
+    # torch 2.11 on the H100: BERT's whole-model graph failed its check when the build's workers
+    # compiled it and ran when compiled in the building process; here the loaded code is made to fail
+    monkeypatch.setattr(segment_compiler, "_loaded", {})
+    torch.manual_seed(6)
+    module = Twins().eval()
+    x = torch.randn(4, 16)
+    fused, plan = _fused(module, torch.randn(2, 16))
+
+    def broken(*args):
+        raise IndexError("list index out of range")
+
+    real_load = torch._inductor.CompiledArtifact.load
+    monkeypatch.setattr(torch._inductor.CompiledArtifact, "load", staticmethod(lambda **kwargs: broken))
+    count = prepare([(fused.module, [x])], tmp_path, workers=1)
+    assert count.compiled == count.distinct > 0, count
+    assert not list(tmp_path.glob("*.wrong")) and len(list(tmp_path.glob("*.passed"))) == count.distinct
+    segments = [m for m in fused.module.children() if isinstance(m, CompiledSegment)]
+    assert all(code is not broken and code is not m.code for m in segments for code in m.compiled.values())
+    with torch.inference_mode():
+        assert torch.allclose(run_plan(fused, plan, x), module(x), rtol=1e-5, atol=1e-6)
+    # what it saved is what a later build loads, checked already: nothing compiled again
+    monkeypatch.setattr(torch._inductor.CompiledArtifact, "load", real_load)
+    monkeypatch.setattr(segment_compiler, "_loaded", {})
+    fused, plan = _fused(module, torch.randn(2, 16))
+    again = prepare([(fused.module, [x])], tmp_path, workers=1)
+    assert again.compiled == 0 and again.loaded == count.distinct, again
+    with torch.inference_mode():
+        assert torch.allclose(run_plan(fused, plan, x), module(x), rtol=1e-5, atol=1e-6)
