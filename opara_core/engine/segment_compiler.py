@@ -229,7 +229,7 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
         start = time.perf_counter()
         loaded[key] = _checked(segment, code, samples[key], cache_dir, key, saved=key not in unsaved)
         seconds["check"] += time.perf_counter() - start
-        if loaded[key] is segment.code and key in to_compile_keys:
+        if loaded[key] is segment.code and key in to_compile_keys and key not in unsaved:  # a worker's code, loaded
             start = time.perf_counter()
             loaded[key] = _compiled_here(segment, jobs[key], samples[key], cache_dir, key)
             seconds["compile"] += time.perf_counter() - start
