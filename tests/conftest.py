@@ -7,18 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from opara_core.serving.launcher import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
+from opara_core.serving.launcher import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_ports
 
 
 def server_config(model_repository: Path = DEFAULT_MODEL_REPOSITORY, **overrides) -> ServerConfig:
     """A config on three free loopback ports."""
-    return ServerConfig(
-        model_repository=model_repository,
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        **overrides,
-    )
+    http_port, grpc_port, metrics_port = free_ports(3)
+    return ServerConfig(model_repository=model_repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, **overrides)
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from conftest import server_config
 from serving import assert_close, eager, example, infer
 from tritonclient.utils import InferenceServerException
 
+from opara_core.serving import launcher
 from opara_core.serving.launcher import (
     REPO_ROOT,
     ServerConfig,
@@ -30,6 +31,7 @@ from opara_core.serving.launcher import (
     alive,
     find_server,
     free_port,
+    free_ports,
     gpu_present,
     server_command,
     spawn,
@@ -163,6 +165,18 @@ def test_server_config_reads_ports_from_the_environment():
     assert "--http-address=127.0.0.1" in command and "--grpc-address=127.0.0.1" in command
 
 
+def test_the_guards_internal_port_is_none_of_the_public_ones_chosen_but_not_bound_yet(monkeypatch):
+    # CI, 2026-11-25: the OS handed the chosen gRPC port out again for tritonserver's internal
+    # HTTP port (nothing listened on it yet), and the gRPC service failed "already in use"
+    config = ServerConfig(http_port=41001, grpc_port=41002, metrics_port=41003)
+    offered = iter([41002, 41003, 41001, 41004])
+    monkeypatch.setattr(launcher, "_unbound_port", lambda: next(offered))
+    assert TritonServer(config, None).upstream == ("127.0.0.1", 41004)
+    monkeypatch.setattr(launcher, "_unbound_port", lambda: 41002)
+    with pytest.raises(OSError, match="41002"):
+        launcher.free_port(avoid=[41002])
+
+
 def test_make_serve_runs_in_the_foreground_comes_back_after_sigkill_and_stops_on_sigterm(tmp_path):
     """The README's first command, on free ports with a one-model repository
     and an extra tritonserver flag in TRITON_ARGS. It says what it is doing: a
@@ -176,7 +190,7 @@ def test_make_serve_runs_in_the_foreground_comes_back_after_sigkill_and_stops_on
     source = REPO_ROOT / "model_repository" / MODEL
     (repository / MODEL / "config.pbtxt").write_text((source / "config.pbtxt").read_text())
     (repository / MODEL / "1" / "model.py").write_text((source / "1" / "model.py").read_text())
-    ports = {"HTTP_PORT": free_port(), "GRPC_PORT": free_port(), "METRICS_PORT": free_port()}
+    ports = dict(zip(("HTTP_PORT", "GRPC_PORT", "METRICS_PORT"), free_ports(3)))
     env = {**os.environ, **{k: str(v) for k, v in ports.items()}, "MODEL_REPOSITORY": str(repository)}
     env["TRITON_ARGS"] = "--metrics-interval-ms 500"
     log_path = tmp_path / "make_serve.log"
@@ -261,7 +275,7 @@ def test_a_killed_parent_takes_its_server_down(tmp_path):
     """The launcher starts tritonserver under `setpriv --pdeathsig`, so a test
     run or `make serve` killed with SIGKILL leaves no server holding ports."""
     (tmp_path / "models").mkdir()
-    ports = [str(free_port()) for _ in range(3)]
+    ports = [str(port) for port in free_ports(3)]
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT, str(tmp_path / "models"), *ports, str(tmp_path / "server.log")],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,

@@ -22,7 +22,7 @@ from test_launcher import readme_models
 from tritonclient.utils import InferenceServerException
 
 from opara_core import zoo
-from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, find_server, free_port, stub_processes
+from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, find_server, free_ports, stub_processes
 
 pytestmark = pytest.mark.server
 
@@ -205,7 +205,7 @@ def test_a_stub_with_numpy_2_answers_in_full(numpy2_python, tmp_path):
     right shape and zero bytes (found on the GPU machine); the adapter's DLPack
     path must give full, correct answers over both protocols."""
     shutil.copytree(DEFAULT_MODEL_REPOSITORY / "deepfm", tmp_path / "models" / "deepfm")
-    ports = {"HTTP_PORT": free_port(), "GRPC_PORT": free_port(), "METRICS_PORT": free_port()}
+    ports = dict(zip(("HTTP_PORT", "GRPC_PORT", "METRICS_PORT"), free_ports(3)))
     env = {**os.environ, **{k: str(v) for k, v in ports.items()}}
     with open(tmp_path / "server.log", "w") as log:
         launcher = subprocess.Popen(

@@ -48,7 +48,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -328,8 +328,27 @@ def expected_models(config: ServerConfig) -> list[str] | None:
     return every if "*" in named else (sorted(named) or None)
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
+def free_port(avoid: Collection[int] = ()) -> int:
+    """A TCP port that was free a moment ago (the OS picks it), none of `avoid`:
+    ports chosen but not bound yet (a server's public ports, before tritonserver
+    opens them) were handed out again for its internal HTTP port, and its gRPC
+    service then failed with "already in use" (CI, 2026-11-25)."""
+    for _ in range(100):
+        port = _unbound_port()
+        if port not in avoid:
+            return port
+    raise OSError(f"the OS offered only ports already chosen ({', '.join(map(str, sorted(avoid)))})")
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports from `free_port` (one server's HTTP, gRPC and metrics ports)."""
+    ports: list[int] = []
+    for _ in range(count):
+        ports.append(free_port(avoid=ports))
+    return ports
+
+
+def _unbound_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
@@ -382,7 +401,8 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self.guard: subprocess.Popen | None = None
         # tritonserver's own HTTP port: behind the guard, loopback only, the same across restarts
-        self.upstream = (LOOPBACK, free_port()) if config.guard else (config.address, config.http_port)
+        public = (config.http_port, config.grpc_port, config.metrics_port)
+        self.upstream = (LOOPBACK, free_port(avoid=public)) if config.guard else (config.address, config.http_port)
         self.status_file = Path(tempfile.gettempdir()) / f"{config.server_id}-status.json"
         self.restarts: dict[str, int] = {}
         self._signalled: set[int] = set()  # pids sent SIGTERM or SIGINT already
@@ -891,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.model_repository.is_dir():
             raise ValueError(f"model repository {args.model_repository} is not a directory")
         if args.command == "warm":  # free ports: a running server is no obstacle
-            ports = {key: free_port() for key in ("http_port", "grpc_port", "metrics_port")}
+            ports = dict(zip(("http_port", "grpc_port", "metrics_port"), free_ports(3)))
             config = ServerConfig(model_repository=args.model_repository, guard=False, **ports)
             return warm(config, args.workdir, args.timeout)
         if args.command == "container":
