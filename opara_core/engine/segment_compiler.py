@@ -208,7 +208,6 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
     # segments an earlier build could not save compile here at once, not twice
     unsaved = {key for key in missing if _unsaved_marker(cache_dir, key).exists()}
     to_compile = [(key, *jobs[key]) for key in missing if key not in unsaved]
-    to_compile_keys = {key for key, *_ in to_compile}
     start = time.perf_counter()
     if to_compile:
         for key in compile_all(to_compile, cache_dir, workers):
@@ -229,7 +228,7 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
         start = time.perf_counter()
         loaded[key] = _checked(segment, code, samples[key], cache_dir, key, saved=key not in unsaved)
         seconds["check"] += time.perf_counter() - start
-        if loaded[key] is segment.code and key in to_compile_keys and key not in unsaved:  # a worker's code, loaded
+        if loaded[key] is segment.code and key in missing and key not in unsaved:  # compiled by a worker just now
             start = time.perf_counter()
             loaded[key] = _compiled_here(segment, jobs[key], samples[key], cache_dir, key)
             seconds["compile"] += time.perf_counter() - start
