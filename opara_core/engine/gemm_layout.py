@@ -116,7 +116,7 @@ def transposed_is_faster(bias: bool, rows: Sequence[int], k: int, n: int, dtype:
     ratio = math.exp(statistics.fmean(math.log(t / s) for s, t in times.values()))
     transposed = ratio <= THRESHOLD
     log.info("GEMM %s k=%d n=%d rows %s: transposed/stored %.3f -> %s", "addmm" if bias else "mm", k, n, sorted(times), ratio, "transposed" if transposed else "as stored")
-    record = {"op": "addmm" if bias else "mm", "k": k, "n": n, "transposed": transposed, "ratio": ratio, "us": {str(m): {"stored": s, "transposed": t} for m, (s, t) in times.items()}}
+    record = {"transposed": transposed, "ratio": ratio, "us": {str(m): {"stored": s, "transposed": t} for m, (s, t) in times.items()}}
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as tmp:
