@@ -13,24 +13,26 @@ with forward hooks, one eager call per batch; layers reading one tensor are
 also timed merged, as the `merge_linears` pass runs them), four ways:
 `addmm(b, x, w.t())` (what segments run today), `addmm(b, x, wt)` with `wt` the
 transposed weight stored contiguous, and `mm` of each; each inside one CUDA
-graph of 20 calls, median of 7 replays (engine.gemm_layout.replay_us, which the
-fusion pass `pretranspose_linears` uses to choose the layout per shape).
+graph of 20 calls, median of 7 replays. A fusion pass that stores some weights
+transposed is worth building only where this says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from opara_core import zoo
-from opara_core.engine.gemm_layout import replay_us
 
+CALLS = 20
+REPEATS = 7
 VARIANTS = ("addmm w.t()", "addmm wt", "mm w.t()", "mm wt")
 
 
@@ -60,6 +62,26 @@ def linear_shapes(name: str, batch: int, device: torch.device | str = "cuda") ->
             m, k, _ = members[0]
             counts[(m, k, sum(n for *_, n in members))] += 1
     return [{"M": m, "K": k, "N": n, "uses": uses} for (m, k, n), uses in sorted(counts.items())]
+
+
+def replay_us(call: Callable[[], Any]) -> float:
+    """Microseconds per call: CALLS calls captured in one CUDA graph."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            call()
+    samples = []
+    for _ in range(REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000 / CALLS)
+    return statistics.median(samples)
 
 
 def time_shape(m: int, k: int, n: int) -> dict[str, float]:

@@ -4,7 +4,6 @@ equality with eager, on small modules and on GoogLeNet, Inception-v3 and ResNet-
 from __future__ import annotations
 
 import copy
-import functools
 import operator
 
 import pytest
@@ -19,7 +18,7 @@ from opara_core.engine import fusion
 from opara_core.engine.compare import max_relative_error
 from opara_core.engine.build import EngineSettings
 from opara_core.engine.interpreter import run_plan
-from opara_core.engine.trace import from_graph_module, is_free, size_env, trace
+from opara_core.engine.trace import from_graph_module, is_free, trace
 from opara_core.engine.interpreter import plan_graph
 
 aten = torch.ops.aten
@@ -243,57 +242,6 @@ def test_merging_linear_layers_on_the_transformers(name, merged):
     with torch.no_grad():
         want = entry.build()(*inputs)
     assert max_relative_error(run_plan(fused, plan_graph(fused, "opara"), *inputs), want) <= TOLERANCE
-
-
-def _pretransposed(graph, answer):
-    """A copy of `graph` after pretranspose_linears with `answer` as the layout
-    measurement, and the shapes it was asked about."""
-    asked = []
-
-    def faster(bias, rows, k, n, dtype, device):
-        asked.append((bias, tuple(rows), k, n))
-        return answer(bias, n)
-
-    gm = copy.deepcopy(graph.module)
-    sizes = [size_env(gm, projections_inputs(batch)) for batch in (1, 4)]
-    rewritten = fusion.pretranspose_linears(gm, sizes, faster)
-    gm.recompile()
-    return gm, rewritten, asked
-
-
-def test_pretransposed_weights_compute_the_same_and_are_stored_once():
-    module = Projections().eval()
-    batch = torch.export.Dim("batch", min=1, max=8)
-    graph = trace(module, projections_inputs(2), ({0: batch}, {0: batch}))
-    gm, rewritten, asked = _pretransposed(graph, lambda bias, n: True)
-    # asked at the buckets' row counts (5 tokens per row at batch 1 and 4), per weight shape
-    assert {rows for _, rows, _, _ in asked} == {(5, 20)}
-    assert {(bias, k, n) for bias, _, k, n in asked} == {(True, 16, 16), (True, 16, 8), (False, 16, 4)}
-    # every GEMM reads a contiguous [K, N] weight; `k` is read twice (no CSE here) from one copy
-    assert rewritten == count(graph.module, aten.addmm.default) + count(graph.module, aten.mm.default) == 7
-    assert count(gm, aten.permute.default) == count(graph.module, aten.permute.default) - 7
-    copies = {n.target: fusion._constant(gm, n) for n in gm.graph.nodes if n.op == "get_attr" and "transposed" in n.target}
-    assert len(copies) == 6 and all(w.is_contiguous() for w in copies.values())
-    for batch in (1, 2, 3):
-        inputs = projections_inputs(batch)
-        with torch.no_grad():
-            assert max_relative_error(gm(*inputs), module(*inputs)) <= TOLERANCE
-
-
-def test_weights_stay_as_stored_where_the_measurement_says_so():
-    module = Projections().eval()
-    batch = torch.export.Dim("batch", min=1, max=8)
-    graph = trace(module, projections_inputs(2), ({0: batch}, {0: batch}))
-    gm, rewritten, _ = _pretransposed(graph, lambda bias, n: bias and n == 8)  # only `v`
-    assert rewritten == 1 and count(gm, aten.permute.default) == count(graph.module, aten.permute.default) - 1
-    gm, rewritten, _ = _pretransposed(graph, lambda bias, n: False)
-    assert rewritten == 0 and gm.code == graph.module.code
-
-
-def test_no_gemm_layout_is_measured_for_cpu_weights():
-    from opara_core.engine import gemm_layout
-
-    assert gemm_layout.transposed_is_faster(True, [128], 768, 768, torch.float32, "cpu") is False
 
 
 def test_the_cudnn_passes_leave_cpu_graphs_alone(patterns):
@@ -534,28 +482,6 @@ def test_cuda_conv_add_relu_on_resnet50_equals_eager(strict_fp32):
         for batch in (1, 4):
             inputs = tuple(x.to(device) for x in zoo.get("resnet50").example_inputs(batch, seed=batch))
             assert max_relative_error(fused.module(*inputs), module(*inputs)) <= TOLERANCE
-
-
-@pytest.mark.gpu
-def test_cuda_gemm_layouts_are_measured_once_and_bert_still_equals_eager(strict_fp32, tmp_path, monkeypatch):
-    monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
-    device = torch.device("cuda")
-    module, graph = _cuda_graph("bert")
-    checks = [tuple(x.to(device) for x in zoo.get("bert").example_inputs(b, seed=b)) for b in (1, 4)]
-    fused, report = fusion.fuse_graph(graph, device, check_inputs=checks)
-    assert report.note == "", report.note  # fuse_graph compared it with the unfused graph
-    gemms = [n for n in fused.module.graph.nodes if n.op == "call_function" and n.target in (aten.addmm.default, aten.mm.default)]
-    transposed = [n.args[-1] for n in gemms if n.args[-1].op == "get_attr"]
-    weight = functools.partial(fusion._constant, fused.module)
-    shapes = {(n.target, *weight(n.args[-1]).shape) for n in gemms if n.args[-1].op == "get_attr"}
-    shapes |= {(n.target, *reversed(weight(n.args[-1].args[0]).shape)) for n in gemms if n.args[-1].op != "get_attr"}
-    assert len(list((tmp_path / "gemm_layouts").glob("*.json"))) == len(shapes) >= 4  # one answer per GEMM shape
-    assert report.rewrites["pretranspose_linears"] == len(transposed)  # one reader per weight in BERT
-    again, _ = fusion.fuse_graph(graph, device, check_inputs=checks)
-    assert again.fingerprint == fused.fingerprint  # the cached answers: the same graph, profile and compiled code
-    with torch.inference_mode():
-        inputs = checks[1]
-        assert max_relative_error(fused.module(*inputs), module(*inputs)) <= TOLERANCE
 
 
 @pytest.mark.gpu

@@ -56,9 +56,8 @@ AUTO_KEEP = 3
 FUSED_CANDIDATES: tuple[tuple[str, int], ...] = (("opara", 8),)
 # The graph Inductor compiles: the project's rewrites that Inductor does not
 # do itself; cuDNN's fused convolution ops would hide the convolutions from it.
-# Inductor merges linear layers and stores weights transposed only with
-# freezing, which lifted weights rule out.
-INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears", "pretranspose_linears")
+# Inductor merges linear layers only with freezing, which lifted weights rule out.
+INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears")
 
 
 @dataclass(frozen=True)

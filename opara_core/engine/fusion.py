@@ -35,7 +35,6 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_leaves, tree_map
 
-from opara_core.engine import gemm_layout
 from opara_core.engine import trace as graphs
 from opara_core.engine.compare import max_relative_error, no_cudnn_autotuning
 from opara_core.engine.trace import OpGraph
@@ -562,40 +561,6 @@ def merge_parallel_linears(gm: GraphModule) -> int:
     return count
 
 
-def pretranspose_linears(
-    gm: GraphModule,
-    sizes: Sequence[Mapping[sympy.Symbol, int]] = (MappingProxyType({}),),
-    faster: Callable[..., bool] | None = None,
-) -> int:
-    """Store a linear layer's weight transposed, [K, N] contiguous, where cuBLAS
-    runs that layout faster at the model's shapes (engine.gemm_layout measures
-    each GEMM shape once per GPU, at the row counts of each binding in `sizes`:
-    the smallest and largest bucket; `faster` answers instead where given).
-    torch.compile's freezing stores every weight that way; measured on an H100
-    neither layout wins every shape. Returns the number of GEMMs rewritten."""
-    faster = faster or gemm_layout.transposed_is_faster
-    transposed: dict[str, Node] = {}  # weight attribute -> its transposed copy, shared by its readers
-    count = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in (ADDMM, MM):
-            continue
-        weight = _linear_weight(gm, node)
-        if weight is None:
-            continue
-        rows = sorted({_concrete_shape(node.args[-2].meta["val"], bound)[0] for bound in sizes})
-        n, k = (int(d) for d in weight.shape)
-        if not faster(node.target is ADDMM, rows, k, n, weight.dtype, weight.device):
-            continue
-        target = node.args[-1].args[0].target
-        if target not in transposed:
-            with gm.graph.inserting_before(node), torch.no_grad():
-                transposed[target] = _add_constant(gm, weight.t().contiguous(), "transposed_linear_weight")
-        node.replace_input_with(node.args[-1], transposed[target])
-        count += 1
-    _eliminate_dead_code(gm)
-    return count
-
-
 # ---- cuDNN fused convolutions (CUDA only) --------------------------------------------
 
 
@@ -635,16 +600,15 @@ def _register_fused_flops() -> None:
         flop_registry.setdefault(packet, fused)
 
 
-def _concrete_shape(val: torch.Tensor, sizes: Mapping[sympy.Symbol, int] = MappingProxyType({})) -> list[int]:
-    """A concrete shape for a fake value: symbolic sizes (the batch) bound by
-    `sizes`, those not bound taken as 1."""
+def _concrete_shape(val: torch.Tensor) -> list[int]:
+    """A concrete shape for a fake value: symbolic sizes (the batch) taken as 1."""
     shape = []
     for d in val.shape:
         if isinstance(d, int):
             shape.append(d)
             continue
         expr = sympy.sympify(d.node.expr)
-        value = expr.subs({symbol: sizes.get(symbol, 1) for symbol in expr.free_symbols})
+        value = expr.subs({symbol: 1 for symbol in expr.free_symbols})
         shape.append(int(value) if value.is_number and int(value) > 0 else 1)
     return shape
 
@@ -764,14 +728,13 @@ PASSES: dict[str, Pass] = {
     "fold_batchnorm": fold_batchnorm,
     "merge_convs": merge_parallel_convs,
     "merge_linears": merge_parallel_linears,
-    "pretranspose_linears": pretranspose_linears,
     "conv_add_relu": fuse_conv_add_relu,
     "conv_relu": fuse_conv_relu,
 }
-CUDA_ONLY = frozenset({"pretranspose_linears", "conv_add_relu", "conv_relu"})
+CUDA_ONLY = frozenset({"conv_add_relu", "conv_relu"})
 # conv_add_relu is left out until measured: cuDNN's runtime-fused kernels are not
 # always faster than a convolution plus an elementwise kernel.
-DEFAULT_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_convs", "merge_linears", "pretranspose_linears", "conv_relu")
+DEFAULT_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_convs", "merge_linears", "conv_relu")
 
 
 def _selected(passes: Sequence[str] | None, device: torch.device) -> list[str]:
@@ -782,22 +745,15 @@ def _selected(passes: Sequence[str] | None, device: torch.device) -> list[str]:
     return [p for p in PASSES if p in wanted and (device.type == "cuda" or p not in CUDA_ONLY)]
 
 
-def fuse(
-    gm: GraphModule,
-    device: torch.device | str,
-    passes: Sequence[str] | None = None,
-    sizes: Sequence[Mapping[sympy.Symbol, int]] = (MappingProxyType({}),),
-) -> FusionReport:
+def fuse(gm: GraphModule, device: torch.device | str, passes: Sequence[str] | None = None) -> FusionReport:
     """Run `passes` (default DEFAULT_PASSES; the CUDA-only ones only for a CUDA device)
-    on `gm` in place, delete the weights no node reads any more, and recompile.
-    `sizes`: bindings of the graph's symbolic sizes (one per bucket to measure
-    at) for the passes that measure (pretranspose_linears)."""
+    on `gm` in place, delete the weights no node reads any more, and recompile."""
     device = torch.device(device)
     before = count_kernels(gm)
     attributes = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     rewrites = {}
     for name in _selected(passes, device):
-        rewrites[name] = pretranspose_linears(gm, sizes) if name == "pretranspose_linears" else PASSES[name](gm)
+        rewrites[name] = PASSES[name](gm)
         log.debug("fusion pass %s: %d rewrites", name, rewrites[name])
     gm.graph.lint()
     _delete_attributes(gm, attributes - {n.target for n in gm.graph.nodes if n.op == "get_attr"})
@@ -835,7 +791,7 @@ def fuse_graph(
     for attempt in attempts:
         try:
             gm = copy.deepcopy(graph.module)
-            report = fuse(gm, device, attempt, [graphs.size_env(gm, inputs) for inputs in check_inputs] or [{}])
+            report = fuse(gm, device, attempt)
             problem = _compare(graph.module, gm, check_inputs, tolerance)
             if problem is None:
                 fused = graphs.from_graph_module(gm, sizes=sizes, name=graph.name, salt=f"{graph.fingerprint} fused {attempt}")

@@ -66,7 +66,7 @@ def trace(
     program = torch.export.export(module.eval(), example_inputs, dynamic_shapes=dynamic_shapes)
     gm = program.run_decompositions().module()
     inputs = example_inputs if cost_inputs is None else tuple(cost_inputs)
-    sizes = size_env(gm, inputs)
+    sizes = _size_env(gm, inputs)
     shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
     return from_graph_module(gm, sizes=sizes, spec=spec, name=name, salt=repr(shapes))
 
@@ -242,7 +242,7 @@ def _hazard_edges(nodes: Sequence[torch.fx.Node]) -> list[tuple[torch.fx.Node, t
     return [(u, v) for u, v in edges if u is not v]
 
 
-def size_env(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> dict[sympy.Symbol, int]:
+def _size_env(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> dict[sympy.Symbol, int]:
     """Map each symbolic input dimension (e.g. the batch) to its size in `inputs`."""
     env: dict[sympy.Symbol, int] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
