@@ -13,6 +13,7 @@ empty response flagged final, which the client asks for with
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import queue
 import threading
@@ -205,42 +206,88 @@ def plan_load(config: LoadConfig) -> list[tuple[float, list[int], int]]:
 
 
 def run_load(config: LoadConfig, stop: threading.Event | None = None) -> LoadResult:
-    """Send the planned requests on one stream at their arrival times; collect per-request timings."""
-    plan = plan_load(config)
+    """Send the planned requests at their arrival times; collect per-request timings.
+
+    All requests share one gRPC channel and one asyncio event loop (each on
+    its own stream of that channel, so an error belongs to its request). The
+    first version opened a client, a channel and a callback thread per
+    request: on the H100 at 48 requests/s and more it sent 1-3 s late
+    (docs/benchmarks.md, generation's third run), and every token's arrival
+    time waited for the GIL among hundreds of threads. A request not sent by
+    the time `stop` is set is left out.
+    """
+    return asyncio.run(_run_load(config, stop))
+
+
+async def _run_load(config: LoadConfig, stop: threading.Event | None) -> LoadResult:
+    import tritonclient.grpc.aio as grpcaio
+
     result = LoadResult(config=asdict(config))
-    sent: list[tuple[float, TokenStream, Outcome]] = []
+    client = grpcaio.InferenceServerClient(config.url)
     start = time.perf_counter()
     try:
-        for at, prompt, max_tokens in plan:
-            delay = start + at - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            if stop is not None and stop.is_set():
-                break
-            stream = TokenStream(config.url, config.timeout_s)
-            sent_at = time.perf_counter()
-            outcome = Outcome(len(prompt), max_tokens, lag_s=sent_at - (start + at))
-            sent.append((sent_at, stream.send(config.model, prompt, max_tokens), outcome))
-        for sent_at, stream, outcome in sent:
-            times = []
-            try:
-                times = [when for when, _ in tokens(stream.events, config.timeout_s)]
-            except ClientError as error:
-                outcome.error = str(error)
-            outcome.tokens = len(times)
-            if times:
-                outcome.ttft_s = times[0] - sent_at
-                outcome.latency_s = times[-1] - sent_at
-                if len(times) > 1:
-                    outcome.tpot_s = (times[-1] - times[0]) / (len(times) - 1)
-            result.outcomes.append(outcome)
-        # from the first send to the last token received
-        ends = [sent_at + o.latency_s for sent_at, _, o in sent if o.latency_s is not None]
-        result.duration_s = (max(ends) if ends else time.perf_counter()) - start
+        tasks = [asyncio.create_task(_one_request(client, config, start, *planned, stop)) for planned in plan_load(config)]
+        sent = [done for done in await asyncio.gather(*tasks) if done is not None]
     finally:
-        for _, stream, _ in sent:
-            stream.close(cancel=True)
+        await client.close()
+    result.outcomes = [outcome for _, outcome in sent]
+    # from the first send to the last token received
+    ends = [sent_at + o.latency_s for sent_at, o in sent if o.latency_s is not None]
+    result.duration_s = (max(ends) if ends else time.perf_counter()) - start
     return result
+
+
+async def _one_request(client, config: LoadConfig, start: float, at: float, prompt: list[int], max_tokens: int, stop: threading.Event | None) -> tuple[float, Outcome] | None:
+    """One planned request on its own stream: (send time, outcome), or None if
+    `stop` came first. The stream stays open until the final response."""
+    delay = start + at - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    if stop is not None and stop.is_set():
+        return None
+    finished = asyncio.Event()
+
+    async def request():
+        yield {
+            "model_name": config.model,
+            "inputs": _inputs(prompt, max_tokens, None),
+            "parameters": {"triton_enable_empty_final_response": True},
+        }
+        await finished.wait()  # closing the request side early would end the stream
+
+    sent_at = time.perf_counter()
+    outcome = Outcome(len(prompt), max_tokens, lag_s=sent_at - (start + at))
+    times: list[float] = []
+    responses = client.stream_infer(request(), headers=admin_headers("grpc") or None)
+    try:
+        while True:
+            try:
+                response, error = await asyncio.wait_for(anext(responses), config.timeout_s)
+            except asyncio.TimeoutError:
+                raise ClientError(f"no response in {config.timeout_s:g} s", "timeout") from None
+            now = time.perf_counter()
+            if error is not None:
+                raise ClientError(describe(error))
+            if _is_final(response):
+                break
+            times.append(now)
+    except StopAsyncIteration:
+        outcome.error = "the stream ended before the final response"
+    except ClientError as error:
+        outcome.error = str(error)
+    except Exception as error:  # noqa: BLE001 - gRPC's own errors: this request failed, the others go on
+        outcome.error = describe(error)
+    finally:
+        finished.set()
+        if outcome.error is not None:
+            responses.cancel()
+    outcome.tokens = len(times)
+    if times:
+        outcome.ttft_s = times[0] - sent_at
+        outcome.latency_s = times[-1] - sent_at
+        if len(times) > 1:
+            outcome.tpot_s = (times[-1] - times[0]) / (len(times) - 1)
+    return sent_at, outcome
 
 
 def format_summary(summary: dict) -> str:

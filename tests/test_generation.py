@@ -186,6 +186,21 @@ def test_overload_gets_a_clear_error_and_the_others_are_served(server):
         assert result == oracle(prompt, n)
 
 
+def test_the_load_generator_keeps_each_error_with_its_own_request(server):
+    """The load generator's requests share one channel: 16 long requests at
+    once (arrivals 1 ms apart) against 4 slots and a queue of 6. Each outcome
+    is either that request's own refusal or all of its tokens; nothing lost."""
+    from client.generate import LoadConfig, run_load
+
+    config = LoadConfig(model="gpt2", url=server.grpc_url, rate=1000, requests=16, prompt_len=(2, 4), output_len=(16, 16), vocab=100, timeout_s=60)
+    result = run_load(config)
+    assert len(result.outcomes) == 16
+    served = [o for o in result.outcomes if o.error is None]
+    assert len(served) >= 4 + 6 and all(o.tokens == 16 and o.ttft_s <= o.latency_s for o in served)
+    assert all("overloaded" in o.error and o.tokens == 0 for o in result.outcomes if o.error is not None)
+    assert result.summary()["errors"] == 16 - len(served)
+
+
 def long_then_short(url: str, model: str) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
     """A long request, and a short one sent once the long one's first token is
     in: (time, token) of each."""
