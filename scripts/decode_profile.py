@@ -1,0 +1,159 @@
+"""Where a decoding step of the served GPT-2 goes, per active-batch bucket.
+
+`python scripts/decode_profile.py --rows 1,13,26,32 --context 128 --json out/decode.json --traces out/decode`
+
+Generation's fourth run (docs/benchmarks.md) found iteration-level scheduling
+held back by its step: 3.4 ms over 26 active rows against 3.0 ms over 13 and
+1.2 ms for one, so twice the rows bought 1.45x the tokens. This builds the
+decoder as the `gpt2` model serves it (GPT-2 small, seeded weights, the
+config's slots and context, one CUDA graph per bucket of
+`generation.graph_buckets`) and, for each row count, fills that many slots at
+`--context` positions and measures:
+
+- the whole step as the loop calls it (`SlotDecoder.step`: host table, pinned
+  copy in, replay, copy out, event wait), median ms over `--steps` calls;
+- the bucket's graph replay alone, and the kernels of a few profiled replays:
+  count, summed time, and the heaviest kernels by name (as
+  `scripts/kernel_profile.py` reports them).
+
+The difference between the two is the step's host side; the kernels say which
+part of the graph grows with the rows (attention over the padded context,
+the gather of each row's cache, the GEMMs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SCRIPTS = Path(__file__).resolve().parent
+REPLAYS = 5
+
+
+def _kernel_profile():
+    """scripts/kernel_profile.py (its replay summary and heaviest-kernel table)."""
+    spec = importlib.util.spec_from_file_location("kernel_profile", SCRIPTS / "kernel_profile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_rows(text: str, slots: int) -> list[int]:
+    rows = [int(r) for r in text.split(",") if r]
+    if not rows or not all(1 <= r <= slots for r in rows):
+        raise ValueError(f"--rows must be row counts from 1 to --slots ({slots}), got {text!r}")
+    return rows
+
+
+class _Replay:
+    """A bucket's graph with the `replay()` that bench.profile_replays calls."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.replay = graph.replay
+
+
+def profile_rows(decoder, rows: int, context: int, steps: int, trace: Path) -> dict[str, Any]:
+    from opara_core.bench import profile_replays
+
+    kernels = _kernel_profile()
+    slots = list(range(rows))
+    tokens = [1] * rows
+    lengths = [context] * rows
+    bucket = next(b for b in decoder.buckets if b.size >= rows)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        decoder.step(slots, tokens, lengths)
+        times.append((time.perf_counter() - start) * 1000)
+    graph = _Replay(bucket.graph)
+    torch.cuda.synchronize()
+    start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replay_ms = []
+    for _ in range(steps):
+        start_event.record()
+        graph.replay()
+        end_event.record()
+        end_event.synchronize()
+        replay_ms.append(start_event.elapsed_time(end_event))
+    replays = profile_replays(graph, REPLAYS, trace)
+    summaries = [kernels.replay_summary(events) for events in replays]
+    return {
+        "rows": rows,
+        "bucket": bucket.size,
+        "in_place": bucket.size == decoder.slots,
+        "context": context,
+        "step_ms": statistics.median(times[steps // 5 :]),  # the first calls warm up
+        "replay_ms": statistics.median(replay_ms),
+        "kernels": statistics.median(s["kernels"] for s in summaries),
+        "kernel_sum_us": statistics.median(s["sum_us"] for s in summaries),
+        "busy_us": statistics.median(s["busy_us"] for s in summaries),
+        "heaviest": kernels.heaviest(replays),
+    }
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = ["rows", "bucket", "cache read", "step ms", "replay ms", "host ms", "kernels", "kernel sum us", "busy us"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        cells = [r["rows"], r["bucket"], "in place" if r["in_place"] else "gathered", f"{r['step_ms']:.3f}", f"{r['replay_ms']:.3f}"]
+        cells += [f"{r['step_ms'] - r['replay_ms']:.3f}", f"{r['kernels']:.0f}", f"{r['kernel_sum_us']:.0f}", f"{r['busy_us']:.0f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,8,13,16,26,32", help="active rows to measure (each runs on its bucket)")
+    parser.add_argument("--slots", type=int, default=32, help="the model's max_active (default 32)")
+    parser.add_argument("--max-context", type=int, default=512, help="the model's max_context (default 512)")
+    parser.add_argument("--context", type=int, default=128, help="positions already in each active row's cache (default 128)")
+    parser.add_argument("--steps", type=int, default=50, help="timed calls per row count (default 50)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--traces", type=Path, default=Path("out/decode_profile"), help="directory for the chrome traces")
+    args = parser.parse_args(argv)
+    try:
+        rows = parse_rows(args.rows, args.slots)
+        if not 1 <= args.context < args.max_context:
+            raise ValueError(f"--context must be from 1 to --max-context - 1 ({args.max_context - 1}), got {args.context}")
+        if args.steps < 5:
+            raise ValueError(f"--steps must be at least 5, got {args.steps}")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("error: the decoding profile needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from opara_core.models.gpt2 import SlotDecoder
+    from opara_core.serving.generation import graph_buckets, small_gpt2
+
+    device = torch.device("cuda")
+    lm = small_gpt2({}).lm  # GPT-2 small, seeded as the zoo seeds it
+    start = time.perf_counter()
+    decoder = SlotDecoder(lm, args.slots, args.max_context, device, graph_buckets(args.slots), capture=True)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, GPT-2 small fp32, {args.slots} slots x {args.max_context} positions, "
+          f"buckets {[b.size for b in decoder.buckets]} captured in {time.perf_counter() - start:.1f} s; every row at {args.context} positions")
+    args.traces.mkdir(parents=True, exist_ok=True)
+    results = []
+    for count in rows:
+        results.append(profile_rows(decoder, count, args.context, args.steps, args.traces / f"decode_rows{count}.trace.json"))
+        if args.json:
+            meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv)}
+            args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(table(results))
+    for r in results:
+        print(f"\n{r['rows']} rows (bucket {r['bucket']}): heaviest kernels (us per replay, calls)")
+        for k in r["heaviest"]:
+            print(f"  {k['us']:8.1f}  {k['calls']:4d}  {k['kind']:8s}  {k['name'][:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
