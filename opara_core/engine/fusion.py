@@ -489,9 +489,9 @@ def _restrided(node: Node, val: torch.Tensor, mode: FakeTensorMode) -> dict[Node
     return values
 
 
-def _mergeable(members: list[Node], mode: FakeTensorMode) -> tuple[list[Node], list[dict[Node, torch.Tensor]]]:
+def _mergeable(members: list[Node], mode: FakeTensorMode) -> tuple[list[Node], list[int], list[dict[Node, torch.Tensor]]]:
     """The members whose results can become column slices of one contiguous result
-    (every view of them still possible), and the new fake values of those views.
+    (every view of them still possible), their widths, and the new fake values of those views.
     A member that cannot keeps its own GEMM; the width, and so the strides, change
     without it, so the rest is checked again."""
     while len(members) >= 2:
@@ -505,9 +505,9 @@ def _mergeable(members: list[Node], mode: FakeTensorMode) -> tuple[list[Node], l
                 parts.append(_restrided(node, merged[:, start : start + width], mode))
             start += width
         if all(p is not None for p in parts):
-            return members, parts
+            return members, widths, parts
         members = [m for m, p in zip(members, parts) if p is not None]
-    return members, []
+    return members, [], []
 
 
 def merge_parallel_linears(gm: GraphModule) -> int:
@@ -531,11 +531,10 @@ def merge_parallel_linears(gm: GraphModule) -> int:
     mode = _fake_mode(gm) if groups else None
     count = 0
     for (target, *_), members in groups.items():
-        members, parts = _mergeable(members, mode)
+        members, sizes, parts = _mergeable(members, mode)
         if len(members) < 2:
             continue
         weights = [_linear_weight(gm, m) for m in members]
-        sizes = [int(w.shape[0]) for w in weights]
         first = members[0]
         left = first.args[-2]
         with gm.graph.inserting_before(first), torch.no_grad():
