@@ -164,6 +164,12 @@ class Outcome:
     error: str | None = None
     lag_s: float = 0.0  # how late it was sent against its planned arrival (the load generator's own delay)
 
+    @property
+    def normalized_latency_s(self) -> float | None:
+        """Orca's normalized latency: the whole request's time (waiting and
+        prefill included, unlike TPOT) per generated token."""
+        return self.latency_s / self.tokens if self.latency_s is not None and self.tokens else None
+
 
 @dataclass
 class LoadResult:
@@ -175,6 +181,7 @@ class LoadResult:
         good = [o for o in self.outcomes if o.error is None]
         ttft = [o.ttft_s for o in good if o.ttft_s is not None]
         tpot = [o.tpot_s for o in good if o.tpot_s is not None]
+        normalized = [o.normalized_latency_s for o in good if o.normalized_latency_s is not None]
 
         def pct(values: list[float], q: float) -> float | None:
             return float(np.percentile(values, q) * 1000) if values else None
@@ -189,6 +196,8 @@ class LoadResult:
             "ttft_p99_ms": pct(ttft, 99),
             "tpot_p50_ms": pct(tpot, 50),
             "tpot_p99_ms": pct(tpot, 99),
+            "norm_latency_p50_ms": pct(normalized, 50),
+            "norm_latency_p99_ms": pct(normalized, 99),
             "send_lag_p99_ms": pct([o.lag_s for o in self.outcomes], 99),
         }
 
@@ -298,7 +307,8 @@ def format_summary(summary: dict) -> str:
         f"{summary['requests']} requests ({summary['errors']} errors) in {summary['duration_s']:.1f} s: "
         f"{summary['requests_per_s']:.2f} req/s, {summary['tokens_per_s']:.1f} tokens/s; "
         f"TTFT p50 {ms(summary['ttft_p50_ms'])} ms, p99 {ms(summary['ttft_p99_ms'])} ms; "
-        f"TPOT p50 {ms(summary['tpot_p50_ms'])} ms, p99 {ms(summary['tpot_p99_ms'])} ms"
+        f"TPOT p50 {ms(summary['tpot_p50_ms'])} ms, p99 {ms(summary['tpot_p99_ms'])} ms; "
+        f"latency per token p50 {ms(summary['norm_latency_p50_ms'])} ms, p99 {ms(summary['norm_latency_p99_ms'])} ms"
     )
 
 

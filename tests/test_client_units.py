@@ -653,3 +653,17 @@ def test_bench_config_with_lengths_refuses_shared_memory_and_bad_specs():
         bench.BenchConfig(model="m", url="h:1", requests=1, shared_memory="system", lengths="fixed:3")
     with pytest.raises(ValueError, match="use lognormal"):
         bench.BenchConfig(model="m", url="h:1", requests=1, lengths="gauss")
+
+
+def test_a_load_summary_reports_latency_per_token_with_the_wait_included():
+    from client.generate import LoadResult, Outcome
+
+    # a request that waited: 10 tokens, first after 100 ms, then 2 ms apart; another of 4 tokens in 10 ms
+    waited = Outcome(8, 10, tokens=10, ttft_s=0.100, tpot_s=0.002, latency_s=0.118)
+    quick = Outcome(8, 4, tokens=4, ttft_s=0.004, tpot_s=0.002, latency_s=0.010)
+    failed = Outcome(8, 4, error="overloaded")
+    summary = LoadResult(config={}, outcomes=[waited, quick, failed], duration_s=1.0).summary()
+    assert waited.normalized_latency_s == pytest.approx(0.0118) and failed.normalized_latency_s is None
+    assert summary["norm_latency_p50_ms"] == pytest.approx((11.8 + 2.5) / 2)
+    assert summary["tpot_p50_ms"] == pytest.approx(2.0)  # TPOT leaves the wait out
+    assert summary["errors"] == 1
