@@ -148,10 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv)}
             args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(table(results))
+    kernels = _kernel_profile()
     for r in results:
-        print(f"\n{r['rows']} rows (bucket {r['bucket']}): heaviest kernels (us per replay, calls)")
-        for k in r["heaviest"]:
-            print(f"  {k['us']:8.1f}  {k['calls']:4d}  {k['kind']:8s}  {k['name'][:110]}")
+        kernels.print_heaviest(f"{r['rows']} rows (bucket {r['bucket']})", r["heaviest"])
     return 0
 
 

@@ -12,7 +12,6 @@ try:
     from opara_core.serving.launcher import ServerConfig, TritonServer, free_port, REPO_ROOT
 except ImportError:  # before the planning/engine/serving layout
     from opara_core.server import ServerConfig, TritonServer, free_port, REPO_ROOT
-import numpy as np
 import tritonclient.http as http
 from opara_core import zoo
 

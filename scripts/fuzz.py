@@ -325,7 +325,6 @@ def many_inputs(model: Model, rng: random.Random) -> Case:
     count = rng.choice([100, 1000, 10_000, 100_000])
     inputs = _json_inputs(model, 1, rng)
     mutation = rng.choice(["copies", "new names", "outputs"])
-    request: dict = {"inputs": inputs}
     head = json.dumps({"inputs": inputs})[:-2].encode()  # without the closing "]}"
     if mutation == "copies":
         extra = b"".join(b"," + json.dumps(inputs[i % len(inputs)]).encode() for i in range(min(count, 1000)))

@@ -74,6 +74,12 @@ def heaviest(replays: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["us"])[:TOP]
 
 
+def print_heaviest(title: str, kernels: list[dict[str, Any]]) -> None:
+    print(f"\n{title}: heaviest kernels (us per replay, calls)")
+    for k in kernels:
+        print(f"  {k['us']:8.1f}  {k['calls']:4d}  {k['kind']:8s}  {k['name'][:110]}")
+
+
 def profile_graph(captured, label: str, trace: Path, timeline: Path | None, title: str) -> dict[str, Any]:
     replays = profile_replays(captured, REPLAYS, trace)
     summaries = [replay_summary(events) for events in replays]
@@ -144,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(models))
     for m in models:
         for g in m["graphs"]:
-            print(f"\n{m['model']} b{m['batch']} {g['label']}: heaviest kernels (us per replay, calls)")
-            for k in g["heaviest"]:
-                print(f"  {k['us']:8.1f}  {k['calls']:4d}  {k['kind']:8s}  {k['name'][:110]}")
+            print_heaviest(f"{m['model']} b{m['batch']} {g['label']}", g["heaviest"])
     return 0
 
 

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
 import secrets
+import sys
 from pathlib import Path
 
 import pytest
 
 from opara_core.serving.launcher import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_ports
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module, registered under its name (dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def server_config(model_repository: Path = DEFAULT_MODEL_REPOSITORY, **overrides) -> ServerConfig:

@@ -3,19 +3,12 @@ GPU work (the profile itself needs a GPU: run on the GPU machine)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from conftest import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("decode_profile", REPO_ROOT / "scripts" / "decode_profile.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("decode_profile")
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,6 @@ import torch
 from engine_helpers import traced
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_leaves
 
 from opara_core import zoo
 from opara_core.engine import fusion

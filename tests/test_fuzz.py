@@ -13,26 +13,20 @@ server with it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
-from conftest import server_config
+from conftest import load_script, server_config
 from test_faults import make_repository
 
-from opara_core.serving.launcher import REPO_ROOT, TritonServer
+from opara_core.serving.launcher import TritonServer
 
 pytestmark = pytest.mark.server
 
 
 def _load_fuzz():
     """scripts/fuzz.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("fuzz", REPO_ROOT / "scripts" / "fuzz.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fuzz"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("fuzz")
 
 
 fuzz = _load_fuzz()

@@ -3,17 +3,11 @@ the model runs (the timing itself needs a GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from conftest import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("gemm_layout", REPO_ROOT / "scripts" / "gemm_layout.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gemm_layout")
 
 
 def test_bert_shapes_are_its_layers_at_128_tokens_per_row_and_the_merged_projections():

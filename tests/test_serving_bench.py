@@ -3,27 +3,21 @@ beside every model (opara_core.serving.floor), against the real server."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 
 import numpy as np
 import pytest
-from conftest import server_config
+from conftest import load_script, server_config
 from serving import example
 
 from client.api import Client, result_arrays
 from opara_core import zoo
-from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, TritonServer
+from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer
 
 
 def _load_bench():
     """scripts/serving_bench.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("serving_bench", REPO_ROOT / "scripts" / "serving_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["serving_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("serving_bench")
 
 
 serving_bench = _load_bench()

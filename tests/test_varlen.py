@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
