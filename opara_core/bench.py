@@ -446,17 +446,18 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     rows: list[Row] = []
+
+    def keep(row: Row) -> None:
+        rows.append(row)
+        if args.json:
+            _write_json(args.json, rows)
+
     steps = len(models) * len(batches) * (2 + 3 + len(POLICIES) + 1)
     with tqdm(total=steps, desc="bench", file=sys.stderr) as progress:
         for name in models:
             progress.set_postfix_str(name)
             compile_ = args.compile_models is None or name in args.compile_models.split(",")
             autotune = name in args.compile_autotune.split(",")
-            def keep(row: Row) -> None:
-                rows.append(row)
-                if args.json:
-                    _write_json(args.json, rows)
-
             bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"fp32 (cuDNN TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'}), times in ms: median (p99)")

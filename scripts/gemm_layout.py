@@ -13,8 +13,11 @@ with forward hooks, one eager call per batch; layers reading one tensor are
 also timed merged, as the `merge_linears` pass runs them), four ways:
 `addmm(b, x, w.t())` (what segments run today), `addmm(b, x, wt)` with `wt` the
 transposed weight stored contiguous, and `mm` of each; each inside one CUDA
-graph of 20 calls, median of 7 replays. A fusion pass that stores some weights
-transposed is worth building only where this says so.
+graph of 20 calls, median of 7 replays. What it says did not carry over to the
+model: a fusion pass that stored weights transposed where this measured them
+faster made BERT slower in every column on the H100 (docs/benchmarks.md run 11;
+repeated calls on one weight keep it in L2, the model reads it once), and was
+reverted. Read it as a per-GEMM hint, not a verdict.
 """
 
 from __future__ import annotations

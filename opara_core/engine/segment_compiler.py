@@ -269,11 +269,11 @@ def _checked(
         problem = f"relative error {error:.2g} against the segment's ATen operators"
     except Exception as error:  # noqa: BLE001 - the ATen operators still run
         problem = f"{type(error).__name__}: {error}"
-    if retry:
+    if retry:  # no wrong marker yet: the caller's second compile decides
         log.info("a segment's code from a compile worker fails its check (%s); compiling it again in this process", problem)
     else:
         log.warning("a segment's Inductor code fails its check (%s); it runs its ATen operators", problem)
-    _wrong_marker(cache_dir, key).write_text(problem)
+        _wrong_marker(cache_dir, key).write_text(problem)
     return segment.code
 
 
@@ -285,8 +285,7 @@ def _compiled_here(segment: CompiledSegment, job: tuple[GraphModule, Sequence[Te
     operators) and passed when the building process compiled it (run 9: 1.41
     ms); which difference matters is not known yet, so such code gets one more
     compile here. Code that passes replaces the worker's on disk; code that
-    fails keeps the wrong marker, and the ATen operators run."""
-    _wrong_marker(cache_dir, key).unlink(missing_ok=True)
+    fails gets the wrong marker, and the ATen operators run."""
     try:
         artifact = _compile(*job)
     except Exception as error:  # noqa: BLE001 - the ATen operators still run
