@@ -25,6 +25,9 @@ from typing import Iterator
 import numpy as np
 
 from client.api import ClientError, admin_headers, describe, classify
+from client import lengths
+from client.inputs import InputError
+from client.lengths import LengthSpec
 
 OUTPUT = "output_ids"
 
@@ -129,15 +132,17 @@ def generate_once(url: str, model: str, ids: list[int], max_tokens: int, end_id:
 
 @dataclass(frozen=True)
 class LoadConfig:
-    """Poisson arrivals at `rate` requests/s; prompt and output lengths drawn
-    uniformly from the inclusive ranges, all from `seed`."""
+    """Poisson arrivals at `rate` requests/s; prompt lengths drawn uniformly
+    from the inclusive range, output lengths from theirs or from a seeded
+    length distribution (client.lengths: a long tail is where request-level
+    batching waits longest), all from `seed`."""
 
     model: str
     url: str
     rate: float
     requests: int
     prompt_len: tuple[int, int] = (4, 64)
-    output_len: tuple[int, int] = (4, 64)
+    output_len: tuple[int, int] | LengthSpec = (4, 64)
     seed: int = 0
     vocab: int = 50257
     timeout_s: float = 120.0
@@ -146,6 +151,8 @@ class LoadConfig:
         if not self.rate > 0 or self.requests < 1:
             raise ValueError("--rate must be > 0 and --requests >= 1")
         for name in ("prompt_len", "output_len"):
+            if isinstance(getattr(self, name), LengthSpec):
+                continue
             low, high = getattr(self, name)
             if not 1 <= low <= high:
                 raise ValueError(f"--{name.replace('_', '-')} must be LOW,HIGH with 1 <= LOW <= HIGH")
@@ -206,11 +213,14 @@ def plan_load(config: LoadConfig) -> list[tuple[float, list[int], int]]:
     """(send time from the start, prompt, max_tokens) per request, seeded."""
     rng = np.random.default_rng(config.seed)
     arrivals = np.cumsum(rng.exponential(1.0 / config.rate, config.requests))
+    spec = config.output_len if isinstance(config.output_len, LengthSpec) else None
+    outputs = spec.lengths(config.requests) if spec else None
     plan = []
-    for at in arrivals:
+    for i, at in enumerate(arrivals):
         length = int(rng.integers(config.prompt_len[0], config.prompt_len[1] + 1))
         prompt = rng.integers(0, config.vocab, length).tolist()
-        plan.append((float(at), prompt, int(rng.integers(config.output_len[0], config.output_len[1] + 1))))
+        max_tokens = int(outputs[i]) if spec else int(rng.integers(config.output_len[0], config.output_len[1] + 1))
+        plan.append((float(at), prompt, max_tokens))
     return plan
 
 
@@ -363,6 +373,16 @@ def _range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def output_lengths(text: str) -> tuple[int, int] | LengthSpec:
+    """--output-len: LOW,HIGH (uniform) or a length SPEC of client.lengths."""
+    if ":" not in text:
+        return _range(text)
+    try:
+        return lengths.parse(text)
+    except InputError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--url", default="localhost:8001", help="gRPC HOST:PORT (default localhost:8001)")
@@ -375,7 +395,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--rate", type=float, help="requests per second")
     load.add_argument("--requests", type=int, default=64, help="requests to send (default 64)")
     load.add_argument("--prompt-len", type=_range, default=(4, 64), help="LOW,HIGH prompt tokens (default 4,64)")
-    load.add_argument("--output-len", type=_range, default=(4, 64), help="LOW,HIGH generated tokens (default 4,64)")
+    load.add_argument(
+        "--output-len", type=output_lengths, default=(4, 64),
+        help="LOW,HIGH generated tokens (default 4,64), or a SPEC such as lognormal:mean=64,cap=384,seed=1",
+    )  # fmt: skip
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--json", type=Path, help="write the summary and every request's timings here")
     load.add_argument("--plot", type=Path, help="PNG: distributions of TTFT and TPOT")

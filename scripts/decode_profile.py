@@ -6,9 +6,10 @@ Generation's fourth run (docs/benchmarks.md) found iteration-level scheduling
 held back by its step: 3.4 ms over 26 active rows against 3.0 ms over 13 and
 1.2 ms for one, so twice the rows bought 1.45x the tokens. This builds the
 decoder as the `gpt2` model serves it (GPT-2 small, seeded weights, the
-config's slots and context, one CUDA graph per bucket of
-`generation.graph_buckets`) and, for each row count, fills that many slots at
-`--context` positions and measures:
+config's slots and context, one CUDA graph per (rows, span) shape of
+`generation.graph_buckets` x `generation.step_spans`) and, for each row
+count, fills slots 0 to rows - 1 (the scheduler hands out the lowest free
+slot) at `--context` positions and measures:
 
 - the whole step as the loop calls it (`SlotDecoder.step`: host table, pinned
   copy in, replay, copy out, event wait), median ms over `--steps` calls;
@@ -17,8 +18,9 @@ config's slots and context, one CUDA graph per bucket of
   `scripts/kernel_profile.py` reports them).
 
 The difference between the two is the step's host side; the kernels say which
-part of the graph grows with the rows (attention over the padded context,
-the gather of each row's cache, the GEMMs).
+part of the graph grows with the rows (attention over the span, the GEMMs).
+`--precision` measures what the same step would take with TF32 matmuls or
+bf16 weights (the served model is fp32).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def profile_rows(decoder, rows: int, context: int, steps: int, trace: Path) -> d
     slots = list(range(rows))
     tokens = [1] * rows
     lengths = [context] * rows
-    bucket = next(b for b in decoder.buckets if b.size >= rows)
+    bucket = decoder.step_bucket(slots, [context] * rows)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -87,8 +89,8 @@ def profile_rows(decoder, rows: int, context: int, steps: int, trace: Path) -> d
     summaries = [kernels.replay_summary(events) for events in replays]
     return {
         "rows": rows,
-        "bucket": bucket.size,
-        "in_place": bucket.size == decoder.slots,
+        "bucket": bucket.shape[0],
+        "span": bucket.shape[1],
         "context": context,
         "step_ms": statistics.median(times[steps // 5 :]),  # the first calls warm up
         "replay_ms": statistics.median(replay_ms),
@@ -100,10 +102,10 @@ def profile_rows(decoder, rows: int, context: int, steps: int, trace: Path) -> d
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    head = ["rows", "bucket", "cache read", "step ms", "replay ms", "host ms", "kernels", "kernel sum us", "busy us"]
+    head = ["rows", "bucket", "span", "step ms", "replay ms", "host ms", "kernels", "kernel sum us", "busy us"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        cells = [r["rows"], r["bucket"], "in place" if r["in_place"] else "gathered", f"{r['step_ms']:.3f}", f"{r['replay_ms']:.3f}"]
+        cells = [r["rows"], r["bucket"], r["span"], f"{r['step_ms']:.3f}", f"{r['replay_ms']:.3f}"]
         cells += [f"{r['step_ms'] - r['replay_ms']:.3f}", f"{r['kernels']:.0f}", f"{r['kernel_sum_us']:.0f}", f"{r['busy_us']:.0f}"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
@@ -116,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-context", type=int, default=512, help="the model's max_context (default 512)")
     parser.add_argument("--context", type=int, default=128, help="positions already in each active row's cache (default 128)")
     parser.add_argument("--steps", type=int, default=50, help="timed calls per row count (default 50)")
+    parser.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="fp32",
+                        help="fp32 (as served), fp32 with TF32 matmuls, or bf16 weights and cache")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--traces", type=Path, default=Path("out/decode_profile"), help="directory for the chrome traces")
     args = parser.parse_args(argv)
@@ -131,26 +135,30 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: the decoding profile needs a CUDA GPU", file=sys.stderr)
         return 2
+    sys.path.insert(0, str(SCRIPTS.parent))
     from opara_core.models.gpt2 import SlotDecoder
-    from opara_core.serving.generation import graph_buckets, small_gpt2
+    from opara_core.serving.generation import graph_buckets, small_gpt2, step_spans
 
     device = torch.device("cuda")
     lm = small_gpt2({}).lm  # GPT-2 small, seeded as the zoo seeds it
+    torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
+    if args.precision == "bf16":
+        lm = lm.to(torch.bfloat16)
     start = time.perf_counter()
-    decoder = SlotDecoder(lm, args.slots, args.max_context, device, graph_buckets(args.slots), capture=True)
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, GPT-2 small fp32, {args.slots} slots x {args.max_context} positions, "
-          f"buckets {[b.size for b in decoder.buckets]} captured in {time.perf_counter() - start:.1f} s; every row at {args.context} positions")
+    decoder = SlotDecoder(lm, args.slots, args.max_context, device, graph_buckets(args.slots), capture=True, spans=step_spans(args.max_context))
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, GPT-2 small {args.precision}, {args.slots} slots x {args.max_context} positions, "
+          f"{len(decoder.buckets)} (rows, span) shapes captured in {time.perf_counter() - start:.1f} s; every row at {args.context} positions")
     args.traces.mkdir(parents=True, exist_ok=True)
     results = []
     for count in rows:
         results.append(profile_rows(decoder, count, args.context, args.steps, args.traces / f"decode_rows{count}.trace.json"))
         if args.json:
-            meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv)}
+            meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "precision": args.precision, "command": " ".join(sys.argv)}
             args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(table(results))
     kernels = _kernel_profile()
     for r in results:
-        kernels.print_heaviest(f"{r['rows']} rows (bucket {r['bucket']})", r["heaviest"])
+        kernels.print_heaviest(f"{r['rows']} rows (bucket {r['bucket']} x {r['span']})", r["heaviest"])
     return 0
 
 

@@ -34,7 +34,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from client.generate import LoadConfig, TokenStream, run_load, tokens
+from client.generate import LoadConfig, TokenStream, output_lengths, run_load, tokens
 from opara_core.serving.launcher import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
 
 MODELS = {"iteration": "gpt2", "request": "gpt2_request"}
@@ -161,7 +161,7 @@ def main() -> int:
     parser.add_argument("--schedulings", default="iteration,request", help="which to run, of iteration,request")
     parser.add_argument("--requests", type=int, default=200, help="requests per rate")
     parser.add_argument("--prompt-len", default="4,128")
-    parser.add_argument("--output-len", default="4,256")
+    parser.add_argument("--output-len", type=output_lengths, default=(4, 256), help="LOW,HIGH or a length SPEC (client.lengths)")
     parser.add_argument("--max-active", default="32")
     parser.add_argument("--max-context", default="512")
     parser.add_argument("--max-queue", default="1024")
@@ -181,7 +181,6 @@ def main() -> int:
     }
     bounds = [float(b) for b in args.tpot_bound_ms.split(",")]
     prompt_len = tuple(int(v) for v in args.prompt_len.split(","))
-    output_len = tuple(int(v) for v in args.output_len.split(","))
     work = Path(tempfile.mkdtemp(prefix="generation_bench_"))
     parameters = {
         "max_active": args.max_active, "max_context": args.max_context, "max_queue": args.max_queue, "sender_threads": args.sender_threads,
@@ -213,7 +212,7 @@ def main() -> int:
             for rate in rates[scheduling]:
                 load = LoadConfig(
                     model=model, url=server.grpc_url, rate=rate, requests=args.requests,
-                    prompt_len=prompt_len, output_len=output_len, seed=args.seed,
+                    prompt_len=prompt_len, output_len=args.output_len, seed=args.seed,
                 )  # fmt: skip
                 before = loop_counters(server.metrics_url).get(model, {})
                 result = run_load(load)

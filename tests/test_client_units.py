@@ -667,3 +667,22 @@ def test_a_load_summary_reports_latency_per_token_with_the_wait_included():
     assert summary["norm_latency_p50_ms"] == pytest.approx((11.8 + 2.5) / 2)
     assert summary["tpot_p50_ms"] == pytest.approx(2.0)  # TPOT leaves the wait out
     assert summary["errors"] == 1
+
+
+def test_load_output_lengths_come_from_a_range_or_a_seeded_distribution():
+    import argparse
+
+    from client.generate import LoadConfig, output_lengths, plan_load
+
+    assert output_lengths("4,256") == (4, 256)
+    spec = output_lengths("lognormal:mean=64,cap=384,seed=1")
+    config = LoadConfig(model="m", url="h:1", rate=10, requests=2000, prompt_len=(4, 8), output_len=spec)
+    drawn = np.array([max_tokens for _, _, max_tokens in plan_load(config)])
+    assert drawn.min() >= 1 and drawn.max() == 384  # capped, and the tail reaches the cap in 2,000 draws
+    assert 50 < drawn.mean() < 70 and np.median(drawn) < 50  # mean near 64, most requests short
+    assert [t for _, _, t in plan_load(config)] == drawn.tolist()  # seeded
+    uniform = LoadConfig(model="m", url="h:1", rate=10, requests=500, prompt_len=(4, 8), output_len=(4, 256))
+    assert {t for _, _, t in plan_load(uniform)} <= set(range(4, 257))
+    for bad, problem in (("4", "LOW,HIGH"), ("lognormal:mean=64", "give lognormal:mean=M,cap=C"), ("gauss:3", "use lognormal")):
+        with pytest.raises(argparse.ArgumentTypeError, match=problem):
+            output_lengths(bad)

@@ -311,7 +311,7 @@ def test_the_loop_counts_its_iterations_and_where_their_time_goes(server):
 
 
 def test_parameters_parse_and_bad_ones_are_named():
-    from opara_core.serving.generation import GenerationSettings, graph_buckets, prefill_shapes
+    from opara_core.serving.generation import GenerationSettings, graph_buckets, prefill_shapes, step_spans
 
     settings = GenerationSettings.from_parameters({"scheduling": "request", "max_active": "3", "config_overrides": "n_layer=2,initializer_range=0.2"})
     assert settings.scheduling == "request" and settings.limits().kv_tokens == 3 * settings.max_context
@@ -328,3 +328,4 @@ def test_parameters_parse_and_bad_ones_are_named():
             GenerationSettings.from_parameters(params)
     assert graph_buckets(1) == (1,) and graph_buckets(12) == (1, 2, 4, 8, 12)
     assert prefill_shapes(2, 48) == ((1, 16), (1, 32), (1, 48), (2, 16), (2, 32), (2, 48))
+    assert step_spans(512) == (64, 128, 256, 512) and step_spans(100) == (64, 100) and step_spans(40) == (40,)

@@ -61,12 +61,13 @@ def check(
     capture: bool = False,
     prefill_tokens: int | None = None,
     prefill_shapes: tuple[tuple[int, int], ...] = (),
+    spans: tuple[int, ...] = (),
 ) -> SlotDecoder:
     lm = small_gpt2(SMALL).lm.to(device)
     prompts = [[1, 2, 3], [50256] * 9, [7], [4, 5, 6, 7, 8, 9, 10, 11], [300, 301], [9, 9, 9, 9]]
     counts = [12, 5, 20, 3, 9, 14]
     joins = [0, 0, 0, 2, 4, 6]  # 6 requests through 3 slots: slots are reused; 3 prompts of 3, 9 and 1 tokens prefilled together
-    decoder = SlotDecoder(lm, slots=3, max_context=40, device=device, buckets=buckets, capture=capture, prefill_shapes=prefill_shapes)
+    decoder = SlotDecoder(lm, slots=3, max_context=40, device=device, buckets=buckets, capture=capture, prefill_shapes=prefill_shapes, spans=spans)
     if prefill_tokens is not None:
         decoder.PREFILL_TOKENS = prefill_tokens
     got = decode_staggered(decoder, prompts, counts, joins)
@@ -84,11 +85,25 @@ def test_prompts_prefilled_together_in_several_forwards_equal_transformers_gener
     check(torch.device("cpu"), prefill_tokens=9)
 
 
-def test_bucketed_steps_pad_with_the_scratch_slot_and_attend_over_the_whole_context():
-    """Buckets 1 and 2 (3 active requests fall back to the eager step): the
-    padded, full-context step a CUDA graph replays, run eagerly on the CPU."""
+def test_bucketed_steps_read_each_slot_in_place_and_fall_back_above_the_largest():
+    """Buckets 1 and 2 of 3 slots, the padded, full-context steps a CUDA
+    graph replays, run eagerly on the CPU: steps with only slot 0 active run
+    on bucket 1; those reaching slot 2 fall back to the eager step."""
     decoder = check(torch.device("cpu"), buckets=(1, 2))
-    assert all(bucket.out is not None for bucket in decoder.buckets)  # both buckets ran
+    assert decoder.buckets[0].out is not None
+
+
+def test_a_free_slot_below_an_active_one_is_a_padding_row():
+    """Only slot 1 active, on a bucket of 2 rows: row 0 (free slot 0) is
+    padding, and slot 1's tokens stay transformers'."""
+    lm = small_gpt2(SMALL).lm
+    decoder = SlotDecoder(lm, slots=2, max_context=40, device=torch.device("cpu"), buckets=(2,))
+    prompt = [5, 6, 7]
+    tokens = [decoder.prefill(1, prompt)]
+    for _ in range(7):
+        tokens += decoder.step([1], [tokens[-1]], [len(prompt) + len(tokens) - 1])
+    assert tokens == reference(lm, prompt, 8)
+    assert decoder.buckets[0].out is not None
 
 
 def test_a_bucket_of_every_slot_reads_the_cache_in_place():
@@ -96,6 +111,24 @@ def test_a_bucket_of_every_slot_reads_the_cache_in_place():
     rows are padding (3 and 2 active requests take it)."""
     decoder = check(torch.device("cpu"), buckets=(1, 3))
     assert all(bucket.out is not None for bucket in decoder.buckets)
+
+
+def test_steps_attend_over_the_shortest_span_that_holds_every_request():
+    """Spans 12, 16 and 24 of a 40-position cache: the staggered requests
+    (10 to 23 positions) step on all three; positions past the span are
+    never read, so the tokens stay transformers' (check() compares every
+    request)."""
+    decoder = check(torch.device("cpu"), buckets=(1, 2, 3), spans=(12, 16, 24))
+    ran = {bucket.shape for bucket in decoder.buckets if bucket.out is not None}
+    assert {span for _, span in ran} == {12, 16, 24}, ran
+
+
+def test_step_shapes_outside_the_cache_are_refused():
+    lm = small_gpt2(SMALL).lm
+    with pytest.raises(ValueError, match=r"step bucket 4: needs 1 <= rows <= slots \(3\)"):
+        SlotDecoder(lm, slots=3, max_context=40, device=torch.device("cpu"), buckets=(1, 4))
+    with pytest.raises(ValueError, match=r"step span 41: needs 1 <= span <= max_context \(40\)"):
+        SlotDecoder(lm, slots=3, max_context=40, device=torch.device("cpu"), buckets=(1,), spans=(16, 41))
 
 
 def test_prefill_shapes_pad_prompts_and_rows_to_static_buffers():
@@ -113,7 +146,7 @@ def test_staggered_batched_decoding_equals_transformers_generate_on_the_gpu():
 
 @pytest.mark.gpu
 def test_cuda_graph_buckets_equal_transformers_generate(strict_fp32):
-    decoder = check(torch.device("cuda"), buckets=(1, 2, 3), capture=True, prefill_shapes=((1, 4), (2, 8), (2, 16)))
+    decoder = check(torch.device("cuda"), buckets=(1, 2, 3), capture=True, prefill_shapes=((1, 4), (2, 8), (2, 16)), spans=(12, 16, 24))
     assert all(bucket.graph is not None for bucket in [*decoder.buckets, *decoder.prefill_buckets])
 
 

@@ -15,6 +15,7 @@ test can drive the scheduler with any fake step.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -92,7 +93,8 @@ class Scheduler:
         self.mode = mode
         self.waiting: deque[Sequence] = deque()
         self.active: dict[int, Sequence] = {}
-        self.free_slots = list(range(limits.max_active - 1, -1, -1))  # pop() takes slot 0 first
+        # a heap: the lowest free slot first, so the active slots stay low and a decoding step's rows few
+        self.free_slots = list(range(limits.max_active))
         self.reserved = 0
 
     def submit(self, sequence: Sequence) -> None:
@@ -141,7 +143,7 @@ class Scheduler:
             if self.reserved + head.reservation > self.limits.kv_tokens:
                 break
             self.waiting.popleft()
-            head.slot = self.free_slots.pop()
+            head.slot = heapq.heappop(self.free_slots)
             self.reserved += head.reservation
             self.active[head.key] = head
             admitted.append(head)
@@ -171,7 +173,7 @@ class Scheduler:
         finished = [s for s in self.active.values() if s.done]
         for sequence in finished:
             del self.active[sequence.key]
-            self.free_slots.append(sequence.slot)
+            heapq.heappush(self.free_slots, sequence.slot)
             self.reserved -= sequence.reservation
         return finished
 

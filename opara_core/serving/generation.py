@@ -151,6 +151,13 @@ def graph_buckets(max_active: int) -> tuple[int, ...]:
     return tuple(sorted({1 << i for i in range(max_active.bit_length()) if 1 << i < max_active} | {max_active}))
 
 
+def step_spans(max_context: int) -> tuple[int, ...]:
+    """Cache positions a decoding step's attention may read: powers of two
+    from 64 below max_context, and max_context (a step of requests at 100
+    positions reads 128 of a slot's 512, not all of them)."""
+    return tuple(sorted({1 << i for i in range(6, max_context.bit_length()) if 1 << i < max_context} | {max_context}))
+
+
 def prefill_shapes(max_active: int, max_context: int) -> tuple[tuple[int, int], ...]:
     """Prefill shapes to capture: up to 8 rows (graph_buckets), lengths in
     powers of two from 16 up to max_context, and max_context."""
@@ -165,7 +172,8 @@ def make_decoder(lm: torch.nn.Module, settings: GenerationSettings, device: torc
     if device.type == "cuda" and settings.cuda_graphs:
         try:
             buckets, shapes = graph_buckets(settings.max_active), prefill_shapes(settings.max_active, settings.max_context)
-            return SlotDecoder(lm, settings.max_active, settings.max_context, device, buckets, capture=True, prefill_shapes=shapes)
+            spans = step_spans(settings.max_context)
+            return SlotDecoder(lm, settings.max_active, settings.max_context, device, buckets, capture=True, prefill_shapes=shapes, spans=spans)
         except Exception:  # noqa: BLE001 - serve eagerly rather than not at all
             log.exception("capturing the decoding step failed; decoding eagerly")
             torch.cuda.synchronize(device)
@@ -629,13 +637,14 @@ class GenerationModel:
         self.generator = Generator(pb_utils, decoder, settings, lm.config.vocab_size)
         self.metrics = GenerationMetrics(pb_utils, name, self.generator)
         self.generator.start()
-        graphs = [b.size for b in decoder.buckets if b.graph is not None]
+        graphs = [b.shape for b in decoder.buckets if b.graph is not None]
         prefills = sum(b.graph is not None for b in decoder.prefill_buckets)
-        built = f"decoding step as CUDA graphs, {len(graphs)} buckets, prefill in {prefills} shapes" if graphs else "eager decoding step"
+        built = f"decoding step as CUDA graphs, {len(graphs)} (rows, span) shapes, prefill in {prefills} shapes" if graphs else "eager decoding step"
+        rows, spans = sorted({r for r, _ in graphs}), sorted({s for _, s in graphs})
         details = [
             f"{settings.scheduling} scheduling",
             f"{settings.max_active} slots x {settings.max_context} positions ({decoder.cache_bytes / 2**20:.0f} MiB of KV cache)",
-            f"graph buckets {graphs}" if graphs else "no CUDA graphs",
+            f"graph rows {rows} x spans {spans}" if graphs else "no CUDA graphs",
             f"{settings.sender_threads} sender threads",
         ]
         log.info("%s", ready_line(name, str(device), time.monotonic() - started, built, details))
