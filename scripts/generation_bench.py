@@ -167,6 +167,7 @@ def main() -> int:
     parser.add_argument("--max-queue", default="1024")
     parser.add_argument("--tpot-bound-ms", default="20", help="p99 TPOT bounds for the throughput comparison, e.g. 20,10")
     parser.add_argument("--sender-threads", default="8", help="the model's sender_threads parameter")
+    parser.add_argument("--switch-interval-us", default="0", help="the model's switch_interval_us parameter (0: Python's 5 ms)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config-overrides", default="", help="GPT2Config fields for a smoke run, e.g. n_layer=2,n_embd=128,n_head=4")
     parser.add_argument("--json", type=Path)
@@ -184,6 +185,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="generation_bench_"))
     parameters = {
         "max_active": args.max_active, "max_context": args.max_context, "max_queue": args.max_queue, "sender_threads": args.sender_threads,
+        "switch_interval_us": args.switch_interval_us,
     }  # fmt: skip
     if args.config_overrides:
         parameters["config_overrides"] = args.config_overrides

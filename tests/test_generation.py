@@ -323,6 +323,7 @@ def test_parameters_parse_and_bad_ones_are_named():
         ({"scheduling": "orca"}, "scheduling must be one of"),
         ({"config_overrides": "n_layer"}, "expected key=number"),
         ({"sender_threads": "0"}, "sender_threads must be >= 1"),
+        ({"switch_interval_us": "-5"}, "switch_interval_us must be >= 0"),
     ):
         with pytest.raises(ValueError, match=re.escape(problem)):
             GenerationSettings.from_parameters(params)

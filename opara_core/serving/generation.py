@@ -29,6 +29,7 @@ import itertools
 import json
 import logging
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -63,9 +64,12 @@ class GenerationSettings:
     none; the tests serve a small GPT-2 this way, since GPT-2 small generates
     too slowly for CI on a shared two-core CPU), with weights from the zoo seed;
     cuda_graphs: 1 (default) captures the decoding step as one CUDA graph per
-    active-batch bucket (powers of two up to max_active) on a GPU instance, 0 runs it eagerly;
+    (rows, span) shape (graph_buckets x step_spans) on a GPU instance, 0 runs it eagerly;
     sender_threads: threads that send the responses (each owns the streams
-    whose key maps to it, so a stream's responses stay in order).
+    whose key maps to it, so a stream's responses stay in order);
+    switch_interval_us: the stub process's Python thread switch interval
+    (sys.setswitchinterval; 0 keeps Python's 5 ms): how long the loop thread
+    may wait for the GIL behind the sender threads once its step is done.
     """
 
     scheduling: str = ITERATION
@@ -76,6 +80,7 @@ class GenerationSettings:
     config_overrides: str = ""
     cuda_graphs: int = 1
     sender_threads: int = 8
+    switch_interval_us: int = 0
 
     def limits(self) -> Limits:
         return Limits(
@@ -115,6 +120,8 @@ class GenerationSettings:
         settings = cls(**values)
         if settings.sender_threads < 1:
             raise ValueError(f"sender_threads must be >= 1, got {settings.sender_threads}")
+        if settings.switch_interval_us < 0:
+            raise ValueError(f"switch_interval_us must be >= 0, got {settings.switch_interval_us}")
         settings.limits()  # raises on impossible limits
         settings.overrides()
         Scheduler(settings.limits(), settings.scheduling)  # raises on an unknown mode
@@ -630,6 +637,8 @@ class GenerationModel:
             lm = build_lm(entry, settings, weights_file)
         except (KeyError, ValueError) as error:
             raise pb_utils.TritonModelException(f"model {name}: {error}") from None
+        if settings.switch_interval_us:
+            sys.setswitchinterval(settings.switch_interval_us * 1e-6)
         device = select_device(args)
         decoder = make_decoder(lm, settings, device)
         decoder.prefill(0, [0, 1])  # warm-up; the slot is overwritten by its first request
@@ -646,6 +655,7 @@ class GenerationModel:
             f"{settings.max_active} slots x {settings.max_context} positions ({decoder.cache_bytes / 2**20:.0f} MiB of KV cache)",
             f"graph rows {rows} x spans {spans}" if graphs else "no CUDA graphs",
             f"{settings.sender_threads} sender threads",
+            f"thread switch interval {sys.getswitchinterval() * 1e6:.0f} us",
         ]
         log.info("%s", ready_line(name, str(device), time.monotonic() - started, built, details))
 
