@@ -191,6 +191,7 @@ def build_runner(
         if settings.fail_capture:
             raise CaptureError("capture failure forced by the fail_capture switch")
         captures.update({c: plan_capture(c, graphs[c.graph], plan, lane_pool, segment_cache) for c, plan in plans.items()})
+        handle = None if pool is None else pool.handle
         known = choices.load(key) if settings.remember_choices else None
         known = _remembered(known, captures, report) if known is not None else None
         start = time.perf_counter()
@@ -198,7 +199,7 @@ def build_runner(
         if segment_cache is not None:
             report.seconds["fused lanes prepare"] = time.perf_counter() - start
         try:
-            chosen = capture_fastest(captures, entry, device, settings.buckets, report, pool, known)
+            chosen = capture_fastest(captures, entry, device, settings.buckets, report, handle, known)
         except CaptureError as error:
             if not report.remembered:
                 raise
@@ -207,11 +208,11 @@ def build_runner(
             report.remembered = False
             report.choices.clear()
             report.timings_ms.clear()
-            chosen = capture_fastest(captures, entry, device, settings.buckets, report, pool)
+            chosen = capture_fastest(captures, entry, device, settings.buckets, report, handle)
         return chosen, {b: graphs[c.graph].module for b, c in report.choices.items()}
 
     def sequential() -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
-        shared = torch.cuda.graph_pool_handle() if pool is None else pool
+        shared = torch.cuda.graph_pool_handle() if pool is None else pool.handle
         with torch.inference_mode():  # no autograd state in the graphs or their outputs
             if graphs:
                 layout, graph = next(iter(graphs.items()))  # an ATen graph
@@ -273,7 +274,7 @@ def capture_fastest(
 ) -> dict[int, CapturedGraph]:
     """`auto`: per bucket, capture the candidates, time their replays and keep
     the fastest; then capture the chosen ones, every bucket in one memory pool
-    (`pool`: a handle or a GraphPool; a new one if None), the largest bucket first: the smaller graphs then
+    (`pool`, or a new one), the largest bucket first: the smaller graphs then
     fit in the blocks its intermediates freed.
 
     Buckets go smallest first (batch 1 is where latency matters most): the

@@ -23,7 +23,7 @@ import logging
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -95,44 +95,6 @@ class LanePool:
         return streams
 
 
-class OutputArena:
-    """One device buffer per output, shared by the graphs of a GraphPool.
-
-    A graph's outputs are allocated in its pool and stay allocated while it
-    lives, so no later capture can reuse their blocks: BERT's 36 (shape,
-    batch) graphs kept about 195 MB of outputs in a 1,162 MiB pool (H100,
-    docs/benchmarks.md, varlen run 2). Instead each graph ends with a copy of
-    its outputs into views of these buffers (one device-to-device copy per
-    replay) and drops its own, so their blocks go back to the pool. Sized by
-    the first graph that lands here (captures go largest first); a graph
-    whose outputs do not fit keeps its own. Pool discipline as before: read
-    (copy) the outputs before another graph of the pool replays."""
-
-    def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
-
-    def reserve(self, outputs: Sequence[torch.Tensor]) -> None:
-        """Allocate the buffers like `outputs` (outside any capture), once."""
-        if not self.buffers:
-            self.buffers = [torch.empty(t.numel(), dtype=t.dtype, device=t.device) for t in outputs]
-
-    def fits(self, outputs: Sequence[torch.Tensor]) -> bool:
-        return len(outputs) == len(self.buffers) and all(
-            t.dtype == b.dtype and t.device == b.device and t.numel() <= b.numel() for t, b in zip(outputs, self.buffers)
-        )
-
-    def land(self, outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Copy `outputs` into views of the buffers (inside the capture); the views."""
-        views = tuple(b[: t.numel()].view(t.shape) for t, b in zip(outputs, self.buffers))
-        for view, t in zip(views, outputs):
-            view.copy_(t)
-        return views
-
-
 @dataclass(frozen=True, eq=False)
 class GraphPool:
     """A CUDA graph memory pool to capture several runners' graphs into, with
@@ -141,37 +103,14 @@ class GraphPool:
     their intermediates' memory only when they share the streams too. Graphs
     in one pool must never replay concurrently, and a graph's outputs must be
     consumed (copied, on the replay's stream) before another graph of the pool
-    replays: its intermediates may lie where the first one's outputs are.
-    With `outputs` (an OutputArena) the graphs also share their outputs'
-    memory. Pass the GraphPool itself, not its handle, as a capture's pool."""
+    replays: its intermediates may lie where the first one's outputs are."""
 
     handle: Any
     lanes: LanePool
-    outputs: OutputArena | None = None
 
     @classmethod
-    def new(cls, device: torch.device, share_outputs: bool = False) -> GraphPool:
-        return cls(torch.cuda.graph_pool_handle(), LanePool(device), OutputArena() if share_outputs else None)
-
-
-def _landing(pool: Any, warm: Any) -> OutputArena | None:
-    """The arena that takes a capture's outputs: `pool`'s, if it is a
-    GraphPool with one that `warm` (the same call's warm-up result) fits.
-    Call before counting the capture's peak: the buffers are not the graph's."""
-    arena = pool.outputs if isinstance(pool, GraphPool) else None
-    if arena is None:
-        return None
-    arena.reserve(_tensors(warm))
-    return arena if arena.fits(_tensors(warm)) else None
-
-
-def _capture(cuda_graph: torch.cuda.CUDAGraph, pool: Any, arena: OutputArena | None, run: Callable[[], Any], **options: Any) -> tuple[torch.Tensor, ...]:
-    """Capture `run()` into `cuda_graph` (`pool`: a handle or a GraphPool); its
-    output tensors, landed in `arena` if given (the graph's own are freed)."""
-    handle = pool.handle if isinstance(pool, GraphPool) else pool
-    with torch.cuda.graph(cuda_graph, pool=handle, capture_error_mode="thread_local", **options):
-        outputs = tuple(_tensors(run()))
-        return arena.land(outputs) if arena is not None else outputs
+    def new(cls, device: torch.device) -> GraphPool:
+        return cls(torch.cuda.graph_pool_handle(), LanePool(device))
 
 
 class StreamInterpreter(PlanInterpreter):
@@ -282,21 +221,21 @@ class PlanCapture:
         capture_stream = self.lanes[0]
         capture_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(capture_stream):
-            for _ in range(max(self.warmup, 1)):
-                warm = run_on_lanes(self.interpreter, static_in)
+            for _ in range(self.warmup):
+                run_on_lanes(self.interpreter, static_in)
         torch.cuda.current_stream().wait_stream(capture_stream)
         torch.cuda.synchronize()
         cuda_graph = torch.cuda.CUDAGraph()
         if self.plan.num_streams > 1:
             reuse_memory_across_lanes(self.reuse_memory)
-        arena = _landing(pool, warm)
         held = _reset_peak()
         try:
-            outputs = _capture(cuda_graph, pool, arena, lambda: run_on_lanes(self.interpreter, static_in), stream=capture_stream)
+            with torch.cuda.graph(cuda_graph, pool=pool, stream=capture_stream, capture_error_mode="thread_local"):
+                result = run_on_lanes(self.interpreter, static_in)
         except RuntimeError as error:
             raise CaptureError(f"capturing {self.plan.policy} with {self.plan.num_streams} lanes failed: {error}") from error
         peak = torch.cuda.max_memory_allocated() - held
-        return CapturedGraph(cuda_graph, tuple(static_in), outputs, owner=self.interpreter.module, peak_bytes=peak)
+        return CapturedGraph(cuda_graph, tuple(static_in), tuple(_tensors(result)), owner=self.interpreter.module, peak_bytes=peak)
 
 
 def capture_module(module: torch.nn.Module, static_in: Sequence[torch.Tensor], pool: Any, warmup: int = 3) -> CapturedGraph:
@@ -308,18 +247,18 @@ def capture_module(module: torch.nn.Module, static_in: Sequence[torch.Tensor], p
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(max(warmup, 1)):
-            warm = module(*static_in)
+        for _ in range(warmup):
+            module(*static_in)
     torch.cuda.current_stream().wait_stream(side)
     cuda_graph = torch.cuda.CUDAGraph()
-    arena = _landing(pool, warm)
     held = _reset_peak()
     try:
-        outputs = _capture(cuda_graph, pool, arena, lambda: module(*static_in))
+        with torch.cuda.graph(cuda_graph, pool=pool, capture_error_mode="thread_local"):
+            result = module(*static_in)
     except RuntimeError as error:
         raise CaptureError(f"capturing the module on one stream failed: {error}") from error
     peak = torch.cuda.max_memory_allocated() - held
-    return CapturedGraph(cuda_graph, tuple(static_in), outputs, owner=module, peak_bytes=peak)
+    return CapturedGraph(cuda_graph, tuple(static_in), tuple(_tensors(result)), owner=module, peak_bytes=peak)
 
 
 def _reset_peak() -> int:

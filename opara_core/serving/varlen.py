@@ -176,7 +176,6 @@ class VarLenReport:
     build_seconds: dict[tuple[int, ...], float] = field(default_factory=dict)
     memory_bytes: dict[tuple[int, ...], int] = field(default_factory=dict)  # device memory reserved by each shape's build
     pool_bytes: int = 0  # the shared graph pool's segments
-    output_bytes: int = 0  # the buffers every graph copies its outputs into (capture.OutputArena)
     graph_bytes: dict[tuple[tuple[int, ...], int], int] = field(default_factory=dict)  # (shape, batch) -> its capture's own peak
     costs: CostTable | None = None
     measured: set[tuple[int, ...]] = field(default_factory=set)  # shapes whose costs are replay timings
@@ -203,13 +202,11 @@ class VarLenReport:
                          f"(largest shape {max(self.memory_bytes.values()) / 2**20:.0f} MiB)")
         if self.graph_bytes:
             largest = max(self.graph_bytes, key=self.graph_bytes.get)
-            held = self.pool_bytes + self.output_bytes
             lines.append(
-                f"graph pool, shared by {len(self.graph_bytes)} graphs: {self.pool_bytes / 2**20:.0f} MiB, "
-                f"and {self.output_bytes / 2**20:.0f} MiB of shared outputs; "
+                f"graph pool, shared by {len(self.graph_bytes)} graphs: {self.pool_bytes / 2**20:.0f} MiB; "
                 f"their own peaks sum to {sum(self.graph_bytes.values()) / 2**20:.0f} MiB, the largest "
                 f"({_label(largest[0])}x{largest[1]}) {self.graph_bytes[largest] / 2**20:.0f} MiB: "
-                f"pool / largest {held / max(self.graph_bytes[largest], 1):.2f}"
+                f"pool / largest {self.pool_bytes / max(self.graph_bytes[largest], 1):.2f}"
             )
         if self.costs is not None:
             lines.append("cost table, ms per run (m: measured replays, c: token-count model; a run takes the cheapest cell that holds it):")
@@ -256,7 +253,7 @@ class VarLenRunners:
         self.padded_rows = 0
         self._lock = threading.Lock()
         self._cuda = device.type == "cuda"
-        self.pool = GraphPool.new(device, share_outputs=True) if self._cuda else None
+        self.pool = GraphPool.new(device) if self._cuda else None
         self._inputs = {shape: entry.at(shape).inputs for shape in batching.grid(varlen.axes)}
         self._along = {n: a for a, axis in enumerate(entry.lengths) for n in axis.outputs}
         batches = tuple(sorted(settings.buckets))
@@ -290,7 +287,6 @@ class VarLenRunners:
             self.report.measured.add(shape)
             self.report.graph_bytes.update({(shape, b): graph.peak_bytes for b, graph in runner.graphs.items()})
             self.report.pool_bytes = round(pool_mb(self.pool.handle) * 2**20)
-            self.report.output_bytes = self.pool.outputs.nbytes
         log.info("shape %s built in %.1f s (%s)", _label(shape), self.report.build_seconds[shape], report.runner)
         return timings
 
