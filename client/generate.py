@@ -5,7 +5,8 @@ load of Poisson arrivals with time to first token and time per output token.
   python -m client generate --model gpt2 --rate 4 --requests 64 [--prompt-len 4,64]
                             [--output-len 4,64] [--seed 0] [--json F] [--plot F.png]
 
-A decoupled model answers each request with one response per token and a last
+A decoupled model answers each request with its tokens as they come (one per
+response, or several when the server merged a slow stream's) and a last
 empty response flagged final, which the client asks for with
 `enable_empty_final_response` (without it, the end of a request is invisible).
 """
@@ -46,6 +47,12 @@ def _inputs(ids: list[int], max_tokens: int, end_id: int | None) -> list:
     return tensors
 
 
+def _token_count(result) -> int:
+    """Tokens in one streamed response: output_ids' shape, without decoding it."""
+    outputs = [o for o in result.get_response().outputs if o.name == OUTPUT]
+    return int(np.prod(outputs[0].shape)) if outputs else 0
+
+
 def _is_final(result) -> bool:
     parameters = result.get_response().parameters
     return "triton_final_response" in parameters and parameters["triton_final_response"].bool_param
@@ -82,7 +89,8 @@ class TokenStream:
         elif _is_final(result):
             self.events.put(("end", now, None))
         else:
-            self.events.put(("token", now, int(result.as_numpy(OUTPUT)[0])))
+            for token in result.as_numpy(OUTPUT).reshape(-1).tolist():  # several when the server merged them
+                self.events.put(("token", now, token))
 
     def close(self, cancel: bool = False) -> None:
         """End the stream; `cancel` cancels a request still generating."""
@@ -289,7 +297,7 @@ async def _one_request(client, config: LoadConfig, start: float, at: float, prom
                 raise ClientError(describe(error))
             if _is_final(response):
                 break
-            times.append(now)
+            times += [now] * _token_count(response)
     except StopAsyncIteration:
         outcome.error = "the stream ended before the final response"
     except ClientError as error:

@@ -13,14 +13,17 @@ baseline; everything else is the same code.
 
 Responses go out on `sender_threads` threads (`Responder`): a Python-backend
 send is a blocking round trip to the server process, and one thread sending a
-token to each of 32 requests in turn spent most of every iteration waiting.
+token to each of 32 requests in turn spent most of every iteration waiting;
+and since a send costs the same round trip whatever it carries, a stream
+whose sender is behind gets its waiting tokens in one response.
 The loop's time per iteration (prefill, step, drain, respond) and the senders'
 time are counted (`GenerationStats`), exported as Prometheus counters and
 logged every `LOG_SECONDS` while busy.
 
-Every response carries one token in `output_ids`; the last is an empty
-response flagged TRITONSERVER_RESPONSE_COMPLETE_FINAL (gRPC clients see it
-with `enable_empty_final_response`).
+Every response carries the stream's next tokens in `output_ids` (one, unless
+its sender fell behind and `merge_tokens` is on: see Responder); the last is
+an empty response flagged TRITONSERVER_RESPONSE_COMPLETE_FINAL (gRPC clients
+see it with `enable_empty_final_response`).
 """
 
 from __future__ import annotations
@@ -69,7 +72,12 @@ class GenerationSettings:
     whose key maps to it, so a stream's responses stay in order);
     switch_interval_us: the stub process's Python thread switch interval
     (sys.setswitchinterval; 0 keeps Python's 5 ms): how long the loop thread
-    may wait for the GIL behind the sender threads once its step is done.
+    may wait for the GIL behind the sender threads once its step is done;
+    merge_tokens: 1 (default) lets a response carry every token its stream
+    generated since its last response (one while the senders keep up), and
+    the loop never waits for the senders; 0 sends exactly one token per
+    response and the loop waits for each iteration's responses before
+    handing over the next (the transport then paces the decoding steps).
     """
 
     scheduling: str = ITERATION
@@ -81,6 +89,7 @@ class GenerationSettings:
     cuda_graphs: int = 1
     sender_threads: int = 8
     switch_interval_us: int = 0
+    merge_tokens: int = 1
 
     def limits(self) -> Limits:
         return Limits(
@@ -120,6 +129,8 @@ class GenerationSettings:
         settings = cls(**values)
         if settings.sender_threads < 1:
             raise ValueError(f"sender_threads must be >= 1, got {settings.sender_threads}")
+        if settings.merge_tokens not in (0, 1):
+            raise ValueError(f"merge_tokens must be 0 or 1, got {settings.merge_tokens}")
         if settings.switch_interval_us < 0:
             raise ValueError(f"switch_interval_us must be >= 0, got {settings.switch_interval_us}")
         settings.limits()  # raises on impossible limits
@@ -214,19 +225,27 @@ class Responder:
     work on queues; `drain` waits until everything put so far is sent. A send
     that fails, or a probe that finds the client gone, is reported through
     `report(Gone(key))`.
+
+    With `merge`, a thread takes everything queued for it at once and sends
+    each stream's tokens in one response: one token per response while the
+    senders keep up, the tokens generated meanwhile when they fall behind (as
+    vLLM's output collector merges a slow consumer's deltas). A Python-backend
+    send costs a round trip to the server whatever it carries, so this lets the
+    decoding loop run at the GPU's pace instead of the transport's.
     """
 
     CANCEL_CHECK_S = 0.05  # every is_cancelled() is an IPC round trip to the server:
     PROBES_PER_CHECK = 8  # at most this many per thread and check (hundreds may be waiting)
 
-    def __init__(self, pb_utils, threads: int, report: Callable[[Gone], None]) -> None:
+    def __init__(self, pb_utils, threads: int, report: Callable[[Gone], None], merge: bool = True) -> None:
         self._pb = pb_utils
         self._report = report
+        self.merge = merge
         self._queues = [queue.SimpleQueue() for _ in range(threads)]
         self._pending = 0
         self._idle = threading.Condition()
-        # per thread, written only by that thread: seconds sending and probing, responses sent
-        self.stats = [{"send": 0.0, "probe": 0.0, "responses": 0} for _ in range(threads)]
+        # per thread, written only by that thread: seconds sending and probing, responses and tokens sent
+        self.stats = [{"send": 0.0, "probe": 0.0, "responses": 0, "tokens": 0} for _ in range(threads)]
         self._threads = [threading.Thread(target=self._run, args=(i,), name=f"generation-send-{i}", daemon=True) for i in range(threads)]
         for thread in self._threads:
             thread.start()
@@ -267,24 +286,30 @@ class Responder:
         gone: set[int] = set()
         to_probe: deque[int] = deque()  # this thread's open streams, in probing order
         next_probe = time.monotonic() + self.CANCEL_CHECK_S
-        while True:
+        stopping = False
+        while not stopping:
             try:
-                item = work.get(timeout=max(0.0, next_probe - time.monotonic()))
+                items = [work.get(timeout=max(0.0, next_probe - time.monotonic()))]
             except queue.Empty:
-                item = ()
-            if item is None:
-                return
-            if item:
+                items = []
+            while self.merge and items and items[-1] is not None:  # everything queued so far goes out together
+                try:
+                    items.append(work.get_nowait())
+                except queue.Empty:
+                    break
+            if items and items[-1] is None:
+                stopping = True
+                items.pop()
+            if items:
                 started = time.perf_counter()
                 try:
-                    self._handle(item, streams, gone, to_probe)
+                    self._handle_all(items, streams, gone, to_probe, stats)
                 except Exception:  # noqa: BLE001 - keep the thread (and drain) alive
                     log.exception("sending a response failed")
                 finally:
                     stats["send"] += time.perf_counter() - started
-                    stats["responses"] += item[0] != "open"
                     with self._idle:
-                        self._pending -= 1
+                        self._pending -= len(items)
                         if not self._pending:
                             self._idle.notify_all()
             if time.monotonic() >= next_probe:
@@ -309,41 +334,64 @@ class Responder:
             else:
                 to_probe.append(key)
 
-    def _handle(self, item: tuple, streams: dict[int, Stream], gone: set[int], to_probe: deque[int]) -> None:
-        kind = item[0]
-        if kind == "open":
-            stream = item[1]
-            streams[stream.sequence.key] = stream
-            to_probe.append(stream.sequence.key)
+    def _handle_all(self, items: list[tuple], streams: dict[int, Stream], gone: set[int], to_probe: deque[int], stats: dict) -> None:
+        """Handle items in order, except that a stream's tokens wait (merged)
+        until its final response or the end of the batch."""
+        waiting: dict[int, list[int]] = {}  # key -> tokens not sent yet, in order
+        for item in items:
+            kind = item[0]
+            if kind == "open":
+                stream = item[1]
+                streams[stream.sequence.key] = stream
+                to_probe.append(stream.sequence.key)
+                continue
+            key = item[1]
+            if kind == "token":
+                waiting.setdefault(key, []).append(item[2])
+                if not self.merge:
+                    self._send_tokens(key, waiting.pop(key), streams, gone, stats)
+                continue
+            if key in waiting:  # the stream's last tokens before its final response
+                self._send_tokens(key, waiting.pop(key), streams, gone, stats)
+            self._finish(item, streams, gone, stats)
+        for key, tokens in waiting.items():
+            self._send_tokens(key, tokens, streams, gone, stats)
+
+    def _send_tokens(self, key: int, tokens: list[int], streams: dict[int, Stream], gone: set[int], stats: dict) -> None:
+        if key in gone or key not in streams:
             return
+        # through DLPack, never Tensor(name, ndarray): the stub's numpy bridge
+        # sends zero bytes for numpy 2 arrays (see triton_backend.input_tensor)
+        tensor = self._pb.Tensor.from_dlpack(OUTPUT, torch.tensor(tokens, dtype=torch.int64))
+        try:
+            streams[key].sender.send(self._pb.InferenceResponse(output_tensors=[tensor]))
+        except Exception as error:  # noqa: BLE001 - the client is gone: retire it
+            log.info("request %d: sending failed (%s); retiring it", key, error)
+            gone.add(key)
+            self._report(Gone(key))
+            return
+        stats["responses"] += 1
+        stats["tokens"] += len(tokens)
+
+    def _finish(self, item: tuple, streams: dict[int, Stream], gone: set[int], stats: dict) -> None:
+        """A stream's final response: empty, or carrying its error."""
         key = item[1]
-        if kind == "token":
-            if key in gone or key not in streams:
-                return
-            # through DLPack, never Tensor(name, ndarray): the stub's numpy bridge
-            # sends zero bytes for numpy 2 arrays (see triton_backend.input_tensor)
-            tensor = self._pb.Tensor.from_dlpack(OUTPUT, torch.tensor([item[2]], dtype=torch.int64))
-            try:
-                streams[key].sender.send(self._pb.InferenceResponse(output_tensors=[tensor]))
-            except Exception as error:  # noqa: BLE001 - the client is gone: retire it
-                log.info("request %d: sending failed (%s); retiring it", key, error)
-                gone.add(key)
-                self._report(Gone(key))
-            return
         stream = streams.pop(key, None)
         gone.discard(key)
         if stream is None:
             return
-        if kind == "close":
+        if item[0] == "close":
             send_final(self._pb, stream.sender)
         else:
             send_error(self._pb, stream.sender, item[2], item[3])
+        stats["responses"] += 1
 
 
 class LoopClock(StageClock):
     """The loop thread's seconds by stage: prefill (the admitted requests'
     batched prefill), step (the decoding step, tokens on the host), drain
-    (waiting for the senders to finish the previous iteration's responses),
+    (merge_tokens 0 only: waiting for the senders to finish the previous
+    iteration's responses),
     respond (handing tokens and final responses to the senders, retiring)."""
 
     STAGES = ("prefill", "step", "drain", "respond")
@@ -372,7 +420,7 @@ class Generator:
         self.streams: dict[int, Stream] = {}
         self.stats = GenerationStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.responder = Responder(pb_utils, settings.sender_threads, self._inbox.put)
+        self.responder = Responder(pb_utils, settings.sender_threads, self._inbox.put, merge=bool(settings.merge_tokens))
         self._keys = itertools.count()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="generation", daemon=True)
@@ -480,7 +528,8 @@ class Generator:
         if batch:
             tokens = self.decoder.step([s.slot for s in batch], [s.generated[-1] for s in batch], [s.length - 1 for s in batch])
             clock.lap("step")
-            self.responder.drain()  # at most one iteration's responses in flight
+            if not self.responder.merge:
+                self.responder.drain()  # one token per response: at most one iteration's in flight
             clock.lap("drain")
             self._emit(batch, tokens)
             self._retire()
@@ -509,8 +558,8 @@ class GenerationMetrics:
     prefill, step, drain and respond (LoopClock), and the sender
     threads' seconds in send and probe (summed over the threads);
     opara_generation_events_total{model,kind}: iterations, rows (decoded
-    rows: requests per step, summed), prefills (requests prefilled) and
-    responses sent. Each push is an IPC round trip to the server, so a timer
+    rows: requests per step, summed), prefills (requests prefilled),
+    responses sent and the tokens they carried. Each push is an IPC round trip to the server, so a timer
     thread pushes the increments every `FLUSH_SECONDS`.
     """
 
@@ -571,7 +620,8 @@ def totals(generator: Generator) -> dict[str, float]:
     for name in ("send", "probe"):
         values[f"seconds:{name}"] = sum(s[name] for s in senders)
     values.update({"events:iterations": stats.iterations, "events:rows": stats.rows, "events:prefills": stats.prefills})
-    values["events:responses"] = sum(s["responses"] for s in senders)
+    for name in ("responses", "tokens"):
+        values[f"events:{name}"] = sum(s[name] for s in senders)
     return values
 
 
@@ -584,7 +634,8 @@ def summary(before: dict[str, float], after: dict[str, float], wall_s: float) ->
     return (
         f"{wall_s:.1f} s: {delta['events:iterations']:.0f} iterations, mean batch {delta['events:rows'] / iterations:.1f}, "
         f"{delta['events:prefills']:.0f} prefills; ms per iteration: {stages}; "
-        f"senders: {delta['events:responses']:.0f} responses, {per_response:.3f} ms each, probing {delta['seconds:probe']:.2f} s"
+        f"senders: {delta['events:responses']:.0f} responses ({delta['events:tokens']:.0f} tokens), {per_response:.3f} ms each, "
+        f"probing {delta['seconds:probe']:.2f} s"
     )
 
 
@@ -656,6 +707,7 @@ class GenerationModel:
             f"graph rows {rows} x spans {spans}" if graphs else "no CUDA graphs",
             f"{settings.sender_threads} sender threads",
             f"thread switch interval {sys.getswitchinterval() * 1e6:.0f} us",
+            "tokens merged into a response while its senders are behind" if settings.merge_tokens else "one token per response",
         ]
         log.info("%s", ready_line(name, str(device), time.monotonic() - started, built, details))
 
