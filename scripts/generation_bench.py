@@ -184,7 +184,7 @@ def main() -> int:
         help="with the TPOT bound, a rate counts as sustained only if its p99 TTFT is within this (an overloaded queue shows there)",
     )  # fmt: skip
     parser.add_argument("--merge-tokens", default="1", help="the model's merge_tokens parameter (0: one token per response)")
-    parser.add_argument("--sender-threads", default="8", help="the model's sender_threads parameter")
+    parser.add_argument("--sender-threads", default="2", help="the model's sender_threads parameter")
     parser.add_argument("--switch-interval-us", default="0", help="the model's switch_interval_us parameter (0: Python's 5 ms)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config-overrides", default="", help="GPT2Config fields for a smoke run, e.g. n_layer=2,n_embd=128,n_head=4")

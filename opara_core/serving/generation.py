@@ -69,7 +69,10 @@ class GenerationSettings:
     cuda_graphs: 1 (default) captures the decoding step as one CUDA graph per
     (rows, span) shape (graph_buckets x step_spans) on a GPU instance, 0 runs it eagerly;
     sender_threads: threads that send the responses (each owns the streams
-    whose key maps to it, so a stream's responses stay in order);
+    whose key maps to it, so a stream's responses stay in order); 2 by
+    default: with 8, every send and the loop's step slowed down several
+    fold, the threads fighting over the GIL and the stub's one message queue
+    to the server (docs/benchmarks.md, generation's sixth run);
     switch_interval_us: the stub process's Python thread switch interval
     (sys.setswitchinterval; 0 keeps Python's 5 ms): how long the loop thread
     may wait for the GIL behind the sender threads once its step is done;
@@ -87,7 +90,7 @@ class GenerationSettings:
     max_queue: int = 64
     config_overrides: str = ""
     cuda_graphs: int = 1
-    sender_threads: int = 8
+    sender_threads: int = 2
     switch_interval_us: int = 0
     merge_tokens: int = 1
 
