@@ -21,6 +21,15 @@ The difference between the two is the step's host side; the kernels say which
 part of the graph grows with the rows (attention over the span, the GEMMs).
 `--precision` measures what the same step would take with TF32 matmuls or
 bf16 weights (the served model is fp32).
+
+`--streams ROWS` applies the engine's stream planning to the step of ROWS
+rows: the step is traced to ATen (make_fx, the cache writes included), its
+kernel DAG built with the engine's cost model (`from_graph_module`), planned
+with every policy (`plan_graph`) and each plan captured on its lanes
+(`PlanCapture`, the engine's capture) and timed against the sequential plan
+and the served graph; each plan's tokens must equal the served graph's. The
+DAG's parallelism (summed cost over the critical path) bounds what lanes can
+gain.
 """
 
 from __future__ import annotations
@@ -101,6 +110,64 @@ def profile_rows(decoder, rows: int, context: int, steps: int, trace: Path) -> d
     }
 
 
+def step_graph(decoder, rows: int, context: int):
+    """The step of `rows` rows at `context` positions as the engine sees it:
+    (its OpGraph, traced to ATen with the cache writes, and the bucket it runs on)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from opara_core.engine.trace import from_graph_module
+
+    slots = list(range(rows))
+    decoder.step(slots, [1] * rows, [context] * rows)  # fills the bucket's inputs as the loop does
+    bucket = decoder.step_bucket(slots, [context] * rows)
+    span = bucket.shape[1]
+    with torch.no_grad():
+        traced = make_fx(lambda i: decoder._step(i[0], i[1], i[2], span, by_slot=True))(bucket.inputs)
+    return from_graph_module(traced, name=f"decoding step {rows} x {span}"), bucket
+
+
+def stream_plans(decoder, rows: int, context: int, max_streams: int) -> dict[str, Any]:
+    """The engine's plans of one step on lanes, captured and timed (see the module docstring)."""
+    from opara_core.engine.capture import LanePool, PlanCapture, time_replays
+    from opara_core.engine.interpreter import plan_graph
+    from opara_core.planning import policies
+
+    graph, bucket = step_graph(decoder, rows, context)
+    span = bucket.shape[1]
+    dag = graph.dag
+    bucket.graph.replay()
+    expected = bucket.out.clone()
+    served_ms = time_replays(_Replay(bucket.graph))
+    lane_pool, pool, plans = LanePool(decoder.device), torch.cuda.graph_pool_handle(), []
+    for policy in policies.names():
+        plan = plan_graph(graph, policy, max_streams)
+        with torch.no_grad():  # the traced weights are parameters; the cache is written in place
+            captured = PlanCapture(graph, plan, lane_pool)([bucket.inputs], pool)
+        captured.replay()
+        torch.cuda.synchronize()
+        plans.append({
+            "policy": policy, "lanes": plan.num_streams, "waits": len(plan.waits), "estimated_us": plan.estimated_us,
+            "replay_ms": time_replays(captured), "tokens_equal": bool(torch.equal(captured.outputs[0], expected)),
+        })  # fmt: skip
+    return {
+        "rows": rows, "span": span, "kernels": len(dag), "sequential_us": sum(dag.costs), "critical_path_us": dag.critical_path_us,
+        "parallelism": sum(dag.costs) / dag.critical_path_us, "served_graph_ms": served_ms, "plans": plans,
+    }  # fmt: skip
+
+
+def streams_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"step of {result['rows']} rows x {result['span']} positions: {result['kernels']} kernels, cost model {result['sequential_us']:.0f} us "
+        f"in sequence, critical path {result['critical_path_us']:.0f} us (parallelism {result['parallelism']:.2f}); "
+        f"the served graph replays in {result['served_graph_ms']:.3f} ms",
+        "| policy | lanes | waits | estimated us | replay ms | tokens equal |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for p in result["plans"]:
+        lines.append(f"| {p['policy']} | {p['lanes']} | {p['waits']} | {p['estimated_us']:.0f} | {p['replay_ms']:.3f} | {p['tokens_equal']} |")
+    return "\n".join(lines)
+
+
 def table(results: list[dict[str, Any]]) -> str:
     head = ["rows", "bucket", "span", "step ms", "replay ms", "host ms", "kernels", "kernel sum us", "busy us"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -120,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=50, help="timed calls per row count (default 50)")
     parser.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="fp32",
                         help="fp32 (as served), fp32 with TF32 matmuls, or bf16 weights and cache")
+    parser.add_argument("--streams", type=int, default=0, metavar="ROWS", help="also plan the step of ROWS rows on lanes (see above)")
+    parser.add_argument("--max-streams", type=int, default=4, help="lanes a --streams plan may use (default 4)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--traces", type=Path, default=Path("out/decode_profile"), help="directory for the chrome traces")
     args = parser.parse_args(argv)
@@ -129,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--context must be from 1 to --max-context - 1 ({args.max_context - 1}), got {args.context}")
         if args.steps < 5:
             raise ValueError(f"--steps must be at least 5, got {args.steps}")
+        if not 0 <= args.streams <= args.slots:
+            raise ValueError(f"--streams must be a row count from 1 to --slots ({args.slots}), got {args.streams}")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -149,13 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, GPT-2 small {args.precision}, {args.slots} slots x {args.max_context} positions, "
           f"{len(decoder.buckets)} (rows, span) shapes captured in {time.perf_counter() - start:.1f} s; every row at {args.context} positions")
     args.traces.mkdir(parents=True, exist_ok=True)
-    results = []
-    for count in rows:
-        results.append(profile_rows(decoder, count, args.context, args.steps, args.traces / f"decode_rows{count}.trace.json"))
+    results, streams = [], None
+
+    def save() -> None:
         if args.json:
             meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "precision": args.precision, "command": " ".join(sys.argv)}
-            args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+            args.json.write_text(json.dumps({"meta": meta, "results": results, "streams": streams}, indent=1))
+
+    for count in rows:
+        results.append(profile_rows(decoder, count, args.context, args.steps, args.traces / f"decode_rows{count}.trace.json"))
+        save()
     print(table(results))
+    if args.streams:
+        streams = stream_plans(decoder, args.streams, args.context, args.max_streams)
+        save()
+        print(streams_table(streams))
     kernels = _kernel_profile()
     for r in results:
         kernels.print_heaviest(f"{r['rows']} rows (bucket {r['bucket']} x {r['span']})", r["heaviest"])
