@@ -184,6 +184,7 @@ def main() -> int:
         help="with the TPOT bound, a rate counts as sustained only if its p99 TTFT is within this (an overloaded queue shows there)",
     )  # fmt: skip
     parser.add_argument("--merge-tokens", default="1", help="the model's merge_tokens parameter (0: one token per response)")
+    parser.add_argument("--admit-every", default="4", help="the model's admit_every parameter (iterations between admissions while generating)")
     parser.add_argument("--sender-threads", default="2", help="the model's sender_threads parameter")
     parser.add_argument("--switch-interval-us", default="0", help="the model's switch_interval_us parameter (0: Python's 5 ms)")
     parser.add_argument("--seed", type=int, default=0)
@@ -204,6 +205,7 @@ def main() -> int:
     parameters = {
         "max_active": args.max_active, "max_context": args.max_context, "max_queue": args.max_queue, "sender_threads": args.sender_threads,
         "switch_interval_us": args.switch_interval_us, "merge_tokens": args.merge_tokens,
+        "admit_every": args.admit_every,
     }  # fmt: skip
     if args.config_overrides:
         parameters["config_overrides"] = args.config_overrides

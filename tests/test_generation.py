@@ -327,6 +327,7 @@ def test_parameters_parse_and_bad_ones_are_named():
         ({"sender_threads": "0"}, "sender_threads must be >= 1"),
         ({"switch_interval_us": "-5"}, "switch_interval_us must be >= 0"),
         ({"merge_tokens": "2"}, "merge_tokens must be 0 or 1"),
+        ({"admit_every": "0"}, "admit_every must be >= 1"),
     ):
         with pytest.raises(ValueError, match=re.escape(problem)):
             GenerationSettings.from_parameters(params)

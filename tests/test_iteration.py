@@ -25,10 +25,10 @@ request_strategy = st.tuples(
 )
 
 
-def run(mode: str, limits: Limits, requests: list[tuple]) -> dict:
+def run(mode: str, limits: Limits, requests: list[tuple], admit_every: int = 1) -> dict:
     """Drive a scheduler to the end; check the invariants at every iteration."""
-    scheduler = Scheduler(limits, mode)
-    rejected, finished, joined_running = set(), {}, False
+    scheduler = Scheduler(limits, mode, admit_every)
+    rejected, finished, joined_running, held = set(), {}, False, 0
     for iteration in range(500):
         for key, (arrival, prompt, max_tokens, end_id, _) in enumerate(requests):
             if arrival == iteration:
@@ -42,7 +42,11 @@ def run(mode: str, limits: Limits, requests: list[tuple]) -> dict:
         for sequence in scheduler.retire():
             finished[sequence.key] = sequence
         running_before = bool(scheduler.active)
+        head = scheduler.waiting[0] if scheduler.waiting else None
+        could_join = head is not None and bool(scheduler.free_slots) and scheduler.reserved + head.reservation <= limits.kv_tokens
         admitted = scheduler.admit()
+        held = held + 1 if running_before and could_join and not admitted else 0
+        assert mode == REQUEST or held < admit_every  # a waiter with a free slot is held at most admit_every - 1 iterations
         joined_running |= bool(admitted) and running_before
         for sequence in admitted:  # prefill gives the first token
             scheduler.record(sequence.key, fake_token(sequence))
@@ -69,10 +73,11 @@ def run(mode: str, limits: Limits, requests: list[tuple]) -> dict:
     kv_tokens=st.integers(23, 60),
     max_queue=st.integers(0, 5),
     requests=st.lists(request_strategy, min_size=1, max_size=12),
+    admit_every=st.integers(1, 4),
 )
-def test_every_request_is_served_or_refused_and_the_limits_hold(mode, max_active, kv_tokens, max_queue, requests):
+def test_every_request_is_served_or_refused_and_the_limits_hold(mode, max_active, kv_tokens, max_queue, requests, admit_every):
     limits = Limits(max_active=max_active, kv_tokens=kv_tokens, max_context=23, max_queue=max_queue)
-    outcome = run(mode, limits, requests)
+    outcome = run(mode, limits, requests, admit_every)
     finished, rejected = outcome["finished"], outcome["rejected"]
     for key, (_, prompt, max_tokens, end_id, _) in enumerate(requests):
         if key in rejected:
@@ -160,8 +165,25 @@ def test_the_queue_limit_counts_only_requests_that_find_no_free_slot():
         scheduler.submit(Sequence(3, 2, 2))
 
 
+def test_admit_every_lets_arrivals_wait_to_join_one_prefill_together():
+    """admit_every=3 beside a running request: two requests arriving one
+    iteration apart join together at the third iteration of the first's wait;
+    with nothing running, a request joins at once."""
+    scheduler = Scheduler(Limits(max_active=4, kv_tokens=200, max_context=50, max_queue=4), ITERATION, admit_every=3)
+    scheduler.submit(Sequence(0, 2, 30))
+    assert [s.key for s in scheduler.admit()] == [0]  # nothing was running
+    scheduler.submit(Sequence(1, 2, 5))
+    assert scheduler.admit() == []  # held 1
+    scheduler.submit(Sequence(2, 2, 5))
+    assert scheduler.admit() == []  # held 2
+    assert [s.key for s in scheduler.admit()] == [1, 2]
+    assert scheduler.admit() == []  # nobody waiting
+
+
 def test_bad_limits_and_modes_are_refused():
     with pytest.raises(ValueError, match="max_active"):
         Limits(max_active=0, kv_tokens=1, max_context=1, max_queue=0)
     with pytest.raises(ValueError, match="scheduling"):
         Scheduler(Limits(1, 1, 1, 0), "orca")
+    with pytest.raises(ValueError, match="admit_every must be >= 1"):
+        Scheduler(Limits(1, 1, 1, 0), ITERATION, admit_every=0)

@@ -84,13 +84,22 @@ class Scheduler:
     The serving loop calls, per iteration: `admit()` (prefill the returned
     requests), then `step_batch()` (one batched decoding step for them), then
     `record(key, token)` for every token, then `retire()`.
+
+    `admit_every`: while requests are generating, waiting ones join at most
+    every that many iterations (the first waiter is held at most
+    admit_every - 1 iterations), so that one prefill forward takes several
+    arrivals instead of one each; with nothing generating they join at once.
     """
 
-    def __init__(self, limits: Limits, mode: str = ITERATION) -> None:
+    def __init__(self, limits: Limits, mode: str = ITERATION, admit_every: int = 1) -> None:
         if mode not in MODES:
             raise ValueError(f"scheduling must be one of {MODES}, got {mode!r}")
+        if admit_every < 1:
+            raise ValueError(f"admit_every must be >= 1, got {admit_every}")
         self.limits = limits
         self.mode = mode
+        self.admit_every = admit_every
+        self._held = 0  # iterations the first waiting request has been held back
         self.waiting: deque[Sequence] = deque()
         self.active: dict[int, Sequence] = {}
         # a heap: the lowest free slot first, so the active slots stay low and a decoding step's rows few
@@ -137,6 +146,10 @@ class Scheduler:
         """
         if self.mode == REQUEST and self.active:
             return []
+        if self.active and self.waiting and self._held + 1 < self.admit_every:
+            self._held += 1
+            return []
+        self._held = 0
         admitted = []
         while self.waiting and self.free_slots:
             head = self.waiting[0]

@@ -80,7 +80,10 @@ class GenerationSettings:
     generated since its last response (one while the senders keep up), and
     the loop never waits for the senders; 0 sends exactly one token per
     response and the loop waits for each iteration's responses before
-    handing over the next (the transport then paces the decoding steps).
+    handing over the next (the transport then paces the decoding steps);
+    admit_every: while requests generate, waiting ones join (are prefilled)
+    at most every that many iterations, so that one prefill forward takes
+    several arrivals (Scheduler); 1 admits at every iteration.
     """
 
     scheduling: str = ITERATION
@@ -93,6 +96,7 @@ class GenerationSettings:
     sender_threads: int = 2
     switch_interval_us: int = 0
     merge_tokens: int = 1
+    admit_every: int = 4
 
     def limits(self) -> Limits:
         return Limits(
@@ -138,7 +142,7 @@ class GenerationSettings:
             raise ValueError(f"switch_interval_us must be >= 0, got {settings.switch_interval_us}")
         settings.limits()  # raises on impossible limits
         settings.overrides()
-        Scheduler(settings.limits(), settings.scheduling)  # raises on an unknown mode
+        Scheduler(settings.limits(), settings.scheduling, settings.admit_every)  # raises on an unknown mode or admit_every
         return settings
 
 
@@ -419,7 +423,7 @@ class Generator:
         self._pb = pb_utils
         self.decoder = decoder
         self.vocab = vocab
-        self.scheduler = Scheduler(settings.limits(), settings.scheduling)
+        self.scheduler = Scheduler(settings.limits(), settings.scheduling, settings.admit_every)
         self.streams: dict[int, Stream] = {}
         self.stats = GenerationStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -711,6 +715,7 @@ class GenerationModel:
             f"{settings.sender_threads} sender threads",
             f"thread switch interval {sys.getswitchinterval() * 1e6:.0f} us",
             "tokens merged into a response while its senders are behind" if settings.merge_tokens else "one token per response",
+            f"admission every {settings.admit_every} iterations while generating" if settings.admit_every > 1 else "admission at every iteration",
         ]
         log.info("%s", ready_line(name, str(device), time.monotonic() - started, built, details))
 
