@@ -45,6 +45,10 @@
 #   bench      python -m opara_core.bench for $BENCH_MODELS (default googlenet,bert) at $BENCH_BATCH
 #              (default 1,8,32): every column incl. torch.compile with freezing and fused lanes, the
 #              serving build cold and warm; $OUT/bench.json (rows saved after each model), $OUT/bench.log
+#   generation scripts/generation_bench.py at the model's defaults, 64 slots, log-normal outputs (mean 64, cap 384):
+#              both schedulings at 64 req/s (the same load), iteration-level at 352 and 416, request-level at 72
+#              and 80 (their limits on the H200, generation's sixth run), 1,000 requests each;
+#              $OUT/generation.json, $OUT/generation_server.log
 #   soak       GoogLeNet served by `python -m opara_core.serving.launcher serve` on ports 18000-18002,
 #              scripts/soak.py over gRPC at 1, 8 and 64 ($SOAK_SECONDS each, default 30, and as long a warm-up): errors, wrong
 #              answers, host and GPU memory growth
@@ -188,8 +192,11 @@ for spec in "$@"; do
         --batch "${BENCH_BATCH:-1,8,32}" --json "$out/bench.json" ${BENCH_ARGS:-} ;;
     varlentests) step varlentests "$limit" python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --durations=5 \
         tests/test_capture.py tests/test_varlen.py -k "one_pool or on_a_gpu" ;;
+    generation) step generation "$limit" python3 scripts/generation_bench.py --requests 1000 --tpot-bound-ms 20 \
+        --ttft-bound-ms 2000 --max-active 64 --output-len lognormal:mean=64,cap=384,seed=1 --iteration-rates 64,352,416 \
+        --request-rates 64,72,80 --json "$out/generation.json" --log "$out/generation_server.log" ;;
     varlen) step varlen "$limit" python3 scripts/varlen_bench.py --models "${VARLEN_MODELS:-bert}" --concurrency 1,16,64 \
         --json "$out/varlen_bench.json" --log "$out/varlen_server.log" ;;
-    *) echo "unknown step $name (tests, fusedtests, bench, servertests, launcher, csan, racecheck, transporttests, transport, transportexp, serving, instances, twogpu, soak, warmbuild, varlen, varlentests)" >&2; exit 2 ;;
+    *) echo "unknown step $name (tests, fusedtests, bench, servertests, launcher, csan, racecheck, transporttests, transport, transportexp, serving, instances, twogpu, soak, warmbuild, generation, varlen, varlentests)" >&2; exit 2 ;;
     esac
 done
