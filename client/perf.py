@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             raise unreachable(error, url, args.protocol) from None
     for model in streaming:
         print(
-            f"{model}: skipped: a decoupled model (one response per generated token), which perf_analyzer's "
+            f"{model}: skipped: a decoupled model (its tokens streamed as they come), which perf_analyzer's "
             f"request sweep does not measure; use `python -m client generate --model {model} --rate R` (see README)",
             flush=True,
         )
