@@ -566,8 +566,9 @@ class GenerationMetrics:
     threads' seconds in send and probe (summed over the threads);
     opara_generation_events_total{model,kind}: iterations, rows (decoded
     rows: requests per step, summed), prefills (requests prefilled),
-    responses sent and the tokens they carried. Each push is an IPC round trip to the server, so a timer
-    thread pushes the increments every `FLUSH_SECONDS`.
+    responses sent and the tokens they carried. Each push is an IPC round
+    trip to the server, so a timer thread pushes the increments every
+    `FLUSH_SECONDS`.
     """
 
     FLUSH_SECONDS = 0.5
