@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps < 5:
             raise ValueError(f"--steps must be at least 5, got {args.steps}")
         if not 0 <= args.streams <= args.slots:
-            raise ValueError(f"--streams must be a row count from 1 to --slots ({args.slots}), got {args.streams}")
+            raise ValueError(f"--streams must be a row count from 1 to --slots ({args.slots}), or 0 for none; got {args.streams}")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

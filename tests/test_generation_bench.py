@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import sys
+from conftest import load_script
 
-from opara_core.serving.launcher import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-
-from generation_bench import best_under_bound  # noqa: E402
+best_under_bound = load_script("generation_bench").best_under_bound
 
 
 def row(scheduling: str, req_s: float, tpot: float, ttft: float, errors: int = 0) -> dict:
