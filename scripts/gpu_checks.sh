@@ -36,7 +36,8 @@
 #              at concurrency 1, 16, 64 under the padded, single, greedy and dp schedulers, with where
 #              each level's execute time went; $OUT/varlen_bench.json, $OUT/varlen_server.log
 #   varlentests the variable-length GPU tests: two BERT shapes in one graph pool replayed in turns, and
-#              every scheduler on a few shapes' graphs, each against eager (tests/test_capture.py, tests/test_varlen.py)
+#              every scheduler on a few shapes' graphs, each against eager (tests/test_capture.py, tests/test_varlen.py);
+#              BERT's and T5's whole-model Inductor compiles make it longer than 210 s cold (H100, 2026-11-26): give it 400
 #   warmbuild  fused lanes' serving build, cold then warm: a repository of $WARM_MODELS (default googlenet)
 #              with fused_lanes on, `python -m opara_core.serving.launcher warm` twice with one fresh
 #              OPARA_CACHE_DIR (Inductor's compiled code, profiles): each model's build seconds both times

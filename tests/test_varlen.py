@@ -186,7 +186,9 @@ def test_the_repository_configs_declare_variable_lengths(model):
     config = config_of(model)
     check_config(zoo.get(model), config)
     assert all(t.get("allow_ragged_batch") for t in config["input"])
-    assert varlen_settings(zoo.get(model), config).axes[0] == (16, 32, 64, 128, 256, 512)
+    settings = varlen_settings(zoo.get(model), config)
+    assert settings.axes[0] == (16, 32, 64, 128, 256, 512)
+    assert settings.compiler == "inductor"
 
 
 @pytest.mark.parametrize(
@@ -197,6 +199,7 @@ def test_the_repository_configs_declare_variable_lengths(model):
         ("max_length.input_ids", "128", "max_length.input_ids is '128', the model's is '512'"),
         ("scheduler", "fastest", "unknown scheduler 'fastest'"),
         ("capture", "never", "unknown capture 'never'"),
+        ("compiler", "tensorrt", "unknown compiler 'tensorrt'; known: inductor, engine"),
     ],
 )
 def test_bad_varlen_parameters_fail_at_load(key, value, problem):
@@ -240,19 +243,21 @@ def test_a_sub_batch_runs_on_a_cheaper_longer_shape_and_answers_as_eager():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model", ["bert", "t5"])
-def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(model, strict_fp32):
+@pytest.mark.parametrize(("model", "compiler"), [("bert", "inductor"), ("bert", "engine"), ("t5", "inductor")])
+def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(model, compiler, strict_fp32):
     """The CUDA graphs of a few shapes (a short grid, first use for T5's), mixed
-    lengths through every scheduler, each row against its own eager run."""
+    lengths through every scheduler, each row against its own eager run; with
+    the compiler "inductor" every shape runs the whole-model Inductor graph."""
     from opara_core.engine.build import EngineSettings
-    from opara_core.serving.varlen import VarLenRunners, VarLenSettings
+    from opara_core.serving.varlen import WHOLE_MODEL, VarLenRunners, VarLenSettings
 
     entry = zoo.get(model)
     device = torch.device("cuda")
     module = entry.build().to(device)
     axes = ((16, 64, 512),) if model == "bert" else ((16, 512), (16, 128))
     capture = "load" if model == "bert" else "first_use"
-    runners = VarLenRunners(module, entry, device, EngineSettings(policy="opara", buckets=(1, 2, 4)), VarLenSettings(axes, capture=capture))
+    varlen = VarLenSettings(axes, capture=capture, compiler=compiler)
+    runners = VarLenRunners(module, entry, device, EngineSettings(policy="opara", buckets=(1, 2, 4)), varlen)
     assert runners.info.kind == "cuda-graph"
     assert bool(runners.report.measured) == (capture == "load")
     shapes = [(3,), (40,), (17,), (300,), (9,)] if model == "bert" else [(3, 2), (40, 100), (17, 9), (300, 5), (9, 1)]
@@ -269,3 +274,5 @@ def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(
         for answer, reference in zip(answers, expected):
             assert answer[0].shape == reference.shape
             assert_close(answer[0].numpy(), reference.numpy(), zoo.oracle_tolerance())
+    built = {shape: report.runner for shape, report in runners.report.shapes.items()}
+    assert built and all((runner == WHOLE_MODEL) == (compiler == "inductor") for runner in built.values()), (built, runners.report.fallbacks)

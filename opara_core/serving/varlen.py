@@ -12,9 +12,13 @@ are valid; attention-mask 0 hides the padded keys; T5's decoder is causal, so
 padding after a row's last decoder id changes none of its positions) and run on
 that shape's runner; each row's outputs are cut back to its own length.
 
-Runners: per shape bucket, `engine.build.build_runner` for the zoo model fixed
-at that shape (on a GPU: one CUDA graph per batch bucket, the plan `auto`
-picks, every shape's graphs in one memory pool; on a CPU: eager). `capture`
+Runners: one per shape bucket, each with one CUDA graph per batch bucket, every
+shape's graphs in one memory pool (on a CPU: eager). `compiler` "inductor" (the
+default) compiles the whole model once with dynamic sizes
+(`engine.whole_model`) and captures it at every cell, on one stream; "engine"
+builds each shape with `engine.build.build_runner` (the plan `auto` picks,
+ATen kernels on several lanes). A shape whose Inductor graph fails to
+capture or disagrees with eager falls back to the engine's build. `capture`
 "load" builds every shape when the model loads; "first_use" builds a shape the
 first time a sub-batch needs it. The cost table comes from replay timings of
 the captured graphs; for eager runners, and for shapes not built yet, from a
@@ -22,7 +26,7 @@ token-count model (`modelled_seconds`).
 
 Config parameters (besides the engine's): `scheduler` (dp, greedy, padded,
 single; a request may choose another with its own parameter `scheduler`, which
-benchmarks use to compare them on one server), `capture`,
+benchmarks use to compare them on one server), `compiler`, `capture`,
 `length_buckets.<axis>` (ascending, the last one the axis's limit) and
 `max_length.<input>` (published to clients; must equal the model's limit).
 """
@@ -42,9 +46,11 @@ from dataclasses import dataclass, field
 import torch
 
 from opara_core import zoo
-from opara_core.engine.build import BuildReport, EngineSettings, build_runner
-from opara_core.engine.capture import GraphPool, pool_mb, time_replays
+from opara_core.engine.build import BuildReport, EngineSettings, GuardError, build_runner, check_against_eager, static_inputs
+from opara_core.engine.capture import CaptureError, GraphPool, pool_mb, time_replays
+from opara_core.engine.inductor_cache import use_inductor_cache
 from opara_core.engine.runtime import GraphRunner, Runner, RunnerInfo
+from opara_core.engine.whole_model import WholeModelInductor
 from opara_core.planning import batching
 from opara_core.planning.batching import CostTable
 from opara_core.serving.triton_backend import TRITON_DTYPES, OparaModel, RequestError, parameters, request_tensors
@@ -53,11 +59,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512)
 CAPTURE_MODES = ("load", "first_use")
-OWN_PARAMETERS = ("scheduler", "capture", "length_buckets.", "max_length.")
+COMPILERS = ("inductor", "engine")
+OWN_PARAMETERS = ("scheduler", "compiler", "capture", "length_buckets.", "max_length.")
 # the token-count model: a run costs its padded tokens, attention adding one token's
 # worth per ATTENTION_SPAN tokens of length, plus a fixed overhead worth OVERHEAD_TOKENS
 ATTENTION_SPAN = 512
 OVERHEAD_TOKENS = 64
+WHOLE_MODEL = "whole-model inductor graph"
 
 
 @dataclass(frozen=True)
@@ -67,10 +75,13 @@ class VarLenSettings:
     axes: tuple[tuple[int, ...], ...]  # sequence buckets per variable axis
     scheduler: str = "dp"
     capture: str = "load"
+    compiler: str = "inductor"
 
     def __post_init__(self) -> None:
         if self.scheduler not in batching.SCHEDULERS:
             raise ValueError(f"unknown scheduler {self.scheduler!r}; known: {', '.join(batching.SCHEDULERS)}")
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"unknown compiler {self.compiler!r}; known: {', '.join(COMPILERS)}")
         if self.capture not in CAPTURE_MODES:
             raise ValueError(f"unknown capture {self.capture!r}; known: {', '.join(CAPTURE_MODES)}")
 
@@ -93,7 +104,9 @@ def varlen_settings(entry: zoo.ZooModel, config: dict) -> VarLenSettings:
             declared = params.get(f"max_length.{name}", "").strip()
             if declared != str(axis.limit):
                 raise ValueError(f"parameter max_length.{name} is {declared!r}, the model's is '{axis.limit}'")
-    return VarLenSettings(tuple(axes), params.get("scheduler", "dp").strip(), params.get("capture", "load").strip())
+    return VarLenSettings(
+        tuple(axes), params.get("scheduler", "dp").strip(), params.get("capture", "load").strip(), params.get("compiler", "inductor").strip()
+    )
 
 
 def check_config(entry: zoo.ZooModel, config: dict) -> None:
@@ -172,6 +185,8 @@ class VarLenReport:
     runner: str = "eager"
     capture: str = "load"
     scheduler: str = "dp"
+    compiler: str = "inductor"
+    compiler_fallback: str = ""  # why no shape could use the whole-model Inductor graph
     shapes: dict[tuple[int, ...], BuildReport] = field(default_factory=dict)
     build_seconds: dict[tuple[int, ...], float] = field(default_factory=dict)
     memory_bytes: dict[tuple[int, ...], int] = field(default_factory=dict)  # device memory reserved by each shape's build
@@ -188,10 +203,12 @@ class VarLenReport:
     @property
     def fallbacks(self) -> list[str]:
         # the reason first: the metrics label a fallback by the text before its first colon
-        return [f"{reason} (shape {_label(s)})" for s, report in self.shapes.items() for reason in report.fallbacks]
+        shapes = [f"{reason} (shape {_label(s)})" for s, report in self.shapes.items() for reason in report.fallbacks]
+        return [self.compiler_fallback, *shapes] if self.compiler_fallback else shapes
 
     def summary(self) -> str:
-        lines = [f"variable lengths: runner {self.runner}, capture {self.capture}, scheduler {self.scheduler}"]
+        lines = [f"variable lengths: runner {self.runner}, compiler {self.compiler}, capture {self.capture}, scheduler {self.scheduler}"]
+        lines += [f"fallback: {self.compiler_fallback}"] if self.compiler_fallback else []
         for shape, report in sorted(self.shapes.items()):
             memory = f", {self.memory_bytes[shape] / 2**20:.0f} MiB" if shape in self.memory_bytes else ""
             lines.append(f"shape {_label(shape)}: {report.runner}, built in {self.build_seconds.get(shape, 0):.1f} s{memory}")
@@ -247,13 +264,15 @@ class VarLenRunners:
         self.module, self.entry, self.device = module, entry, device
         self.engine_settings = settings
         self.max_batch = max(settings.buckets)
-        self.report = VarLenReport(capture=varlen.capture, scheduler=varlen.scheduler)
+        self.report = VarLenReport(capture=varlen.capture, scheduler=varlen.scheduler, compiler=varlen.compiler)
+        self.inductor_cache = ""
         self.runners: dict[tuple[int, ...], Runner] = {}
         self.batches: Counter[str] = Counter()
         self.padded_rows = 0
         self._lock = threading.Lock()
         self._cuda = device.type == "cuda"
         self.pool = GraphPool.new(device) if self._cuda else None
+        self.whole_model = self._whole_model(module, varlen.compiler)
         self._inputs = {shape: entry.at(shape).inputs for shape in batching.grid(varlen.axes)}
         self._along = {n: a for a, axis in enumerate(entry.lengths) for n in axis.outputs}
         batches = tuple(sorted(settings.buckets))
@@ -271,11 +290,27 @@ class VarLenRunners:
         self.report.runner = "+".join(sorted(kinds))
         self.info = RunnerInfo(self.report.runner, str(device), batches)
 
+    def _whole_model(self, module: torch.nn.Module, compiler: str) -> WholeModelInductor | None:
+        """The model compiled once for every shape (compiler "inductor", on a GPU)."""
+        if not self._cuda or compiler != "inductor":
+            return None
+        try:
+            self.inductor_cache = str(use_inductor_cache(self.engine_settings.inductor_cache))
+        except ValueError as error:  # the engine's per-shape builds still serve
+            self.report.compiler_fallback = f"whole-model inductor graph: {error}"
+            log.warning("%s; building every shape with the engine instead", self.report.compiler_fallback)
+            return None
+        return WholeModelInductor(module.to(self.device).eval())
+
     def _build(self, shape: tuple[int, ...]) -> dict[tuple[tuple[int, ...], int], float]:
         """Build the runner of one shape; its replay timings, where it has graphs."""
         start = time.perf_counter()
         reserved = torch.cuda.memory_reserved(self.device) if self._cuda else 0
-        runner, report = build_runner(self.module, self.entry.at(shape), self.device, self.max_batch, self.engine_settings, self.pool)
+        runner, report = self._whole_model_runner(shape) if self.whole_model is not None else (None, BuildReport())
+        if runner is None:
+            runner, engine_report = build_runner(self.module, self.entry.at(shape), self.device, self.max_batch, self.engine_settings, self.pool)
+            engine_report.fallbacks[:0] = report.fallbacks
+            report = engine_report
         self.runners[shape], self.report.shapes[shape] = runner, report
         self.report.build_seconds[shape] = time.perf_counter() - start
         timings = {}
@@ -289,6 +324,26 @@ class VarLenRunners:
             self.report.pool_bytes = round(pool_mb(self.pool.handle) * 2**20)
         log.info("shape %s built in %.1f s (%s)", _label(shape), self.report.build_seconds[shape], report.runner)
         return timings
+
+    def _whole_model_runner(self, shape: tuple[int, ...]) -> tuple[GraphRunner | None, BuildReport]:
+        """The shape's graphs captured from the whole-model Inductor graph, largest
+        batch first, each checked against the eager model; None (and the reason
+        in the report's fallbacks) if a capture or a check fails."""
+        entry, settings = self.entry.at(shape), self.engine_settings
+        report = BuildReport(runner=WHOLE_MODEL, inductor=self.inductor_cache)
+        start = time.perf_counter()
+        try:
+            graphs = {b: self.whole_model.capture(static_inputs(entry, b, self.device), self.pool.handle) for b in sorted(settings.buckets, reverse=True)}
+            runner = GraphRunner(graphs, entry.inputs, entry.outputs, self.device, self.max_batch)
+            if settings.guard:
+                check_against_eager(runner, dict.fromkeys(graphs, self.whole_model.module), entry, settings.fused_tolerance)
+        except (CaptureError, GuardError, RuntimeError) as error:
+            report.fallbacks.append(f"{WHOLE_MODEL}: {error}")
+            log.warning("shape %s: %s failed, building it with the engine instead: %s", _label(shape), WHOLE_MODEL, error)
+            return None, report
+        report.choices = dict.fromkeys(sorted(graphs), WHOLE_MODEL)
+        report.seconds["capture" + (" and check" if settings.guard else "")] = time.perf_counter() - start
+        return runner, report
 
     def runner_for(self, shape: tuple[int, ...]) -> Runner:
         if shape not in self.runners:  # capture "first_use"
