@@ -34,7 +34,8 @@
 #              every GPU of the machine (one instance each): $OUT/twogpu_one.json, $OUT/twogpu_all.json
 #   varlen     scripts/varlen_bench.py: BERT ($VARLEN_MODELS, default bert) with seeded lengths (mean 50, cap 512)
 #              at concurrency 1, 16, 64 under the padded, single, greedy and dp schedulers, with where
-#              each level's execute time went; $OUT/varlen_bench.json, $OUT/varlen_server.log
+#              each level's execute time went; $OUT/varlen_bench.json, $OUT/varlen_server.log; $VARLEN_ARGS
+#              adds arguments (e.g. "--instances 2", "--set bert:compiler=engine")
 #   varlentests the variable-length GPU tests: two BERT shapes in one graph pool replayed in turns, and
 #              every scheduler on a few shapes' graphs, each against eager (tests/test_capture.py, tests/test_varlen.py);
 #              BERT's and T5's whole-model Inductor compiles make it longer than 210 s cold (H100, 2026-11-26): give it 400
@@ -197,7 +198,7 @@ for spec in "$@"; do
         --ttft-bound-ms 2000 --max-active 64 --output-len lognormal:mean=64,cap=384,seed=1 --iteration-rates 64,352,416 \
         --request-rates 64,72,80 --json "$out/generation.json" --log "$out/generation_server.log" ;;
     varlen) step varlen "$limit" python3 scripts/varlen_bench.py --models "${VARLEN_MODELS:-bert}" --concurrency 1,16,64 \
-        --json "$out/varlen_bench.json" --log "$out/varlen_server.log" ;;
+        --json "$out/varlen_bench.json" --log "$out/varlen_server.log" ${VARLEN_ARGS:-} ;;
     *) echo "unknown step $name (tests, fusedtests, bench, servertests, launcher, csan, racecheck, transporttests, transport, transportexp, serving, instances, twogpu, soak, warmbuild, generation, varlen, varlentests)" >&2; exit 2 ;;
     esac
 done

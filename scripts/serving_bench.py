@@ -65,6 +65,14 @@ def add_floor_model(repository: Path, model: str) -> str:
     return name
 
 
+def set_instances(text: str, instances: int, config: Path) -> str:
+    """config.pbtxt text with `instances` model instances (stub processes, each with its own graphs)."""
+    text, found = re.subn(r"instance_group \[ \{ count: \d+ \} \]", f"instance_group [ {{ count: {instances} }} ]", text)
+    if found != 1:
+        raise SystemExit(f"{config}: no single `instance_group [ {{ count: N }} ]` line to set the instance count in")
+    return text
+
+
 def set_parameter(text: str, key: str, value: str) -> str:
     """config.pbtxt text with the parameter `key` set to `value`: replaced where
     the config sets it, added as the first entry of its `parameters` otherwise."""
@@ -99,9 +107,7 @@ def make_repository(
     for name in models:
         shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, repository / name)
         config = repository / name / "config.pbtxt"
-        text, found = re.subn(r"instance_group \[ \{ count: \d+ \} \]", f"instance_group [ {{ count: {instances} }} ]", config.read_text())
-        if found != 1:
-            raise SystemExit(f"{config}: no single `instance_group [ {{ count: N }} ]` line to set the instance count in")
+        text = set_instances(config.read_text(), instances, config)
         if batching == "greedy":
             text, found = re.subn(r"\n  preferred_batch_size: \[[\d, ]+\]", "", text)
             if found != 1:

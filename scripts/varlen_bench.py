@@ -52,23 +52,22 @@ from opara_core import zoo
 from opara_core.planning import batching
 from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
 from opara_core.serving.triton_backend import ServingMetrics, StageClock
-from serving_bench import batch_counts, execute_counters
+from serving_bench import batch_counts, execute_counters, set_instances, set_parameter
 
 SCHEDULERS = ("padded", "single", "greedy", "dp")
 
 
-def make_repository(models: list[str], root: Path, overrides: dict[str, dict[str, str]], queue_delay_us: int | None) -> Path:
-    """Copies of the models; `overrides[model]` replaces (or adds) config parameters."""
+def make_repository(models: list[str], root: Path, overrides: dict[str, dict[str, str]], queue_delay_us: int | None, instances: int = 1) -> Path:
+    """Copies of the models; `overrides[model]` replaces (or adds) config
+    parameters; `instances` model instances each (stub processes, each with its
+    own graphs: one's host work overlaps the other's replays)."""
     repository = root / "models"
     for name in models:
         shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, repository / name)
         config = repository / name / "config.pbtxt"
-        text = config.read_text()
+        text = set_instances(config.read_text(), instances, config)
         for key, value in overrides.get(name, {}).items():
-            pattern = rf'(key: "{re.escape(key)}"\n    value: {{ string_value: ")[^"]*(" }})'
-            text, found = re.subn(pattern, rf"\g<1>{value}\g<2>", text)
-            if not found:
-                text += f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+            text = set_parameter(text, key, value)
         if queue_delay_us is not None:
             text = re.sub(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {queue_delay_us}", text)
         config.write_text(text)
@@ -233,6 +232,7 @@ def main() -> int:
         help="a config parameter of a model, e.g. t5:capture=first_use or bert:policy=sequential (repeatable)",
     )  # fmt: skip
     parser.add_argument("--queue-delay-us", type=int, default=None, help="max_queue_delay_microseconds (default: the config's)")
+    parser.add_argument("--instances", type=int, default=1, help="model instances per model (instance_group count; default 1)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, help="where the server log goes")
     parser.add_argument("--predict", type=Path, metavar="JSON", help="only print what the cost tables of an earlier run's JSON predict for --lengths")
@@ -250,7 +250,9 @@ def main() -> int:
             raise SystemExit(f"--set {item!r}: give MODEL:KEY=VALUE for one of {models}")
         overrides.setdefault(model, {})[key] = value
     work = Path(tempfile.mkdtemp(prefix="varlen_bench_"))
-    repository = make_repository(models, work, overrides, args.queue_delay_us)
+    if args.instances < 1:
+        raise SystemExit(f"--instances must be at least 1, got {args.instances}")
+    repository = make_repository(models, work, overrides, args.queue_delay_us, args.instances)
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     log_path = args.log or work / "server.log"
     rows: list[dict] = []
@@ -260,6 +262,7 @@ def main() -> int:
         "lengths": args.lengths,
         "duration_s": args.duration,
         "overrides": overrides,
+        "instances": args.instances,
     }
     started = time.perf_counter()
     server = TritonServer(config, log_path).start()

@@ -6,8 +6,8 @@ import json
 import multiprocessing
 import re
 import time
-
 import warnings
+from pathlib import Path
 
 import torch
 import pytest
@@ -29,9 +29,9 @@ from opara_core.serving.triton_backend import (
 )
 
 
-def config_of(model: str) -> dict:
+def config_of(model: str, repository: Path = DEFAULT_MODEL_REPOSITORY) -> dict:
     """The parts of a config.pbtxt the adapter reads, as Triton's JSON would give them."""
-    text = (DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt").read_text()
+    text = (repository / model / "config.pbtxt").read_text()
     tensors = {}
     for kind in ("input", "output"):
         block = re.search(rf"^{kind} \[(.*?)^\]", text, re.S | re.M).group(1)

@@ -1,0 +1,35 @@
+"""scripts/varlen_bench.py's repository: the configs it serves must still pass the
+model's load checks with its overrides and instance count."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import load_script
+from test_triton_backend import config_of
+
+from opara_core import zoo
+from opara_core.serving.varlen import check_config, varlen_settings
+
+load_script("serving_bench")  # varlen_bench imports it by name
+varlen_bench = load_script("varlen_bench")
+
+
+def test_overrides_instances_and_queue_delay_reach_a_config_that_loads(tmp_path):
+    overrides = {"bert": {"scheduler": "greedy", "compiler": "engine", "policy": "sequential"}}
+    repository = varlen_bench.make_repository(["bert", "t5"], tmp_path, overrides, queue_delay_us=250, instances=2)
+    for model in ("bert", "t5"):
+        text = (repository / model / "config.pbtxt").read_text()
+        assert re.findall(r"instance_group \[ \{ count: (\d+) \} \]", text) == ["2"]
+        assert re.findall(r"max_queue_delay_microseconds: (\d+)", text) == ["250"]
+        config = config_of(model, repository)
+        check_config(zoo.get(model), config)
+        settings = varlen_settings(zoo.get(model), config)
+        assert (settings.scheduler, settings.compiler) == (("greedy", "engine") if model == "bert" else ("dp", "inductor"))
+    assert config_of("bert", repository)["parameters"]["policy"] == {"string_value": "sequential"}
+
+
+def test_a_bad_override_is_refused_by_name(tmp_path):
+    with pytest.raises(SystemExit, match="parameter sched uler"):
+        varlen_bench.make_repository(["bert"], tmp_path, {"bert": {"sched uler": "dp"}}, None)
