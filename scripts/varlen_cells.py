@@ -5,12 +5,12 @@ ATen graphs served today take 1.5 ms or more however few tokens they hold).
 
     python scripts/varlen_cells.py --models bert --json $OUT/varlen_cells.json [--aten-table docs/varlen_h100_run3.json]
 
-For each model: `torch.compile` (default mode, Inductor's freezing, under
-`inference_mode`, `dynamic=True`: sizes other than 0 and 1 symbolic) is called
+For each model: `engine.whole_model` (`torch.compile` default mode, Inductor's
+freezing, under `inference_mode`, `dynamic=True`: sizes other than 0 and 1 symbolic) is called
 once per cell of the grid, each cell captured into a CUDA graph, all in one
 graph memory pool, largest cell first, as serving captures them; each replay
-timed (CUDA events). Reports compile seconds and how many graphs Dynamo
-compiled, the cost table, the pool's MiB, the largest error against the eager
+timed (CUDA events). Reports the seconds compiling and capturing took and how
+many graphs Dynamo compiled, the cost table, the pool's MiB, the largest error against the eager
 model, and what the table predicts per scheduler for a length distribution
 (`varlen_bench.predicted`, the DP against padding to the largest bucket),
 next to the same prediction from an earlier run's measured (ATen) table.
@@ -28,17 +28,14 @@ import time
 import torch
 
 from opara_core import zoo
-from opara_core.engine.capture import capture_module, pool_mb, time_replays
+from opara_core.engine.capture import pool_mb, time_replays
+from opara_core.engine.compare import max_relative_error
+from opara_core.engine.whole_model import WholeModelInductor
 from opara_core.planning import batching
 from opara_core.serving.varlen import DEFAULT_LENGTH_BUCKETS
 from varlen_bench import cost_table, predicted, print_prediction
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
-
-
-def dynamic_compiled(module: torch.nn.Module) -> torch.nn.Module:
-    torch._dynamo.reset()
-    return torch.compile(module, dynamic=True)
 
 
 def measure(model: str, buckets: tuple[int, ...], lengths: tuple[int, ...]) -> dict:
@@ -49,31 +46,25 @@ def measure(model: str, buckets: tuple[int, ...], lengths: tuple[int, ...]) -> d
     cells = [(shape, b) for shape in reversed(batching.grid(axes)) for b in sorted(buckets, reverse=True)]
     pool = torch.cuda.graph_pool_handle()
     table, errors, graphs = {}, {}, []
-    compile_seconds = 0.0
-    with torch._inductor.config.patch(freezing=True), torch.inference_mode():
-        compiled = dynamic_compiled(module)
-        for shape, batch in cells:
-            at = entry.at(shape)
-            inputs = tuple(t.to(device) for t in at.example_inputs(batch, seed=3))
-            start = time.perf_counter()
-            compiled(*inputs)  # compiles where no earlier graph's guards hold
-            torch.cuda.synchronize()
-            compile_seconds += time.perf_counter() - start
-            captured = capture_module(compiled, [x.clone() for x in inputs], pool)
-            graphs.append(captured)
-            label = f"{','.join(map(str, shape))}x{batch}"
-            table[label] = round(time_replays(captured), 3)
-            if batch in (1, max(buckets)):
-                expected = module(*inputs)
-                expected = expected[0] if isinstance(expected, (tuple, list)) else expected
-                got = captured.outputs[0]
-                errors[label] = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
-            logging.info("%s: %.3f ms", label, table[label])
-    frames = torch._dynamo.utils.counters["stats"].get("unique_graphs", 0)
+    torch._dynamo.reset()
+    whole = WholeModelInductor(module)
+    seconds = 0.0
+    for shape, batch in cells:
+        inputs = [t.to(device) for t in entry.at(shape).example_inputs(batch, seed=3)]
+        start = time.perf_counter()
+        captured = whole.capture(inputs, pool)  # its warm-up compiles where no earlier graph's guards hold
+        seconds += time.perf_counter() - start
+        graphs.append(captured)  # alive until the pool is measured
+        label = f"{','.join(map(str, shape))}x{batch}"
+        table[label] = round(time_replays(captured), 3)
+        if batch in (1, max(buckets)):
+            with torch.inference_mode():
+                errors[label] = max_relative_error(captured.outputs, module(*inputs))
+        logging.info("%s: %.3f ms", label, table[label])
     return {
         "model": model,
-        "compile_seconds": round(compile_seconds, 1),
-        "dynamo_graphs": frames,
+        "compile_and_capture_seconds": round(seconds, 1),
+        "dynamo_graphs": torch._dynamo.utils.counters["stats"].get("unique_graphs", 0),
         "cost_table_ms": table,
         "pool_mib": round(pool_mb(pool), 1),
         "max_relative_error": errors,
@@ -81,7 +72,7 @@ def measure(model: str, buckets: tuple[int, ...], lengths: tuple[int, ...]) -> d
 
 
 def print_table(result: dict, buckets: tuple[int, ...]) -> None:
-    print(f"\n## {result['model']}: whole-model Inductor, dynamic shapes: compile {result['compile_seconds']} s, "
+    print(f"\n## {result['model']}: whole-model Inductor, dynamic shapes: compile and capture {result['compile_and_capture_seconds']} s, "
           f"{result['dynamo_graphs']} Dynamo graphs, pool {result['pool_mib']} MiB, errors {result['max_relative_error']}\n")
     shapes = sorted({label.rpartition("x")[0] for label in result["cost_table_ms"]}, key=lambda s: tuple(map(int, s.split(","))))
     print("| shape \\ batch | " + " | ".join(map(str, buckets)) + " |")

@@ -68,7 +68,9 @@ def pool_breakdown(pool: GraphPool) -> dict:
 class ObservedRunners(VarLenRunners):
     """VarLenRunners that read the pool after each shape's build."""
 
-    observed: list[dict]
+    def __init__(self, *args, **kwargs):
+        self.observed: list[dict] = []  # filled while the base class builds every shape
+        super().__init__(*args, **kwargs)
 
     def _build(self, shape):
         timings = super()._build(shape)
@@ -116,7 +118,6 @@ def measure(model: str, variant: str, buckets: tuple[int, ...], lengths: tuple[i
     device = torch.device("cuda")
     module = entry.build().to(device).eval()
     axes = tuple(tuple(b for b in lengths if b < axis.limit) + (axis.limit,) for axis in entry.lengths)
-    ObservedRunners.observed = []
     start = time.perf_counter()
     compiler = "inductor" if policy == "inductor" else "engine"
     settings = EngineSettings(policy="auto" if policy == "inductor" else policy, buckets=buckets)
@@ -129,7 +130,7 @@ def measure(model: str, variant: str, buckets: tuple[int, ...], lengths: tuple[i
         "model": model,
         "policy": variant,
         "build_seconds": round(seconds, 1),
-        "shapes": ObservedRunners.observed,
+        "shapes": runners.observed,
         "pool_mib": round(runners.report.pool_bytes / MIB, 1),
         "largest_graph_mib": round(largest / MIB, 1),
         "sum_of_peaks_mib": round(sum(peaks.values()) / MIB, 1),
