@@ -55,7 +55,7 @@ def test_every_repository_config_passes_the_load_checks(model):
         check_config(entry, config)
         assert isinstance(engine_settings(config), EngineSettings)
     check_ranges(entry, config)
-    assert output_memory(config) == "auto"
+    assert output_memory(config) == "host"
 
 
 @pytest.mark.parametrize("model", zoo.names())

@@ -8,8 +8,8 @@ into a stub process and a response out, which no model code can remove.
 
 It reads no input data and answers each request with zeros of the output
 shapes, placed as the adapter places real outputs under the config's
-`output_memory` ("auto": GPU tensors when the request's inputs came on the
-instance's GPU, host tensors otherwise; "host"; "gpu"), both handed over
+`output_memory` ("host", the default; "auto": GPU tensors when the request's
+inputs came on the instance's GPU, host tensors otherwise; "gpu"), both handed over
 through DLPack: GPU outputs cost the Python backend a synchronisation per
 tensor and a second round trip to the stub, so the floor must pay what the
 model pays.
