@@ -25,6 +25,7 @@ from test_triton_backend import config_of
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from opara_core import zoo
+from opara_core.planning import batching
 from opara_core.serving.launcher import TritonServer
 from opara_core.serving.triton_backend import RequestError
 from opara_core.serving.varlen import check_config, check_request, varlen_settings
@@ -247,7 +248,8 @@ def test_a_sub_batch_runs_on_a_cheaper_longer_shape_and_answers_as_eager():
 def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(model, compiler, strict_fp32):
     """The CUDA graphs of a few shapes (a short grid, first use for T5's), mixed
     lengths through every scheduler, each row against its own eager run; with
-    the compiler "inductor" every shape runs the whole-model Inductor graph."""
+    the compiler "inductor" every shape runs the whole-model Inductor graph;
+    every built shape's cells (also those built on first use) are timed."""
     from opara_core.engine.build import EngineSettings
     from opara_core.serving.varlen import WHOLE_MODEL, VarLenRunners, VarLenSettings
 
@@ -259,7 +261,8 @@ def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(
     varlen = VarLenSettings(axes, capture=capture, compiler=compiler)
     runners = VarLenRunners(module, entry, device, EngineSettings(policy="opara", buckets=(1, 2, 4)), varlen)
     assert runners.info.kind == "cuda-graph"
-    assert bool(runners.report.measured) == (capture == "load")
+    # at load: every shape, or (first use) the smallest, which compiles the model
+    assert runners.report.measured == (set(batching.grid(axes)) if capture == "load" else {batching.grid(axes)[0]})
     shapes = [(3,), (40,), (17,), (300,), (9,)] if model == "bert" else [(3, 2), (40, 100), (17, 9), (300, 5), (9, 1)]
     requests = [check_request(entry, dict(zip((s.name for s in entry.inputs), entry.at(n).example_inputs(1, seed=k))), "dp") for k, n in enumerate(shapes)]
     for request in requests:
@@ -274,5 +277,7 @@ def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(
         for answer, reference in zip(answers, expected):
             assert answer[0].shape == reference.shape
             assert_close(answer[0].numpy(), reference.numpy(), zoo.oracle_tolerance())
+    # a shape built on first use plans with its own replay timings from then on
+    assert runners.report.measured == set(runners.runners) == set(runners.report.shapes)
     built = {shape: report.runner for shape, report in runners.report.shapes.items()}
     assert built and all((runner == WHOLE_MODEL) == (compiler == "inductor") for runner in built.values()), (built, runners.report.fallbacks)

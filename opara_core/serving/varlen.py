@@ -19,10 +19,12 @@ default) compiles the whole model once with dynamic sizes
 builds each shape with `engine.build.build_runner` (the plan `auto` picks,
 ATen kernels on several lanes). A shape whose Inductor graph fails to
 capture or disagrees with eager falls back to the engine's build. `capture`
-"load" builds every shape when the model loads; "first_use" builds a shape the
-first time a sub-batch needs it. The cost table comes from replay timings of
-the captured graphs; for eager runners, and for shapes not built yet, from a
-token-count model (`modelled_seconds`).
+"load" builds every shape when the model loads; "first_use" builds the
+smallest shape at load (the compile) and any other the first time a sub-batch
+needs it. The cost table comes from replay timings of
+the captured graphs (a shape built on first use replaces its cells with its
+timings); for eager runners, and for shapes not built yet, from a token-count
+model (`modelled_seconds`) in the timed cells' units.
 
 Config parameters (besides the engine's): `scheduler` (dp, greedy, padded,
 single; a request may choose another with its own parameter `scheduler`, which
@@ -275,17 +277,15 @@ class VarLenRunners:
         self.whole_model = self._whole_model(module, varlen.compiler)
         self._inputs = {shape: entry.at(shape).inputs for shape in batching.grid(varlen.axes)}
         self._along = {n: a for a, axis in enumerate(entry.lengths) for n in axis.outputs}
-        batches = tuple(sorted(settings.buckets))
-        seconds = {(s, b): modelled_seconds(s, b) for s in batching.grid(varlen.axes) for b in batches}
-        if varlen.capture == "load":
-            measured = {}
-            for shape in reversed(batching.grid(varlen.axes)):
-                measured.update(self._build(shape))
-            if measured:
-                # shapes without graphs (a fallback to eager) keep the token-count model, in the measured cells' units
-                scale = statistics.median(ms / seconds[cell] for cell, ms in measured.items())
-                seconds = {cell: measured.get(cell, modelled * scale) for cell, modelled in seconds.items()}
-        self.costs = self.report.costs = CostTable(varlen.axes, batches, seconds)
+        self._axes, batches = varlen.axes, tuple(sorted(settings.buckets))
+        self._modelled = {(s, b): modelled_seconds(s, b) for s in batching.grid(varlen.axes) for b in batches}
+        self._measured: dict[tuple[tuple[int, ...], int], float] = {}
+        # "load": every shape, largest first (the smaller ones fit in the blocks it freed);
+        # "first_use": the smallest only, so that the compile happens at load, not in a request
+        shapes = batching.grid(varlen.axes)
+        for shape in reversed(shapes) if varlen.capture == "load" else shapes[:1]:
+            self._measured.update(self._build(shape))
+        self._set_costs()
         kinds = {r.info.kind for r in self.runners.values()} or {"eager" if device.type != "cuda" else "cuda-graph"}
         self.report.runner = "+".join(sorted(kinds))
         self.info = RunnerInfo(self.report.runner, str(device), batches)
@@ -345,9 +345,20 @@ class VarLenRunners:
         report.seconds["capture" + (" and check" if settings.guard else "")] = time.perf_counter() - start
         return runner, report
 
+    def _set_costs(self) -> None:
+        """The cost table: replay timings where a shape has graphs; elsewhere (not
+        built yet, or a fallback to eager) the token-count model, in the measured
+        cells' units."""
+        seconds = self._modelled
+        if self._measured:
+            scale = statistics.median(ms / seconds[cell] for cell, ms in self._measured.items())
+            seconds = {cell: self._measured.get(cell, modelled * scale) for cell, modelled in seconds.items()}
+        self.costs = self.report.costs = CostTable(self._axes, tuple(sorted({b for _, b in seconds})), seconds)
+
     def runner_for(self, shape: tuple[int, ...]) -> Runner:
-        if shape not in self.runners:  # capture "first_use"
-            self._build(shape)
+        if shape not in self.runners:  # capture "first_use": from now on the scheduler plans with its timings
+            self._measured.update(self._build(shape))
+            self._set_costs()
         return self.runners[shape]
 
     def run(self, requests: list[VarLenRequest], queued: Callable[[], None] | None = None) -> list[list[torch.Tensor]]:
