@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import urllib.request
@@ -163,6 +164,23 @@ def test_server_config_reads_ports_from_the_environment():
     command = server_command(config, Path("/backends"))
     assert "--model-control-mode=none" in command
     assert "--http-address=127.0.0.1" in command and "--grpc-address=127.0.0.1" in command
+
+
+def test_the_stubs_find_libpython_alone_not_the_rest_of_pythons_libdir(tmp_path):
+    """LD_LIBRARY_PATH gets a directory holding only a link to libpython: a system
+    Python's LIBDIR (/usr/lib/<arch>) would put everything else there ahead of the
+    libraries torch finds itself (on the H100 machine, the CUDA image's cuDNN 9.14
+    against torch's 9.19). The real-server tests show the stubs still load."""
+    libdir, name = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    if not name or not (Path(libdir) / name).exists():
+        pytest.skip("this Python has no shared library")
+    for _ in range(2):  # a second server start finds the link in place
+        env = launcher.server_env({"LD_LIBRARY_PATH": "/x"}, workdir=tmp_path)
+    directories = env["LD_LIBRARY_PATH"].split(os.pathsep)
+    assert libdir not in directories and directories[-1] == "/x"
+    holders = [d for d in directories if (Path(d) / name).exists()]
+    assert len(holders) == 1 and os.listdir(holders[0]) == [name]
+    assert (Path(holders[0]) / name).resolve() == (Path(libdir) / name).resolve()
 
 
 def test_the_guards_internal_port_is_none_of_the_public_ones_chosen_but_not_bound_yet(monkeypatch):

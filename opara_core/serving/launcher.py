@@ -106,24 +106,47 @@ def prepare_backends(workdir: Path = DEFAULT_WORKDIR) -> Path:
     return backends
 
 
-def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+def server_env(base: dict[str, str] | None = None, workdir: Path = DEFAULT_WORKDIR) -> dict[str, str]:
     """The environment for tritonserver and the Python stubs it spawns.
 
     The stubs inherit it: PATH decides which Python environment the embedded
     interpreter adopts (this venv's); LD_LIBRARY_PATH finds the wheel's bundled
-    libraries and this Python's libpython. PYTHONPATH is left as it is: the
-    r24.10 stub's interpreter ignores it (its sys.path: the working directory,
-    the standard library, the adopted venv's site-packages, the model's
-    directory, the backend's), so a package for the stubs belongs in the venv.
+    libraries and this Python's libpython (`python_library_dir`). PYTHONPATH is
+    left as it is: the r24.10 stub's interpreter ignores it (its sys.path: the
+    working directory, the standard library, the adopted venv's site-packages,
+    the model's directory, the backend's), so a package for the stubs belongs
+    in the venv.
     """
     env = dict(os.environ if base is None else base)
-    libs = [
-        str(pytriton_root().parent / "nvidia_pytriton.libs"),
-        sysconfig.get_config_var("LIBDIR") or "",
-    ]
+    libs = [str(pytriton_root().parent / "nvidia_pytriton.libs"), str(python_library_dir(workdir) or "")]
     env["LD_LIBRARY_PATH"] = _join_paths(libs, env.get("LD_LIBRARY_PATH"))
     env["PATH"] = _join_paths([str(Path(sys.executable).parent)], env.get("PATH"))
     return env
+
+
+def python_library_dir(workdir: Path = DEFAULT_WORKDIR) -> Path | None:
+    """`workdir/pylib`: a directory that holds only a link to this Python's shared
+    library, which the Python backend's stub links against; None for a Python
+    without one.
+
+    Not Python's LIBDIR itself: for a system Python that is /usr/lib/<arch>, and
+    on LD_LIBRARY_PATH everything else there outranks the libraries torch finds
+    through its RUNPATH. On the H100 machine (2026-11-26) the stubs so loaded the
+    CUDA image's cuDNN 9.14 against torch's 9.19, and every GPU build's kernel
+    profile failed with "cuDNN version incompatibility".
+    """
+    libdir, name = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    if not libdir or not name or not (Path(libdir) / name).exists():
+        return None
+    directory = workdir / "pylib"
+    link, target = directory / name, Path(libdir) / name
+    if not (link.is_symlink() and os.readlink(link) == str(target)):
+        directory.mkdir(parents=True, exist_ok=True)
+        partial = directory / f".{name}.{os.getpid()}"
+        partial.unlink(missing_ok=True)
+        partial.symlink_to(target)
+        partial.replace(link)  # atomic: servers starting side by side
+    return directory
 
 
 def _join_paths(first: list[str], rest: str | None) -> str:
@@ -462,7 +485,7 @@ class TritonServer:
 
     def _spawn(self, command: list[str], output=None) -> subprocess.Popen:
         """`command` with its output to `output` (subprocess.PIPE), else to the log file, else to ours."""
-        env = dict(os.environ) if self.image else server_env()  # the image's server needs no wheel paths
+        env = dict(os.environ) if self.image else server_env(workdir=self.workdir)  # the image's server needs no wheel paths
         if output is not None or self.log_path is None:
             return spawn(command, env, output)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
