@@ -39,9 +39,10 @@
 #   varlentests the variable-length GPU tests: two BERT shapes in one graph pool replayed in turns, and
 #              every scheduler on a few shapes' graphs, each against eager (tests/test_capture.py, tests/test_varlen.py);
 #              BERT's and T5's whole-model Inductor compiles make it longer than 210 s cold (H100, 2026-11-26): give it 400
-#   warmbuild  fused lanes' serving build, cold then warm: a repository of $WARM_MODELS (default googlenet)
-#              with fused_lanes on, `python -m opara_core.serving.launcher warm` twice with one fresh
-#              OPARA_CACHE_DIR (Inductor's compiled code, profiles): each model's build seconds both times
+#   warmbuild  a serving build cold then warm: a repository of $WARM_MODELS (default googlenet) with the
+#              parameters $WARM_PARAMS (KEY=VALUE ..., default fused_lanes=true; e.g. WARM_MODELS="bert t5"
+#              WARM_PARAMS=compiler=aot), `python -m opara_core.serving.launcher warm` twice with one fresh
+#              OPARA_CACHE_DIR (Inductor's compiled code, AOTInductor packages, profiles): each model's build seconds both times
 #   fusedtests the GPU tests of fused lanes, remembered choices, builds, captures and profiles
 #              (tests/test_fused_lanes.py, test_choices.py, test_build.py, test_capture.py, test_profile.py)
 #   bench      python -m opara_core.bench for $BENCH_MODELS (default googlenet,bert) at $BENCH_BATCH
@@ -119,12 +120,14 @@ twogpu() {
 }
 
 warmbuild() {
-    local repository cache model run rc=0
+    local repository cache model run parameter rc=0
     repository=$(mktemp -d)
     cache=$(mktemp -d)
     for model in ${WARM_MODELS:-googlenet}; do
         cp -r "model_repository/$model" "$repository/"
-        printf '\nparameters { key: "fused_lanes" value: { string_value: "true" } }\n' >>"$repository/$model/config.pbtxt"
+        for parameter in ${WARM_PARAMS:-fused_lanes=true}; do
+            printf '\nparameters { key: "%s" value: { string_value: "%s" } }\n' "${parameter%%=*}" "${parameter#*=}" >>"$repository/$model/config.pbtxt"
+        done
     done
     for run in cold warm; do
         echo "== $run cache ($cache)"

@@ -200,7 +200,7 @@ def test_the_repository_configs_declare_variable_lengths(model):
         ("max_length.input_ids", "128", "max_length.input_ids is '128', the model's is '512'"),
         ("scheduler", "fastest", "unknown scheduler 'fastest'"),
         ("capture", "never", "unknown capture 'never'"),
-        ("compiler", "tensorrt", "unknown compiler 'tensorrt'; known: inductor, engine"),
+        ("compiler", "tensorrt", "unknown compiler 'tensorrt'; known: inductor, aot, engine"),
     ],
 )
 def test_bad_varlen_parameters_fail_at_load(key, value, problem):
@@ -244,14 +244,16 @@ def test_a_sub_batch_runs_on_a_cheaper_longer_shape_and_answers_as_eager():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("model", "compiler"), [("bert", "inductor"), ("bert", "engine"), ("t5", "inductor")])
+@pytest.mark.parametrize(("model", "compiler"), [("bert", "inductor"), ("bert", "engine"), ("t5", "inductor"), ("bert", "aot")])
 def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(model, compiler, strict_fp32):
     """The CUDA graphs of a few shapes (a short grid, first use for T5's), mixed
     lengths through every scheduler, each row against its own eager run; with
-    the compiler "inductor" every shape runs the whole-model Inductor graph;
+    the compiler "inductor" ("aot") every shape runs the whole-model Inductor
+    graph (AOTInductor package, which a second build loads instead of compiling);
     every built shape's cells (also those built on first use) are timed."""
     from opara_core.engine.build import EngineSettings
-    from opara_core.serving.varlen import WHOLE_MODEL, VarLenRunners, VarLenSettings
+    from opara_core.engine.whole_model import WholeModelAOT, WholeModelInductor
+    from opara_core.serving.varlen import VarLenRunners, VarLenSettings
 
     entry = zoo.get(model)
     device = torch.device("cuda")
@@ -280,4 +282,8 @@ def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(
     # a shape built on first use plans with its own replay timings from then on
     assert runners.report.measured == set(runners.runners) == set(runners.report.shapes)
     built = {shape: report.runner for shape, report in runners.report.shapes.items()}
-    assert built and all((runner == WHOLE_MODEL) == (compiler == "inductor") for runner in built.values()), (built, runners.report.fallbacks)
+    expected = {"inductor": WholeModelInductor.label, "aot": WholeModelAOT.label}.get(compiler)
+    assert built and all(runner == expected if expected else "whole-model" not in runner for runner in built.values()), (built, runners.report.fallbacks)
+    if compiler == "aot":  # a second start finds the package and loads it
+        again = VarLenRunners(module, entry, device, EngineSettings(policy="opara", buckets=(1, 2, 4)), varlen)
+        assert " loaded in " in again.report.whole_model and set(again.report.choices.values()) == {expected}, again.report.summary()

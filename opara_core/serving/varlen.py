@@ -15,9 +15,10 @@ that shape's runner; each row's outputs are cut back to its own length.
 Runners: one per shape bucket, each with one CUDA graph per batch bucket, every
 shape's graphs in one memory pool (on a CPU: eager). `compiler` "inductor" (the
 default) compiles the whole model once with dynamic sizes
-(`engine.whole_model`) and captures it at every cell, on one stream; "engine"
-builds each shape with `engine.build.build_runner` (the plan `auto` picks,
-ATen kernels on several lanes). A shape whose Inductor graph fails to
+(`engine.whole_model`) and captures it at every cell, on one stream; "aot"
+does the same from an AOTInductor package kept in the cache directory
+(compiled once, only loaded by later starts); "engine" builds each shape with `engine.build.build_runner` (the plan `auto` picks,
+ATen kernels on several lanes). A shape whose whole-model graph fails to
 capture or disagrees with eager falls back to the engine's build. `capture`
 "load" builds every shape when the model loads; "first_use" builds the
 smallest shape at load (the compile) and any other the first time a sub-batch
@@ -50,9 +51,9 @@ import torch
 from opara_core import zoo
 from opara_core.engine.build import BuildReport, EngineSettings, GuardError, build_runner, check_against_eager, static_inputs
 from opara_core.engine.capture import CaptureError, GraphPool, pool_mb, time_replays
-from opara_core.engine.inductor_cache import use_inductor_cache
+from opara_core.engine.inductor_cache import cache_root, use_inductor_cache
 from opara_core.engine.runtime import GraphRunner, Runner, RunnerInfo
-from opara_core.engine.whole_model import WholeModelInductor
+from opara_core.engine.whole_model import DynamicDims, WholeModelAOT, WholeModelInductor
 from opara_core.planning import batching
 from opara_core.planning.batching import CostTable
 from opara_core.serving.triton_backend import TRITON_DTYPES, OparaModel, RequestError, parameters, request_tensors
@@ -61,13 +62,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512)
 CAPTURE_MODES = ("load", "first_use")
-COMPILERS = ("inductor", "engine")
+COMPILERS = ("inductor", "aot", "engine")
 OWN_PARAMETERS = ("scheduler", "compiler", "capture", "length_buckets.", "max_length.")
 # the token-count model: a run costs its padded tokens, attention adding one token's
 # worth per ATTENTION_SPAN tokens of length, plus a fixed overhead worth OVERHEAD_TOKENS
 ATTENTION_SPAN = 512
 OVERHEAD_TOKENS = 64
-WHOLE_MODEL = "whole-model inductor graph"
+WHOLE_MODEL = WholeModelInductor.label
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,24 @@ def check_request(entry: zoo.ZooModel, tensors: dict[str, torch.Tensor | None], 
     return VarLenRequest(lengths, request_tensors(_at(entry, lengths), tensors), scheduler)
 
 
+def dynamic_dims(entry: zoo.ZooModel, max_batch: int) -> DynamicDims:
+    """Per input, the dimensions a request may vary: the batch, and the length of
+    each variable axis the input is on (what an AOTInductor package must allow)."""
+    dims = []
+    for spec in entry.inputs:
+        dim = {0: ("batch", 1, max_batch)}
+        dim.update({len(spec.shape): (axis.name, 1, axis.limit) for axis in entry.lengths if spec.name in axis.inputs})
+        dims.append(dim)
+    return dims
+
+
+def aot_example(entry: zoo.ZooModel, device: torch.device) -> list[torch.Tensor]:
+    """Inputs to export with: no size 1 and no two sizes alike (export would
+    specialise or tie them), within every axis's limit."""
+    lengths = tuple(max(min(axis.limit, 24 - 4 * k), 2) for k, axis in enumerate(entry.lengths))
+    return [t.to(device) for t in entry.at(lengths).example_inputs(3)]
+
+
 @functools.lru_cache(maxsize=4096)
 def _at(entry: zoo.ZooModel, lengths: tuple[int, ...]) -> zoo.ZooModel:
     """`entry.at(lengths)`, once per length (it took about a third of a request's check)."""
@@ -188,7 +207,8 @@ class VarLenReport:
     capture: str = "load"
     scheduler: str = "dp"
     compiler: str = "inductor"
-    compiler_fallback: str = ""  # why no shape could use the whole-model Inductor graph
+    compiler_fallback: str = ""  # why no shape could use the whole-model graph
+    whole_model: str = ""  # what the whole-model compile did (AOTInductor: compiled or loaded, seconds)
     shapes: dict[tuple[int, ...], BuildReport] = field(default_factory=dict)
     build_seconds: dict[tuple[int, ...], float] = field(default_factory=dict)
     memory_bytes: dict[tuple[int, ...], int] = field(default_factory=dict)  # device memory reserved by each shape's build
@@ -211,6 +231,7 @@ class VarLenReport:
     def summary(self) -> str:
         lines = [f"variable lengths: runner {self.runner}, compiler {self.compiler}, capture {self.capture}, scheduler {self.scheduler}"]
         lines += [f"fallback: {self.compiler_fallback}"] if self.compiler_fallback else []
+        lines += [self.whole_model] if self.whole_model else []
         for shape, report in sorted(self.shapes.items()):
             memory = f", {self.memory_bytes[shape] / 2**20:.0f} MiB" if shape in self.memory_bytes else ""
             lines.append(f"shape {_label(shape)}: {report.runner}, built in {self.build_seconds.get(shape, 0):.1f} s{memory}")
@@ -290,17 +311,26 @@ class VarLenRunners:
         self.report.runner = "+".join(sorted(kinds))
         self.info = RunnerInfo(self.report.runner, str(device), batches)
 
-    def _whole_model(self, module: torch.nn.Module, compiler: str) -> WholeModelInductor | None:
-        """The model compiled once for every shape (compiler "inductor", on a GPU)."""
-        if not self._cuda or compiler != "inductor":
+    def _whole_model(self, module: torch.nn.Module, compiler: str) -> WholeModelInductor | WholeModelAOT | None:
+        """The model compiled once for every shape (compiler "inductor" or "aot", on a GPU)."""
+        if not self._cuda or compiler == "engine":
             return None
+        label = WholeModelAOT.label if compiler == "aot" else WholeModelInductor.label
+        start = time.perf_counter()
         try:
             self.inductor_cache = str(use_inductor_cache(self.engine_settings.inductor_cache))
-        except ValueError as error:  # the engine's per-shape builds still serve
-            self.report.compiler_fallback = f"whole-model inductor graph: {error}"
+            module = module.to(self.device).eval()
+            if compiler == "inductor":
+                return WholeModelInductor(module)
+            aot = WholeModelAOT(module, aot_example(self.entry, self.device), dynamic_dims(self.entry, self.max_batch), cache_root() / "aot")
+        except Exception as error:  # noqa: BLE001 - an unwritable cache, export and compile errors: the engine's builds still serve
+            self.report.compiler_fallback = f"{label}: {type(error).__name__}: {error}"
             log.warning("%s; building every shape with the engine instead", self.report.compiler_fallback)
             return None
-        return WholeModelInductor(module.to(self.device).eval())
+        done = "compiled" if aot.compiled_now else "loaded"
+        self.report.whole_model = f"{label} {done} in {time.perf_counter() - start:.1f} s: {aot.path}"
+        log.info("%s", self.report.whole_model)
+        return aot
 
     def _build(self, shape: tuple[int, ...]) -> dict[tuple[tuple[int, ...], int], float]:
         """Build the runner of one shape; its replay timings, where it has graphs."""
@@ -330,7 +360,8 @@ class VarLenRunners:
         batch first, each checked against the eager model; None (and the reason
         in the report's fallbacks) if a capture or a check fails."""
         entry, settings = self.entry.at(shape), self.engine_settings
-        report = BuildReport(runner=WHOLE_MODEL, inductor=self.inductor_cache)
+        label = self.whole_model.label
+        report = BuildReport(runner=label, inductor=self.inductor_cache)
         start = time.perf_counter()
         try:
             graphs = {b: self.whole_model.capture(static_inputs(entry, b, self.device), self.pool.handle) for b in sorted(settings.buckets, reverse=True)}
@@ -338,10 +369,10 @@ class VarLenRunners:
             if settings.guard:
                 check_against_eager(runner, dict.fromkeys(graphs, self.whole_model.module), entry, settings.fused_tolerance)
         except (CaptureError, GuardError, RuntimeError) as error:
-            report.fallbacks.append(f"{WHOLE_MODEL}: {error}")
-            log.warning("shape %s: %s failed, building it with the engine instead: %s", _label(shape), WHOLE_MODEL, error)
+            report.fallbacks.append(f"{label}: {error}")
+            log.warning("shape %s: %s failed, building it with the engine instead: %s", _label(shape), label, error)
             return None, report
-        report.choices = dict.fromkeys(sorted(graphs), WHOLE_MODEL)
+        report.choices = dict.fromkeys(sorted(graphs), label)
         report.seconds["capture" + (" and check" if settings.guard else "")] = time.perf_counter() - start
         return runner, report
 

@@ -1,0 +1,88 @@
+"""engine.whole_model's AOTInductor package on the CPU: one package answers every
+size its dynamic dimensions allow as the eager module does; a later start loads
+it without compiling; other weights get a package of their own. (Capturing it
+into CUDA graphs is a GPU test in tests/test_varlen.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import load_script
+from serving import assert_close
+
+from opara_core.engine import whole_model
+from opara_core.engine.whole_model import WholeModelAOT
+
+DIMS = ({0: ("batch", 1, 4), 1: ("tokens", 1, 16)}, {0: ("batch", 1, 4), 1: ("tokens", 1, 16)})
+
+
+class TinyAttention(torch.nn.Module):
+    """Ids and a mask of one variable length, as BERT takes them."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(50, 8)
+        self.project = torch.nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) * mask.unsqueeze(-1)
+        scores = self.project(x) @ x.transpose(1, 2) + (mask[:, None, :] - 1) * 1e4
+        return torch.softmax(scores, -1) @ x
+
+
+def inputs(batch: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(batch * 100 + tokens)
+    mask = torch.ones(batch, tokens, dtype=torch.int64)
+    mask[:, tokens // 2 + 1 :] = 0
+    return torch.randint(0, 50, (batch, tokens), generator=generator), mask
+
+
+def test_one_package_answers_every_size_as_eager_and_a_later_start_only_loads_it(tmp_path, monkeypatch):
+    module = TinyAttention().eval()
+    first = WholeModelAOT(module, inputs(3, 7), DIMS, tmp_path)
+    assert first.compiled_now and first.path.exists()
+    with torch.inference_mode():
+        for batch, tokens in [(1, 1), (1, 16), (3, 7), (4, 12)]:  # sizes of 1 too: no specialisation
+            example = inputs(batch, tokens)
+            assert_close(first.runner(*example).numpy(), module(*example).numpy(), 1e-5)
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("a later start compiled again")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    again = WholeModelAOT(TinyAttention().eval(), inputs(2, 5), DIMS, tmp_path)  # same weights, other example sizes
+    assert not again.compiled_now and again.path == first.path
+    with torch.inference_mode():
+        example = inputs(2, 9)
+        assert_close(again.runner(*example).numpy(), module(*example).numpy(), 1e-5)
+    assert [p.name for p in tmp_path.iterdir()] == [first.path.name]  # no partial file left
+
+
+def test_the_key_follows_weights_and_allowed_sizes_not_example_values():
+    module, example = TinyAttention(), inputs(3, 7)
+    key = whole_model.package_key(module, example, DIMS)
+    assert whole_model.package_key(TinyAttention(), inputs(2, 5), DIMS) == key
+    assert whole_model.package_key(TinyAttention(seed=1), example, DIMS) != key
+    longer = ({0: ("batch", 1, 4), 1: ("tokens", 1, 32)}, {0: ("batch", 1, 4), 1: ("tokens", 1, 32)})
+    assert whole_model.package_key(module, example, longer) != key
+
+
+def test_a_failed_compile_leaves_no_package(tmp_path, monkeypatch):
+    def broken(exported, package_path, **kwargs):
+        open(package_path, "wb").write(b"half")
+        raise RuntimeError("compiler crashed")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", broken)
+    with pytest.raises(RuntimeError, match="compiler crashed"):
+        WholeModelAOT(TinyAttention().eval(), inputs(3, 7), DIMS, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_package_script_refuses_a_model_without_variable_lengths(monkeypatch, capsys, tmp_path):
+    script = load_script("aot_package")
+    monkeypatch.setattr("sys.argv", ["aot_package.py", "--models", "bert,googlenet", "--cache", str(tmp_path)])
+    with pytest.raises(SystemExit) as stopped:
+        script.main()
+    assert stopped.value.code == 2 and "not variable-length zoo models: ['googlenet']" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # refused before anything was built
