@@ -75,7 +75,12 @@ class WholeModelAOT:
         self.compiled_now = not self.path.exists()
         if self.compiled_now:
             compile_package(module, example_inputs, dims, self.path)
-        self.runner: Callable = torch._inductor.aoti_load_package(str(self.path))
+        device = example_inputs[0].device
+        # single-threaded: without the container's cross-thread bookkeeping (events it
+        # records and queries around each run), which CUDA graph capture does not allow
+        self.runner: Callable = torch._inductor.aoti_load_package(
+            str(self.path), run_single_threaded=True, device_index=-1 if device.index is None else device.index
+        )
 
     def capture(self, static_in: Sequence[torch.Tensor], pool: Any) -> CapturedGraph:
         """The package's model at these inputs' shapes, as one CUDA graph in `pool`."""
