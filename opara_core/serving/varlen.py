@@ -17,14 +17,14 @@ shape's graphs in one memory pool (on a CPU: eager). `compiler` "inductor" (the
 default) compiles the whole model once with dynamic sizes
 (`engine.whole_model`) and captures it at every cell, on one stream; "aot"
 does the same from an AOTInductor package kept in the cache directory
-(compiled once, only loaded by later starts); "engine" builds each shape with `engine.build.build_runner` (the plan `auto` picks,
-ATen kernels on several lanes). A shape whose whole-model graph fails to
+(compiled once, only loaded by later starts); "engine" builds each shape with
+`engine.build.build_runner` (the plan `auto` picks, ATen kernels on several
+lanes). A shape whose whole-model graph fails to
 capture or disagrees with eager falls back to the engine's build. `capture`
 "load" builds every shape when the model loads; "first_use" builds the
 smallest shape at load (the compile) and any other the first time a sub-batch
-needs it. The cost table comes from replay timings of
-the captured graphs (a shape built on first use replaces its cells with its
-timings); for eager runners, and for shapes not built yet, from a token-count
+needs it. The cost table comes from replay timings of the captured graphs (a
+shape built on first use replaces its cells with its timings); for eager runners, and for shapes not built yet, from a token-count
 model (`modelled_seconds`) in the timed cells' units.
 
 Config parameters (besides the engine's): `scheduler` (dp, greedy, padded,
@@ -68,7 +68,6 @@ OWN_PARAMETERS = ("scheduler", "compiler", "capture", "length_buckets.", "max_le
 # worth per ATTENTION_SPAN tokens of length, plus a fixed overhead worth OVERHEAD_TOKENS
 ATTENTION_SPAN = 512
 OVERHEAD_TOKENS = 64
-WHOLE_MODEL = WholeModelInductor.label
 
 
 @dataclass(frozen=True)
@@ -356,7 +355,7 @@ class VarLenRunners:
         return timings
 
     def _whole_model_runner(self, shape: tuple[int, ...]) -> tuple[GraphRunner | None, BuildReport]:
-        """The shape's graphs captured from the whole-model Inductor graph, largest
+        """The shape's graphs captured from the whole-model graph (Inductor or AOT), largest
         batch first, each checked against the eager model; None (and the reason
         in the report's fallbacks) if a capture or a check fails."""
         entry, settings = self.entry.at(shape), self.engine_settings
