@@ -38,7 +38,8 @@
 #              adds arguments (e.g. "--instances 2", "--set bert:compiler=engine")
 #   varlentests the variable-length GPU tests: two BERT shapes in one graph pool replayed in turns, and
 #              every scheduler on a few shapes' graphs, each against eager (tests/test_capture.py, tests/test_varlen.py);
-#              BERT's and T5's whole-model Inductor compiles make it longer than 210 s cold (H100, 2026-11-26): give it 400
+#              BERT's and T5's whole-model Inductor compiles make it longer than 210 s cold (H100, 2026-11-26: 302 s
+#              without the aot case); with BERT's AOTInductor package compiled as well, give it 560
 #   warmbuild  a serving build cold then warm: a repository of $WARM_MODELS (default googlenet) with the
 #              parameters $WARM_PARAMS (KEY=VALUE ..., default fused_lanes=true; e.g. WARM_MODELS="bert t5"
 #              WARM_PARAMS=compiler=aot), `python -m opara_core.serving.launcher warm` twice with one fresh
