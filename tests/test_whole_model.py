@@ -68,6 +68,17 @@ def test_the_key_follows_weights_and_allowed_sizes_not_example_values():
     assert whole_model.package_key(module, example, longer) != key
 
 
+def test_a_damaged_package_is_compiled_again(tmp_path):
+    module = TinyAttention().eval()
+    path = WholeModelAOT(module, inputs(3, 7), DIMS, tmp_path).path
+    path.write_bytes(b"not a package")  # a disk that lost it, say
+    again = WholeModelAOT(module, inputs(3, 7), DIMS, tmp_path)
+    assert again.compiled_now and again.path == path
+    with torch.inference_mode():
+        example = inputs(2, 9)
+        assert_close(again.runner(*example).numpy(), module(*example).numpy(), 1e-5)
+
+
 def test_a_failed_compile_leaves_no_package(tmp_path, monkeypatch):
     def broken(exported, package_path, **kwargs):
         open(package_path, "wb").write(b"half")
