@@ -31,7 +31,8 @@
 #              $BATCHING (preferred or greedy), queue delay $QUEUE_DELAY us (default: the config's),
 #              tensors in the message and CUDA shared memory; $OUT/instances_<n>.json, each its own server
 #   twogpu     GoogLeNet at concurrency 16, 32 and 64 on one GPU (CUDA_VISIBLE_DEVICES=0) and then on
-#              every GPU of the machine (one instance each): $OUT/twogpu_one.json, $OUT/twogpu_all.json
+#              every GPU of the machine, $TWOGPU_INSTANCES instances per GPU (default 1), shared memory
+#              $TWOGPU_SHM (default none,system): $OUT/twogpu_one.json, $OUT/twogpu_all.json
 #   varlen     scripts/varlen_bench.py: BERT ($VARLEN_MODELS, default bert) with seeded lengths (mean 50, cap 512)
 #              at concurrency 1, 16, 64 under the padded, single, greedy and dp schedulers, with where
 #              each level's execute time went; $OUT/varlen_bench.json, $OUT/varlen_server.log; $VARLEN_ARGS
@@ -114,8 +115,9 @@ twogpu() {
     local rc=0 where
     for where in one all; do
         ( [ "$where" = one ] && export CUDA_VISIBLE_DEVICES=0
-          python3 scripts/serving_bench.py --models googlenet --concurrency 16,32,64 --shared-memory none,system --requests 400 \
-              --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" --json "$out/twogpu_$where.json" --log "$out/twogpu_${where}_server.log" ) || rc=1
+          python3 scripts/serving_bench.py --models googlenet --concurrency 16,32,64 --shared-memory "${TWOGPU_SHM:-none,system}" \
+              --requests 400 --instances "${TWOGPU_INSTANCES:-1}" --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
+              --json "$out/twogpu_$where.json" --log "$out/twogpu_${where}_server.log" ) || rc=1
     done
     return $rc
 }
