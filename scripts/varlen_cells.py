@@ -32,7 +32,7 @@ from opara_core.engine.capture import pool_mb, time_replays
 from opara_core.engine.compare import max_relative_error
 from opara_core.engine.whole_model import WholeModelInductor
 from opara_core.planning import batching
-from opara_core.serving.varlen import DEFAULT_LENGTH_BUCKETS
+from opara_core.serving.varlen import DEFAULT_LENGTH_BUCKETS, axis_buckets
 from varlen_bench import cost_table, predicted, print_prediction
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -42,7 +42,7 @@ def measure(model: str, buckets: tuple[int, ...], lengths: tuple[int, ...]) -> d
     entry = zoo.get(model)
     device = torch.device("cuda")
     module = entry.build().to(device).eval()
-    axes = tuple(tuple(b for b in lengths if b < axis.limit) + (axis.limit,) for axis in entry.lengths)
+    axes = tuple(axis_buckets(axis, lengths) for axis in entry.lengths)
     cells = [(shape, b) for shape in reversed(batching.grid(axes)) for b in sorted(buckets, reverse=True)]
     pool = torch.cuda.graph_pool_handle()
     table, errors, graphs = {}, {}, []

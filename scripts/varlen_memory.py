@@ -35,7 +35,7 @@ from opara_core.engine.build import EngineSettings, build_runner, static_inputs
 from opara_core.engine.capture import GraphPool, LanePool, pool_mb
 from opara_core.planning import batching
 from opara_core.engine.whole_model import WholeModelInductor
-from opara_core.serving.varlen import DEFAULT_LENGTH_BUCKETS, VarLenRunners, VarLenSettings
+from opara_core.serving.varlen import DEFAULT_LENGTH_BUCKETS, VarLenRunners, VarLenSettings, axis_buckets
 
 MIB = 2**20
 
@@ -117,7 +117,7 @@ def measure(model: str, variant: str, buckets: tuple[int, ...], lengths: tuple[i
     entry = zoo.get(model)
     device = torch.device("cuda")
     module = entry.build().to(device).eval()
-    axes = tuple(tuple(b for b in lengths if b < axis.limit) + (axis.limit,) for axis in entry.lengths)
+    axes = tuple(axis_buckets(axis, lengths) for axis in entry.lengths)
     start = time.perf_counter()
     compiler = "inductor" if policy == "inductor" else "engine"
     settings = EngineSettings(policy="auto" if policy == "inductor" else policy, buckets=buckets)

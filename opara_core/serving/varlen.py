@@ -88,6 +88,11 @@ class VarLenSettings:
             raise ValueError(f"unknown capture {self.capture!r}; known: {', '.join(CAPTURE_MODES)}")
 
 
+def axis_buckets(axis: zoo.LengthAxis, lengths: tuple[int, ...] = DEFAULT_LENGTH_BUCKETS) -> tuple[int, ...]:
+    """The sequence buckets of `lengths` below the axis's limit, then the limit."""
+    return tuple(b for b in lengths if b < axis.limit) + (axis.limit,)
+
+
 def varlen_settings(entry: zoo.ZooModel, config: dict) -> VarLenSettings:
     """VarLenSettings from the config's parameters, checked against the model's axes."""
     params = parameters(config)
@@ -95,7 +100,7 @@ def varlen_settings(entry: zoo.ZooModel, config: dict) -> VarLenSettings:
     for axis in entry.lengths:
         text = params.get(f"length_buckets.{axis.name}")
         try:
-            buckets = tuple(int(b) for b in text.split(",")) if text else tuple(b for b in DEFAULT_LENGTH_BUCKETS if b < axis.limit) + (axis.limit,)
+            buckets = tuple(int(b) for b in text.split(",")) if text else axis_buckets(axis)
         except ValueError:
             raise ValueError(f"parameter length_buckets.{axis.name} has an invalid value {text!r}") from None
         if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] != axis.limit:
@@ -297,8 +302,8 @@ class VarLenRunners:
         self.whole_model = self._whole_model(module, varlen.compiler)
         self._inputs = {shape: entry.at(shape).inputs for shape in batching.grid(varlen.axes)}
         self._along = {n: a for a, axis in enumerate(entry.lengths) for n in axis.outputs}
-        self._axes, batches = varlen.axes, tuple(sorted(settings.buckets))
-        self._modelled = {(s, b): modelled_seconds(s, b) for s in batching.grid(varlen.axes) for b in batches}
+        self._axes, self._batches = varlen.axes, tuple(sorted(settings.buckets))
+        self._modelled = {(s, b): modelled_seconds(s, b) for s in batching.grid(varlen.axes) for b in self._batches}
         self._measured: dict[tuple[tuple[int, ...], int], float] = {}
         # "load": every shape, largest first (the smaller ones fit in the blocks it freed);
         # "first_use": the smallest only, so that the compile happens at load, not in a request
@@ -308,7 +313,7 @@ class VarLenRunners:
         self._set_costs()
         kinds = {r.info.kind for r in self.runners.values()} or {"eager" if device.type != "cuda" else "cuda-graph"}
         self.report.runner = "+".join(sorted(kinds))
-        self.info = RunnerInfo(self.report.runner, str(device), batches)
+        self.info = RunnerInfo(self.report.runner, str(device), self._batches)
 
     def _whole_model(self, module: torch.nn.Module, compiler: str) -> WholeModelInductor | WholeModelAOT | None:
         """The model compiled once for every shape (compiler "inductor" or "aot", on a GPU)."""
@@ -383,7 +388,7 @@ class VarLenRunners:
         if self._measured:
             scale = statistics.median(ms / seconds[cell] for cell, ms in self._measured.items())
             seconds = {cell: self._measured.get(cell, modelled * scale) for cell, modelled in seconds.items()}
-        self.costs = self.report.costs = CostTable(self._axes, tuple(sorted({b for _, b in seconds})), seconds)
+        self.costs = self.report.costs = CostTable(self._axes, self._batches, seconds)
 
     def runner_for(self, shape: tuple[int, ...]) -> Runner:
         if shape not in self.runners:  # capture "first_use": from now on the scheduler plans with its timings
