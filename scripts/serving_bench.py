@@ -47,7 +47,7 @@ from opara_core.serving.floor import FloorModel
 
 
 class TritonPythonModel(FloorModel):
-    pass
+    zoo_name = {model!r}
 '''
 
 

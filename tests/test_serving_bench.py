@@ -22,6 +22,7 @@ def _load_bench():
 
 serving_bench = _load_bench()
 FLOORED = ("googlenet", "deepfm")
+VARLEN_FLOORED = ("bert", "t5")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_each_model_gets_a_floor_with_its_own_config(repository, model):
 def floor_server(tmp_path_factory):
     """The floor models alone (the real ones are not needed to serve them)."""
     root = tmp_path_factory.mktemp("floors") / "models"
-    for model in FLOORED:
+    for model in FLOORED + VARLEN_FLOORED:
         (root / model).mkdir(parents=True)
         # an added parameter (the floor honours output_memory): tritonserver must parse the edited config
         text = serving_bench.set_parameter((DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt").read_text(), "output_memory", "host")
@@ -77,6 +78,24 @@ def test_the_floor_answers_zeros_of_the_models_output_shapes(floor_server, model
         outputs = result_arrays(request, client.infer(request), [s.name for s in entry.outputs])
     for spec in entry.outputs:
         np.testing.assert_array_equal(outputs[spec.name], np.zeros((3, *spec.shape), dtype=np.float32))
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", VARLEN_FLOORED)
+def test_a_variable_length_floor_answers_at_the_requests_lengths(floor_server, model):
+    """bert and t5 since issue 16: each output at the length of its axis's inputs
+    in that request (T5: the decoder's), not the config's -1."""
+    entry = zoo.get(model)
+    lengths = (7, 3)[: len(entry.lengths)]
+    sized = entry.at(lengths)
+    with Client(floor_server.grpc_url) as client:
+        arrays = {s.name: t.numpy() for s, t in zip(sized.inputs, sized.example_inputs(2, seed=1))}
+        request = client.request(f"{model}_floor", arrays)
+        outputs = result_arrays(request, client.infer(request), [s.name for s in entry.outputs])
+    for spec in sized.outputs:
+        assert outputs[spec.name].shape == (2, *spec.shape)
+        assert not outputs[spec.name].any()
+    assert outputs[entry.outputs[0].name].shape[1] == lengths[-1]  # bert: its one axis; t5: the decoder's
 
 
 def test_the_table_puts_the_floor_beside_each_row():

@@ -90,6 +90,15 @@ def test_a_failed_compile_leaves_no_package(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_package_that_kills_its_loader_is_refused_and_not_kept(tmp_path, monkeypatch):
+    """What AOTInductor's loader did on the GPU machine (SIGSEGV, 2026-11-26): the
+    test load dies, not this process, and the error says how."""
+    monkeypatch.setattr(whole_model, "PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    with pytest.raises(whole_model.PackageLoadError, match="killed by SIGSEGV"):
+        WholeModelAOT(TinyAttention().eval(), inputs(3, 7), DIMS, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_package_script_refuses_a_model_without_variable_lengths(monkeypatch, capsys, tmp_path):
     script = load_script("aot_package")
     monkeypatch.setattr("sys.argv", ["aot_package.py", "--models", "bert,googlenet", "--cache", str(tmp_path)])

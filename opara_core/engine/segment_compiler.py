@@ -381,7 +381,7 @@ def compile_all(jobs: Sequence[tuple[str, GraphModule, Sequence[TensorMeta]]], c
     if workers > 1:
         try:
             context = multiprocessing.get_context("spawn")
-            context.set_executable(_python())
+            context.set_executable(python_interpreter())
             with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_setup) as pool:
                 futures = [pool.submit(compile_one, key, code, metas, cache_dir) for key, code, metas in jobs]
                 for future in concurrent.futures.as_completed(futures):
@@ -407,8 +407,8 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _python() -> str:
-    """The interpreter for workers. Inside Triton's Python backend this process is
+def python_interpreter() -> str:
+    """The interpreter for child processes. Inside Triton's Python backend this process is
     the backend stub, not python: take the environment's own python."""
     if Path(sys.executable).name.startswith("python"):
         return sys.executable

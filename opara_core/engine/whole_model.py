@@ -32,12 +32,15 @@ import hashlib
 import json
 import logging
 import os
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 from opara_core.engine.capture import CapturedGraph, CaptureError, capture_module
+from opara_core.engine.segment_compiler import python_interpreter
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +139,40 @@ def compile_package(module: torch.nn.Module, example_inputs: Sequence[torch.Tens
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
     with torch.inference_mode():
-        exported = torch.export.export(module, tuple(example_inputs), dynamic_shapes=dynamic_shapes)
+        # On CUDA, SDPA pads its mask to a multiple of 8 and export's solver cannot prove the
+        # resulting guard for every length: checked at run time instead of refused
+        exported = torch.export.export(
+            module, tuple(example_inputs), dynamic_shapes=dynamic_shapes, prefer_deferred_runtime_asserts_over_guards=True
+        )
     try:
         torch._inductor.aoti_compile_and_package(exported, package_path=str(partial), inductor_configs={"freezing": True})
+        probe_load(partial, example_inputs[0].device)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
     log.info("AOTInductor package compiled: %s", path)
+
+
+class PackageLoadError(RuntimeError):
+    """A freshly compiled package that a test process could not load."""
+
+
+PROBE = "import sys, torch; torch._inductor.aoti_load_package(sys.argv[1], run_single_threaded=True, device_index=int(sys.argv[2]))"
+PROBE_SECONDS = 600
+
+
+def probe_load(path: Path, device: torch.device) -> None:
+    """Load the package in a child process before this one does: on the GPU
+    machine (torch 2.11+cu130, 2026-11-26) AOTInductor's loader died of SIGSEGV
+    even for a two-layer model's package, and in-process that would take the
+    serving stub, and every model it was building, with it. Only a package that
+    loaded here is kept, so a later start loads it without a probe."""
+    index = -1 if device.index is None else device.index
+    try:
+        done = subprocess.run([python_interpreter(), "-c", PROBE, str(path), str(index)], capture_output=True, text=True, timeout=PROBE_SECONDS)
+    except subprocess.TimeoutExpired:
+        raise PackageLoadError(f"AOTInductor package did not load within {PROBE_SECONDS} s in a test process") from None
+    if done.returncode != 0:
+        how = f"killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0 else f"exit code {done.returncode}"
+        last = done.stderr.strip().splitlines()[-1:] or ["no message"]
+        raise PackageLoadError(f"AOTInductor package did not load in a test process ({how}): {last[0]}")

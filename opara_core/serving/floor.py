@@ -7,7 +7,8 @@ measured in the same run: what Triton's Python backend costs to move a request
 into a stub process and a response out, which no model code can remove.
 
 It reads no input data and answers each request with zeros of the output
-shapes, placed as the adapter places real outputs under the config's
+shapes (a variable-length output at the request's length, as the zoo model
+it stands in for has it), placed as the adapter places real outputs under the config's
 `output_memory` ("host", the default; "auto": GPU tensors when the request's
 inputs came on the instance's GPU, host tensors otherwise; "gpu"), both handed over
 through DLPack: GPU outputs cost the Python backend a synchronisation per
@@ -19,33 +20,56 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import torch
 
+from opara_core import zoo
 from opara_core.serving.triton_backend import TRITON_DTYPES, freeze_heap, output_memory, select_device
+from opara_core.zoo import LengthAxis
 
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {name: dtype for dtype, name in TRITON_DTYPES.items()}
 
 
-def zero_outputs(config: dict, device: torch.device) -> dict[str, torch.Tensor]:
-    """One zero tensor per output of the config, `max_batch_size` rows, to
-    answer every request from slices."""
+def zero_outputs(config: dict, device: torch.device, limits: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
+    """One flat zero tensor per output of the config, large enough for
+    `max_batch_size` rows at the longest length (`limits`: the longest size of
+    each variable output), to answer every request from a view of its start."""
     rows = int(config.get("max_batch_size", 0))
     if rows < 1:
         raise ValueError("the floor model stands in for batching models (max_batch_size >= 1)")
+    limits = limits or {}
     outputs = {}
     for tensor in config.get("output", []):
         dims = [int(d) for d in tensor["dims"]]
-        if any(d < 0 for d in dims):
-            raise ValueError(f"output {tensor['name']!r} has a variable shape {dims}; the floor model needs fixed ones")
-        outputs[tensor["name"]] = torch.zeros((rows, *dims), dtype=TORCH_DTYPES[tensor["data_type"]], device=device)
+        if any(d < 0 for d in dims) and tensor["name"] not in limits:
+            raise ValueError(f"output {tensor['name']!r} has a variable shape {dims} and no zoo model says how long it gets")
+        size = rows * math.prod(limits[tensor["name"]] if d < 0 else d for d in dims)
+        outputs[tensor["name"]] = torch.zeros(size, dtype=TORCH_DTYPES[tensor["data_type"]], device=device)
     return outputs
 
 
+def output_shapes(config: dict) -> dict[str, list[int]]:
+    """Each output's per-sample dims as the config declares them (-1: variable)."""
+    return {tensor["name"]: [int(d) for d in tensor["dims"]] for tensor in config.get("output", [])}
+
+
+def length_axes(zoo_name: str | None, config: dict) -> dict[str, LengthAxis]:
+    """For each output with a variable dimension, the zoo model's length axis it
+    follows (its first variable dimension has the request's length on that axis)."""
+    variable = [name for name, dims in output_shapes(config).items() if any(d < 0 for d in dims)]
+    if not variable or zoo_name is None:
+        return {}
+    return {name: axis for axis in zoo.get(zoo_name).lengths for name in axis.outputs if name in variable}
+
+
 class FloorModel:
-    """Base class of the floor model's generated model.py."""
+    """Base class of the floor model's generated model.py. `zoo_name`: the zoo
+    model it stands in for, which says how long a variable-length output is."""
+
+    zoo_name: str | None = None
 
     def initialize(self, args: dict) -> None:
         import triton_python_backend_utils as pb_utils
@@ -54,10 +78,22 @@ class FloorModel:
         config = json.loads(args["model_config"])
         self.device = select_device(args)
         self.output_memory = output_memory(config)
-        self.host = zero_outputs(config, torch.device("cpu"))
-        self.gpu = zero_outputs(config, self.device) if self.device.type == "cuda" else None
+        self.shapes = output_shapes(config)
+        self.axes = length_axes(self.zoo_name, config)
+        limits = {name: axis.limit for name, axis in self.axes.items()}
+        self.host = zero_outputs(config, torch.device("cpu"), limits)
+        self.gpu = zero_outputs(config, self.device, limits) if self.device.type == "cuda" else None
         freeze_heap()  # as the model does: no full collection pauses in either
         log.info("no-op floor %s loaded on %s", args["model_name"], self.device)  # not "model X ready on": serving_bench reads those lines
+
+    def shape(self, name: str, rows: int, request) -> list[int]:
+        """The output's shape for this request: a variable dimension takes the
+        request's length on the output's axis (the last dimension of its first input)."""
+        dims = self.shapes[name]
+        if name in self.axes:
+            length = self._pb.get_input_tensor_by_name(request, self.axes[name].inputs[0]).shape()[-1]
+            dims = [length if d < 0 else d for d in dims]
+        return [rows, *dims]
 
     def execute(self, requests: list) -> list:
         pb_utils = self._pb
@@ -67,6 +103,9 @@ class FloorModel:
             rows = first.shape()[0]
             on_gpu = self.output_memory == "gpu" or (self.output_memory == "auto" and not first.is_cpu())
             zeros = self.gpu if self.gpu is not None and on_gpu else self.host
-            tensors = [pb_utils.Tensor.from_dlpack(name, zero[:rows]) for name, zero in zeros.items()]
+            tensors = []
+            for name, zero in zeros.items():
+                shape = self.shape(name, rows, request)
+                tensors.append(pb_utils.Tensor.from_dlpack(name, zero[: math.prod(shape)].view(shape)))
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses
