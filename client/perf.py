@@ -44,7 +44,7 @@ from client import lengths
 from client.api import PROTOCOLS, SHARED_MEMORY_KINDS, Client, ClientError, check_shared_memory, parse_url
 from client.bench import read_json
 from client.cli import UsageError, run_main, server_url, unreachable
-from client.inputs import InputError, ModelInfo, random_inputs
+from client.inputs import DEFAULT_LENGTH, InputError, ModelInfo, random_inputs
 from client.plots import plot_latency_vs_throughput
 from opara_core.cli_helpers import Parser, config_from_args, non_negative_int, positive_int, positive_int_list
 from opara_core.serving.admin_key import read_admin_key
@@ -159,11 +159,12 @@ def perf_analyzer_command(
     return command
 
 
-def output_bytes(info: ModelInfo, batch: int) -> int:
-    """The largest output of one request: the size of each output shared-memory slot."""
-    return max(
-        (int(np.prod(info.full_shape(t, batch))) * t.dtype.itemsize for t in info.outputs if t.fixed), default=0
-    )
+def output_bytes(info: ModelInfo, batch: int, length: int = DEFAULT_LENGTH) -> int:
+    """The largest output of one request: the size of each output shared-memory
+    slot. A variable dimension counts at `length`, the longest input of the data
+    (a variable-length model's output follows one of its inputs' lengths)."""
+    rows = batch if info.batching else 1
+    return max((rows * int(np.prod(t.sized(length))) * t.dtype.itemsize for t in info.outputs), default=0)
 
 
 def write_input_data(info: ModelInfo, path: Path, count: int = 1, seed: int = 0, lengths: np.ndarray | None = None) -> Path:
@@ -329,14 +330,16 @@ def run_model(config: PerfConfig, info: ModelInfo, csv_path: Path, echo: bool = 
     rough: list[str] = []
     log_path = csv_path.with_suffix(".log")
     with tempfile.TemporaryDirectory(prefix="opara_perf_") as tmp, open(log_path, "w") as log_file:
+        longest = DEFAULT_LENGTH
         if config.lengths is None:
             data = write_input_data(info, Path(tmp) / "data.json")
         else:
             drawn = lengths.parse(config.lengths).lengths(LENGTH_REQUESTS)
             data = write_input_data(info, Path(tmp) / "data.json", count=LENGTH_REQUESTS, lengths=drawn)
+            longest = int(max(drawn))
         for concurrency in config.concurrency:
             part = Path(tmp) / f"c{concurrency}.csv"
-            command = perf_analyzer_command(config, concurrency, data, part, output_bytes(info, config.batch))
+            command = perf_analyzer_command(config, concurrency, data, part, output_bytes(info, config.batch, longest))
             if echo:
                 print(f"{config.model}: concurrency {concurrency}", flush=True)
             code, output = run_perf_analyzer(command, log_file, config.timeout_s, echo)
@@ -345,7 +348,7 @@ def run_model(config: PerfConfig, info: ModelInfo, csv_path: Path, echo: bool = 
                 total = config.rough_windows * config.request_count
                 if echo:
                     print(f"{config.model}: concurrency {concurrency} did not settle; measuring {total} requests once", flush=True)
-                command = perf_analyzer_command(config, concurrency, data, part, output_bytes(info, config.batch), total)
+                command = perf_analyzer_command(config, concurrency, data, part, output_bytes(info, config.batch, longest), total)
                 code, output = run_perf_analyzer(command, log_file, config.timeout_s, echo)
                 settled = "no"
             if code == 0 and part.exists():

@@ -648,6 +648,14 @@ def test_perf_input_data_gives_each_variable_tensor_its_shape(tmp_path):
     assert [len(base64.b64decode(e["attention_mask"]["b64"])) for e in entries] == [40, 72, 40]
 
 
+def test_a_variable_output_gets_a_shared_memory_slot_for_the_longest_input():
+    """perf_analyzer refused every shared-memory level of bert and t5 on the GPU
+    (2026-11-26): their -1 output had been counted as no bytes (a 4 KB slot for
+    393,216 bytes of last_hidden_state at 128 tokens)."""
+    assert perf.output_bytes(VARIABLE, 1) == 128 * 768 * 4
+    assert perf.output_bytes(VARIABLE, 2, length=300) == 2 * 300 * 768 * 4
+
+
 def test_bench_config_with_lengths_refuses_shared_memory_and_bad_specs():
     with pytest.raises(ValueError, match="--lengths draws random inputs"):
         bench.BenchConfig(model="m", url="h:1", requests=1, shared_memory="system", lengths="fixed:3")
