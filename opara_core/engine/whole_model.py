@@ -169,10 +169,13 @@ def probe_load(path: Path, device: torch.device) -> None:
     loaded here is kept, so a later start loads it without a probe."""
     index = -1 if device.index is None else device.index
     try:
-        done = subprocess.run([python_interpreter(), "-c", PROBE, str(path), str(index)], capture_output=True, text=True, timeout=PROBE_SECONDS)
+        done = subprocess.run(
+            [python_interpreter(), "-c", PROBE, str(path), str(index)], capture_output=True, text=True, errors="replace", timeout=PROBE_SECONDS
+        )
     except subprocess.TimeoutExpired:
         raise PackageLoadError(f"AOTInductor package did not load within {PROBE_SECONDS} s in a test process") from None
     if done.returncode != 0:
-        how = f"killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0 else f"exit code {done.returncode}"
+        killer = next((s.name for s in signal.Signals if s == -done.returncode), f"signal {-done.returncode}")
+        how = f"killed by {killer}" if done.returncode < 0 else f"exit code {done.returncode}"
         last = done.stderr.strip().splitlines()[-1:] or ["no message"]
         raise PackageLoadError(f"AOTInductor package did not load in a test process ({how}): {last[0]}")
