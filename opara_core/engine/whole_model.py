@@ -97,7 +97,12 @@ class WholeModelAOT:
 def _load_package(path: Path, device: torch.device) -> Callable:
     # single-threaded: without the container's cross-thread bookkeeping (events it
     # records and queries around each run), which CUDA graph capture does not allow
-    return torch._inductor.aoti_load_package(str(path), run_single_threaded=True, device_index=-1 if device.index is None else device.index)
+    return torch._inductor.aoti_load_package(str(path), run_single_threaded=True, device_index=_device_index(device))
+
+
+def _device_index(device: torch.device) -> int:
+    """aoti_load_package's device_index: -1 for the current device."""
+    return -1 if device.index is None else device.index
 
 
 def _capture(model: Callable, static_in: Sequence[torch.Tensor], pool: Any, what: str) -> CapturedGraph:
@@ -157,6 +162,7 @@ class PackageLoadError(RuntimeError):
     """A freshly compiled package that a test process could not load."""
 
 
+# the child loads as _load_package does
 PROBE = "import sys, torch; torch._inductor.aoti_load_package(sys.argv[1], run_single_threaded=True, device_index=int(sys.argv[2]))"
 PROBE_SECONDS = 600
 
@@ -167,10 +173,9 @@ def probe_load(path: Path, device: torch.device) -> None:
     even for a two-layer model's package, and in-process that would take the
     serving stub, and every model it was building, with it. Only a package that
     loaded here is kept, so a later start loads it without a probe."""
-    index = -1 if device.index is None else device.index
     try:
         done = subprocess.run(
-            [python_interpreter(), "-c", PROBE, str(path), str(index)], capture_output=True, text=True, errors="replace", timeout=PROBE_SECONDS
+            [python_interpreter(), "-c", PROBE, str(path), str(_device_index(device))], capture_output=True, text=True, errors="replace", timeout=PROBE_SECONDS
         )
     except subprocess.TimeoutExpired:
         raise PackageLoadError(f"AOTInductor package did not load within {PROBE_SECONDS} s in a test process") from None

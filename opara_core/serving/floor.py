@@ -56,10 +56,10 @@ def output_shapes(config: dict) -> dict[str, list[int]]:
     return {tensor["name"]: [int(d) for d in tensor["dims"]] for tensor in config.get("output", [])}
 
 
-def length_axes(zoo_name: str | None, config: dict) -> dict[str, LengthAxis]:
-    """For each output with a variable dimension, the zoo model's length axis it
-    follows (its first variable dimension has the request's length on that axis)."""
-    variable = [name for name, dims in output_shapes(config).items() if any(d < 0 for d in dims)]
+def length_axes(zoo_name: str | None, shapes: dict[str, list[int]]) -> dict[str, LengthAxis]:
+    """For each output with a variable dimension (`shapes`: `output_shapes`), the zoo
+    model's length axis it follows (its variable dimension has the request's length on that axis)."""
+    variable = [name for name, dims in shapes.items() if any(d < 0 for d in dims)]
     if not variable or zoo_name is None:
         return {}
     return {name: axis for axis in zoo.get(zoo_name).lengths for name in axis.outputs if name in variable}
@@ -79,7 +79,7 @@ class FloorModel:
         self.device = select_device(args)
         self.output_memory = output_memory(config)
         self.shapes = output_shapes(config)
-        self.axes = length_axes(self.zoo_name, config)
+        self.axes = length_axes(self.zoo_name, self.shapes)
         limits = {name: axis.limit for name, axis in self.axes.items()}
         self.host = zero_outputs(config, torch.device("cpu"), limits)
         self.gpu = zero_outputs(config, self.device, limits) if self.device.type == "cuda" else None
