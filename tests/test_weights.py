@@ -14,7 +14,8 @@ from serving import assert_close, example, infer
 
 from opara_core import zoo
 from opara_core.serving.launcher import REPO_ROOT, TritonServer
-from opara_core.serving.weights import WeightsError, load_module, weights_path
+from opara_core.engine.trace_cache import named_tensors
+from opara_core.serving.weights import WeightsError, load_module, seeded_module, weights_path
 
 SCRIPT = REPO_ROOT / "scripts" / "export_weights.py"
 
@@ -93,3 +94,36 @@ def test_the_server_serves_exported_weights(tmp_path):
                 assert_close(infer(client, model, arrays), expected)
         finally:
             client.close()
+
+
+@pytest.mark.parametrize("name", ["deepfm", "bert", "t5"])
+def test_seeded_weights_from_the_cache_are_the_seeded_weights(name, tmp_path):
+    """BERT has non-persistent buffers, T5 an embedding shared by its encoder
+    and decoder: the second start maps the first one's file in, and the module
+    is the seeded one, tensor for tensor and answer for answer."""
+    entry = zoo.get(name)
+    want = entry.build()
+    seeded_module(entry, tmp_path)
+    (saved,) = tmp_path.glob(f"{name}-*.pt")
+    got = seeded_module(entry, tmp_path)
+    assert not any(t.is_meta for _, t in named_tensors(got)) and not got.training
+    assert got.state_dict().keys() == want.state_dict().keys()
+    for key, tensor in want.state_dict().items():
+        assert torch.equal(got.state_dict()[key], tensor), key
+    x = entry.example_inputs(2, seed=3)
+    with torch.inference_mode():
+        torch.testing.assert_close(got(*x), want(*x), rtol=0, atol=0)
+    saved.write_bytes(b"damaged")  # drawn again, and saved again
+    torch.testing.assert_close(seeded_module(entry, tmp_path).state_dict(), want.state_dict(), rtol=0, atol=0)
+    assert saved.stat().st_size > 100
+
+
+def test_a_module_that_cannot_be_built_on_meta_is_drawn_as_usual(tmp_path):
+    def needs_real_tensors():
+        module = torch.nn.Linear(3, 2)
+        module.scale = float(module.weight.sum())  # reads a value: fails on the meta device
+        return module
+
+    entry = zoo.ZooModel(name="real", builder=needs_real_tensors, inputs=zoo.get("deepfm").inputs, outputs=zoo.get("deepfm").outputs)
+    module = seeded_module(entry, tmp_path)
+    assert not module.weight.is_meta and not list(tmp_path.iterdir())

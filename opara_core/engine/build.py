@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from opara_core import zoo
-from opara_core.engine import choices, runtime
+from opara_core.engine import choices, runtime, trace_cache
 from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, LanePool, PlanCapture, capture_module, time_replays
 from opara_core.engine.interpreter import reordered_graph
 from opara_core.engine.fused_lanes import InductorCapture, prepare_captures
@@ -345,7 +345,7 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
     layouts = {"auto": ("nchw", "nhwc") if has_convs else ("nchw",), "nchw": ("nchw",), "nhwc": ("nhwc",)}[settings.layout]
     start = time.perf_counter()
     try:
-        graph = trace_zoo(entry, module, device)
+        graph = trace_zoo(entry, module, device, cache=trace_cache.cache_dir())
     except Exception as error:  # noqa: BLE001 - any tracing failure falls back
         report.fallbacks.append(f"tracing: {error}")
         return {}

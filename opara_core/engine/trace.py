@@ -17,6 +17,7 @@ import logging
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import sympy
@@ -25,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from opara_core import zoo
 from opara_core.engine import costs as cost_model
+from opara_core.engine.trace_cache import exported_module
 from opara_core.planning.dag import Dag, OpNode
 
 log = logging.getLogger(__name__)
@@ -55,16 +57,17 @@ def trace(
     cost_inputs: Sequence[Any] | None = None,
     spec: cost_model.GpuSpec = cost_model.H100,
     name: str = "",
+    cache: Path | None = None,
 ) -> OpGraph:
     """Export `module` (switched to eval mode) with `example_inputs` and build its OpGraph.
 
     With `dynamic_shapes` (torch.export's argument) one graph serves every batch
     size; export specialises a dimension whose example size is 0 or 1, so trace with
     a batch of at least 2 and pass `cost_inputs` with the batch the costs are for.
+    `cache`: a directory of exported graphs (engine.trace_cache), None to export.
     """
     example_inputs = tuple(example_inputs)
-    program = torch.export.export(module.eval(), example_inputs, dynamic_shapes=dynamic_shapes)
-    gm = program.run_decompositions().module()
+    gm = exported_module(module.eval(), example_inputs, dynamic_shapes, cache)
     inputs = example_inputs if cost_inputs is None else tuple(cost_inputs)
     sizes = _size_env(gm, inputs)
     shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
@@ -77,11 +80,12 @@ def trace_zoo(
     device: torch.device | str = "cpu",
     batch: int = 1,
     spec: cost_model.GpuSpec = cost_model.H100,
+    cache: Path | None = None,
 ) -> OpGraph:
     """Trace a zoo model (its seeded module unless `module` is given) with a
     dynamic batch, on `device` itself so that ops that create tensors (arange,
     full) are traced with that device; one graph serves every batch size, and
-    costs are estimated for `batch`."""
+    costs are estimated for `batch`. `cache`: see `trace`."""
     entry = zoo.get(model) if isinstance(model, str) else model
     module = (entry.build() if module is None else module).to(device)
     example = tuple(t.to(device) for t in entry.example_inputs(max(batch, 2)))
@@ -92,6 +96,7 @@ def trace_zoo(
         cost_inputs=tuple(t.to(device) for t in entry.example_inputs(batch)),
         spec=spec,
         name=entry.name,
+        cache=cache,
     )
 
 

@@ -8,17 +8,29 @@ A model's config.pbtxt names the file with `parameters { key: "weights" value:
   checking to the zoo architecture;
 - a `torch.export` archive (`*.pt2`, from `torch.export.save`), whose module
   replaces the zoo architecture altogether (its inputs must match the config).
+
+Without a file the model serves its seeded random weights. Drawing them is
+slow (BERT's 110M numbers: 2.7 s on the CPU machine, more on the GPU host's
+first start), so `seeded_module` keeps them under $OPARA_CACHE_DIR/weights and a
+warm start builds the module on the meta device and maps them in.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
 import logging
+import os
 import pickle
+import tempfile
 from pathlib import Path
 
 import torch
 
 from opara_core import zoo
+from opara_core.engine.inductor_cache import cache_root
+from opara_core.engine.trace_cache import module_fingerprint, named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +55,7 @@ def load_module(entry: zoo.ZooModel, path: Path | None) -> torch.nn.Module:
     """The module to serve: the seeded zoo model, or the zoo model with the
     state_dict at `path`, or the exported program at `path`; eval mode."""
     if path is None:
-        return entry.build()
+        return seeded_module(entry)
     if path.suffix == EXPORT_SUFFIX:
         try:
             program = torch.export.load(str(path))
@@ -66,3 +78,69 @@ def load_module(entry: zoo.ZooModel, path: Path | None) -> torch.nn.Module:
         raise WeightsError(f"{path.name} does not fit {entry.name}: {str(error).splitlines()[0]}") from None
     log.info("serving %s with weights from %s", entry.name, path)
     return module.eval()
+
+
+def seeded_module(entry: zoo.ZooModel, directory: Path | None = None) -> torch.nn.Module:
+    """`entry.build()`, its tensors read from `directory` (default
+    $OPARA_CACHE_DIR/weights) when an earlier start saved them there; a
+    module that cannot be built on the meta device, or whose file is
+    unreadable, is built as usual."""
+    directory = cache_root() / "weights" if directory is None else Path(directory)
+    try:
+        with torch.device("meta"):
+            skeleton = entry.builder().eval()
+    except Exception as error:  # noqa: BLE001 - any builder that needs real tensors: no cache
+        log.info("%s cannot be built on the meta device (%s: %s); drawing its weights", entry.name, type(error).__name__, error)
+        return entry.build()
+    path = directory / f"{entry.name}-{_seeded_key(entry, skeleton)[:24]}.pt"
+    if path.exists():
+        try:
+            _fill(skeleton, torch.load(path, mmap=True, weights_only=True))
+        except Exception as error:  # noqa: BLE001 - a damaged or foreign file: build and save again
+            log.info("seeded weights %s unusable (%s: %s); drawing them again", path.name, type(error).__name__, error)
+        else:
+            log.info("%s: seeded weights from the cache (%s)", entry.name, path.name)
+            return skeleton
+    module = entry.build()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, suffix=".tmp", delete=False) as handle:
+            torch.save(dict(named_tensors(module)), handle)
+        os.replace(handle.name, path)
+    except OSError as error:
+        log.info("seeded weights not saved to %s (%s)", path, error)
+    return module
+
+
+def _seeded_key(entry: zoo.ZooModel, skeleton: torch.nn.Module) -> str:
+    """What the seeded weights depend on: the model, the seed, torch, the zoo's
+    code (its builders and the BatchNorm calibration) and the module's structure."""
+    text = json.dumps(
+        {
+            "model": entry.name,
+            "seed": zoo.SEED,
+            "torch": torch.__version__,
+            "zoo": hashlib.sha256(inspect.getsource(zoo).encode()).hexdigest(),
+            "structure": module_fingerprint(skeleton),
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _fill(skeleton: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Put the saved tensors in place of the skeleton's meta ones; every tensor
+    the module holds must come from the file."""
+    expected = {name for name, _ in named_tensors(skeleton)}
+    if set(tensors) != expected:
+        raise KeyError(f"the file holds {len(tensors)} tensors, the module {len(expected)}")
+    for name, tensor in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        owner = skeleton.get_submodule(prefix) if prefix else skeleton
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=owner._parameters[leaf].requires_grad)
+        else:
+            owner._buffers[leaf] = tensor
+    left = [f"{name}.{k}" for name, m in skeleton.named_modules() for k, v in vars(m).items() if isinstance(v, torch.Tensor) and v.is_meta]
+    if left:
+        raise ValueError(f"{left[0]} is not a parameter or buffer; it stays on the meta device")

@@ -1,0 +1,64 @@
+"""The trace cache: a warm start reads its exported graph instead of exporting again."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from opara_core import zoo
+from opara_core.engine import trace_cache
+from opara_core.engine.trace import trace_zoo
+
+
+def outputs(module, inputs):
+    with torch.inference_mode():
+        return tree_leaves(module(*inputs))
+
+
+def test_a_cached_graph_reads_the_live_weights_and_answers_as_eager(tmp_path):
+    """BERT: non-persistent buffers (position ids) and an attention mask built
+    in the graph. The second trace reads the file the first one wrote, and its
+    graph computes with the module it was given, not with saved weights."""
+    entry = zoo.get("bert").at((12,))
+    first = trace_zoo(entry, entry.build(), "cpu", cache=tmp_path)
+    assert len(list(tmp_path.glob("*.pt"))) == 1
+    other = entry.build(seed=5)  # same structure, other weights: the same cache entry
+    second = trace_zoo(entry, other, "cpu", cache=tmp_path)
+    assert second.module.code == first.module.code and second.fingerprint == first.fingerprint
+    live = {t.data_ptr() for _, t in trace_cache.named_tensors(other)}
+    assert all(p.data_ptr() in live for p in second.module.parameters())
+    x = entry.example_inputs(3, seed=11)
+    for got, want in zip(outputs(second.module, x), outputs(other, x)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_key_follows_the_inputs_and_the_modules_settings():
+    entry = zoo.get("deepfm")
+    module = entry.build()
+    dims = zoo.dynamic_shapes(entry)
+    key = trace_cache.export_key(module, entry.example_inputs(2), dims)
+    assert key == trace_cache.export_key(entry.build(seed=3), entry.example_inputs(2, seed=9), dims)  # values do not count
+    assert key != trace_cache.export_key(module, entry.example_inputs(4), dims)
+    assert key != trace_cache.export_key(module, entry.example_inputs(2), None)
+    relu = next(m for m in module.modules() if isinstance(m, torch.nn.ReLU))
+    relu.inplace = True  # a plain setting the graph may depend on
+    assert key != trace_cache.export_key(module, entry.example_inputs(2), dims)
+
+
+def test_a_damaged_entry_is_exported_again_and_replaced(tmp_path):
+    entry = zoo.get("deepfm")
+    module = entry.build()
+    trace_zoo(entry, module, "cpu", cache=tmp_path)
+    (path,) = tmp_path.glob("*.pt")
+    path.write_bytes(b"not a saved graph")
+    graph = trace_zoo(entry, module, "cpu", cache=tmp_path)
+    x = entry.example_inputs(2, seed=4)
+    for got, want in zip(outputs(graph.module, x), outputs(module, x)):
+        torch.testing.assert_close(got, want)
+    assert trace_cache.load(path, module).code == graph.module.code  # rewritten whole
+
+
+def test_no_directory_no_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
+    trace_zoo("deepfm")
+    assert not list(tmp_path.rglob("*.pt"))
