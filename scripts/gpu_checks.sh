@@ -42,7 +42,7 @@
 #              BERT's and T5's whole-model Inductor compiles make it longer than 210 s cold (H100, 2026-11-26: 302 s
 #              without the aot case); with BERT's AOTInductor package compiled as well, give it 560
 #   warmbuild  a serving build cold then warm: a repository of $WARM_MODELS (default googlenet) with the
-#              parameters $WARM_PARAMS (KEY=VALUE ..., default fused_lanes=true; e.g. WARM_MODELS="bert t5"
+#              parameters $WARM_PARAMS (KEY=VALUE ..., default fused_lanes=true, empty for none; e.g. WARM_MODELS="bert t5"
 #              WARM_PARAMS=compiler=aot), `python -m opara_core.serving.launcher warm` twice with one fresh
 #              OPARA_CACHE_DIR (Inductor's compiled code, AOTInductor packages, profiles): each model's build seconds both times
 #   fusedtests the GPU tests of fused lanes, remembered choices, builds, captures and profiles
@@ -128,7 +128,7 @@ warmbuild() {
     cache=$(mktemp -d)
     for model in ${WARM_MODELS:-googlenet}; do
         cp -r "model_repository/$model" "$repository/"
-        for parameter in ${WARM_PARAMS:-fused_lanes=true}; do
+        for parameter in ${WARM_PARAMS-fused_lanes=true}; do
             printf '\nparameters { key: "%s" value: { string_value: "%s" } }\n' "${parameter%%=*}" "${parameter#*=}" >>"$repository/$model/config.pbtxt"
         done
     done

@@ -273,6 +273,7 @@ class OparaModel:
             weights_file = parameters(config).get("weights")
             version_dir = Path(args["model_repository"]) / args["model_version"]
             module = weights.load_module(self.entry, weights.weights_path(version_dir, weights_file) if weights_file else None)
+            log.info("model %s: module built in %.1f s", args["model_name"], time.monotonic() - started)
         except (KeyError, ValueError) as error:
             raise pb_utils.TritonModelException(f"model {args['model_name']}: {error}") from None
         self.max_batch = max(int(config.get("max_batch_size", 0)), 1)
