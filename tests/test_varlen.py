@@ -290,3 +290,26 @@ def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(
     if compiler == "aot":  # a second start finds the package and loads it
         again = VarLenRunners(module, entry, device, EngineSettings(policy="opara", buckets=(1, 2, 4)), varlen)
         assert " loaded in " in again.report.whole_model and set(again.report.choices.values()) == {expected}, again.report.summary()
+
+
+def test_an_untimed_shape_never_looks_cheaper_than_a_timed_one_it_holds():
+    """First use: only shape 16 is built and timed. The token-count model, scaled
+    to its timings, would price the unbuilt 32-token cells below them (as on an
+    H100); a 10-token request must still run on the built shape, not build another."""
+    from opara_core.engine.build import EngineSettings
+    from opara_core.serving.varlen import VarLenRunners, VarLenSettings, modelled_seconds
+
+    entry = zoo.get("bert")
+    module = entry.build()
+    axes = ((16, 32, 512),)
+    runners = VarLenRunners(module, entry, torch.device("cpu"), EngineSettings(buckets=(1, 2)), VarLenSettings(axes, capture="first_use"))
+    assert list(runners.runners) == [(16,)]
+    runners._measured = {((16,), 1): 3 * modelled_seconds((16,), 1), ((16,), 2): modelled_seconds((16,), 2)}
+    runners._set_costs()
+    costs = runners.costs.seconds
+    assert costs[((32,), 1)] >= costs[((16,), 1)] and costs[((512,), 1)] >= costs[((16,), 1)]
+    assert costs[((32,), 2)] > costs[((16,), 2)]  # the model's own ordering where it already held
+    request = check_request(entry, dict(zip((s.name for s in entry.inputs), entry.at((10,)).example_inputs(1, seed=4))), "dp")
+    with torch.inference_mode():
+        runners.run([request])
+    assert dict(runners.batches) == {"16x1": 1} and list(runners.runners) == [(16,)]

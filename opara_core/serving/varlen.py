@@ -388,6 +388,13 @@ class VarLenRunners:
         if self._measured:
             scale = statistics.median(ms / seconds[cell] for cell, ms in self._measured.items())
             seconds = {cell: self._measured.get(cell, modelled * scale) for cell, modelled in seconds.items()}
+            # a cell not timed yet costs at least what a timed cell it holds costs at that batch: the
+            # scaled model made BERT's unbuilt (32, 1) cheaper than its timed (16, 1) on an H100, so a
+            # lone 16-token request built shape 32 on first use and ran there
+            for (shape, batch), cost in list(seconds.items()):
+                if (shape, batch) not in self._measured:
+                    held = [ms for (s, b), ms in self._measured.items() if b == batch and all(x <= y for x, y in zip(s, shape))]
+                    seconds[(shape, batch)] = max([cost, *held])
         self.costs = self.report.costs = CostTable(self._axes, self._batches, seconds)
 
     def runner_for(self, shape: tuple[int, ...]) -> Runner:
