@@ -553,3 +553,18 @@ def test_warm_fails_naming_a_model_that_cannot_load(tmp_path):
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
     assert "deepfm" in done.stderr and "fastest" in done.stdout + done.stderr, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_warm_builds_every_shape_of_a_first_use_model(tmp_path):
+    """`capture` "first_use" builds only the smallest shape at load; warming an
+    image's cache must build all six, so that later starts only load them."""
+    repository = tmp_path / "models"
+    shutil.copytree(REPO_ROOT / "model_repository" / "bert", repository / "bert")
+    config = repository / "bert" / "config.pbtxt"
+    config.write_text(config.read_text() + '\nparameters { key: "capture" value: { string_value: "first_use" } }\n')
+    command = [sys.executable, "-m", "opara_core.serving.launcher", "warm", "--model-repository", str(repository)]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OPARA_CACHE_DIR": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ready = re.search(r"model bert ready on .*", done.stdout + done.stderr)
+    assert ready, done.stdout[-3000:]
+    assert sorted(int(n) for n in re.findall(r"shape (\d+): ", ready.group(0))) == [16, 32, 64, 128, 256, 512]

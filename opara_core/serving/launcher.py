@@ -872,12 +872,17 @@ def warm(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR, timeout_s: float
     """Load every model of the repository once, as `serve` does, then stop.
 
     The builds fill the on-disk caches (Inductor's compiled code for fused
-    lanes, see engine.inductor_cache; the profiles), so the next start of the
-    same models on the same GPU and software builds from them: run it when
-    building a container image, with the cache directory inside the image.
+    lanes, see engine.inductor_cache; the profiles, traced graphs and seeded
+    weights; every shape of a variable-length model, whatever its `capture`),
+    so the next start of the same models on the same GPU and software builds
+    from them: run it when building a container image, with the cache
+    directory inside the image.
     Exit code 1 if a model failed to load or the server never became ready."""
     models = expected_models(config)
     startup = StartupLog(sys.stdout, models, hide_no_gpu_noise=not gpu_present())
+    # variable-length models build every shape (serving.varlen.CAPTURE_ENV), not only those
+    # their `capture` "first_use" would build at load, so that later starts find all of them
+    os.environ["OPARA_CAPTURE"] = "load"
     server = TritonServer(config, log_path=None, workdir=workdir, startup=startup)
     print(f"warming: loading {', '.join(models) if models else 'the models'} from {config.model_repository}, then stopping", flush=True)
     _die_with_parent()

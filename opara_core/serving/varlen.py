@@ -19,13 +19,16 @@ default) compiles the whole model once with dynamic sizes
 does the same from an AOTInductor package kept in the cache directory
 (compiled once, only loaded by later starts); "engine" builds each shape with
 `engine.build.build_runner` (the plan `auto` picks, ATen kernels on several
-lanes). A shape whose whole-model graph fails to
-capture or disagrees with eager falls back to the engine's build. `capture`
-"load" builds every shape when the model loads; "first_use" builds the
-smallest shape at load (the compile) and any other the first time a sub-batch
-needs it. The cost table comes from replay timings of the captured graphs (a
-shape built on first use replaces its cells with its timings); for eager runners, and for shapes not built yet, from a token-count
-model (`modelled_seconds`) in the timed cells' units.
+lanes). A shape whose whole-model graph fails to capture or disagrees with
+eager falls back to the engine's build. `capture` "load" builds every shape
+when the model loads; "first_use" builds the smallest shape at load (the
+compile) and any other the first time a sub-batch needs it (the environment
+variable OPARA_CAPTURE overrides it for every model: `launcher warm` builds
+every shape). The cost table comes from replay timings of the captured graphs
+(a shape built on first use replaces its cells with its timings); for eager
+runners, and for shapes not built yet, from a token-count model
+(`modelled_seconds`) in the timed cells' units, never below a timed cell
+that the shape holds.
 
 Config parameters (besides the engine's): `scheduler` (dp, greedy, padded,
 single; a request may choose another with its own parameter `scheduler`, which
@@ -39,6 +42,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import statistics
 import threading
 import time
@@ -62,6 +66,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512)
 CAPTURE_MODES = ("load", "first_use")
+# overrides every model's `capture`: the launcher's `warm` sets it to "load", so that
+# an image's cache holds every shape and first-use builds only load what it compiled
+CAPTURE_ENV = "OPARA_CAPTURE"
 COMPILERS = ("inductor", "aot", "engine")
 OWN_PARAMETERS = ("scheduler", "compiler", "capture", "length_buckets.", "max_length.")
 # the token-count model: a run costs its padded tokens, attention adding one token's
@@ -85,7 +92,7 @@ class VarLenSettings:
         if self.compiler not in COMPILERS:
             raise ValueError(f"unknown compiler {self.compiler!r}; known: {', '.join(COMPILERS)}")
         if self.capture not in CAPTURE_MODES:
-            raise ValueError(f"unknown capture {self.capture!r}; known: {', '.join(CAPTURE_MODES)}")
+            raise ValueError(f"unknown capture {self.capture!r} (parameter capture or {CAPTURE_ENV}); known: {', '.join(CAPTURE_MODES)}")
 
 
 def axis_buckets(axis: zoo.LengthAxis, lengths: tuple[int, ...] = DEFAULT_LENGTH_BUCKETS) -> tuple[int, ...]:
@@ -111,9 +118,8 @@ def varlen_settings(entry: zoo.ZooModel, config: dict) -> VarLenSettings:
             declared = params.get(f"max_length.{name}", "").strip()
             if declared != str(axis.limit):
                 raise ValueError(f"parameter max_length.{name} is {declared!r}, the model's is '{axis.limit}'")
-    return VarLenSettings(
-        tuple(axes), params.get("scheduler", "dp").strip(), params.get("capture", "load").strip(), params.get("compiler", "inductor").strip()
-    )
+    capture = os.environ.get(CAPTURE_ENV) or params.get("capture", "load").strip()
+    return VarLenSettings(tuple(axes), params.get("scheduler", "dp").strip(), capture, params.get("compiler", "inductor").strip())
 
 
 def check_config(entry: zoo.ZooModel, config: dict) -> None:
