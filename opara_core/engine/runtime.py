@@ -146,6 +146,10 @@ class GraphRunner:
         self.buckets = tuple(self.graphs)
         self._host_in = _staging(inputs, max_batch, pin=True)
         self._host_out = _staging(outputs, max_batch, pin=True)
+        # recorded after each copy up from `_host_in`: a run that returns its outputs on the
+        # device does not wait for the GPU, so the next one must not refill the pinned
+        # staging while the previous copy may still be reading it
+        self._host_in_read = torch.cuda.Event()
         self._device_in: list[torch.Tensor] | None = None  # for GPU batches above the largest bucket
         self._input_specs = tuple(inputs)
         self._lock = threading.Lock()
@@ -161,6 +165,8 @@ class GraphRunner:
         n = batch_rows(inputs, self.max_batch)
         on_gpu = _blocks(inputs[0])[0].device.type == "cuda"
         with self._lock, torch.inference_mode():
+            if not on_gpu:
+                self._host_in_read.synchronize()  # returns at once unless that copy is still queued
             if n <= self.buckets[-1]:
                 captured = self._graph_for(n)
                 staged = captured.inputs if on_gpu else self._host_in
@@ -168,6 +174,8 @@ class GraphRunner:
                     gather(blocks, buffer)
                     if not on_gpu:
                         static[:n].copy_(buffer[:n], non_blocking=True)
+                if not on_gpu:
+                    self._host_in_read.record()
                 captured.replay()
                 if outputs_on_device:
                     return [out[:n] for out in captured.outputs]

@@ -414,7 +414,7 @@ class VarLenRunners:
         lengths. `queued` is called once every sub-batch is queued on the GPU,
         before the wait for them (the adapter's stage clock)."""
         rows = [(k, r) for k, request in enumerate(requests) for r in range(request.rows)]
-        results = [self._outputs_for(request) for request in requests]
+        results: list[list[torch.Tensor]] = [[] for _ in requests]  # allocated once the first sub-batch is queued
         with self._lock:
             for name in sorted({request.scheduler for request in requests}):
                 chosen = [row for row in rows if requests[row[0]].scheduler == name]
@@ -444,16 +444,19 @@ class VarLenRunners:
         size = group.batch if graphs else len(members)  # eager runs the rows as they are
         inputs = []
         for k, spec in enumerate(self._inputs[group.shape]):
-            # zeros: valid ids, and masks that hide the padding (pinned: the copy up is asynchronous)
-            batch = torch.zeros((size, *spec.shape), dtype=spec.dtype, pin_memory=self._cuda)
+            # zeros: valid ids, and masks that hide the padding; on the host, from where a graph
+            # runner copies them once through its pinned staging into its graph's inputs
+            batch = torch.zeros((size, *spec.shape), dtype=spec.dtype)
             for i, (q, r) in enumerate(members):
                 row = requests[q].tensors[k][r]
                 batch[i, ..., : row.shape[-1]] = row
-            inputs.append(batch.to(self.device, non_blocking=True))
+            inputs.append(batch)
         outputs = runner.run(inputs, outputs_on_device=True)
         self.batches[f"{_label(group.shape)}x{size}"] += 1
         self.padded_rows += size - len(members)
         for i, (q, r) in enumerate(members):
+            if not results[q]:  # after the launch: the allocation overlaps the replay
+                results[q] = self._outputs_for(requests[q])
             for out, target in zip(outputs, results[q]):
                 # before another graph of the pool replays: its intermediates may lie where these outputs are
                 target[r].copy_(out[i][tuple(slice(0, n) for n in target.shape[1:])], non_blocking=True)
