@@ -1,13 +1,13 @@
 """Exported graphs kept on disk, so that a warm start reads its traced graph
 instead of exporting the model again.
 
-`torch.export` plus its decompositions took 4.6 s for BERT on the GPU machine
-(H100 host, torch 2.11, 2026-11-26), a third of a variable-length model's warm
-start, and a start exports once per shape. The decomposed program is saved
-without its weights (torch's serialised form of the graph, ~2 MB for BERT)
-under $OPARA_CACHE_DIR/traces, named by everything the graph depends on
-(`export_key`); reading it back and attaching the live module's parameters and
-buffers took 1.5 s there. A graph that cannot be saved or read back is simply
+Tracing (`torch.export` and its decompositions) took 5.4 s of BERT's 14.5 s
+warm start on the H100 machine, and a variable-length model traces once per
+shape (docs/benchmarks.md, variable lengths' run 7). The decomposed program is
+saved without its weights (torch's serialised form of the graph, ~2 MB for
+BERT) under $OPARA_CACHE_DIR/traces, named by everything the graph depends on
+(`export_key`); read back with the live module's parameters and buffers
+attached, the trace took 2.8 s there. A graph that cannot be saved or read back is simply
 exported again (logged), and the build's guard still compares every graph it
 captures with the eager model.
 """

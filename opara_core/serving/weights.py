@@ -10,9 +10,9 @@ A model's config.pbtxt names the file with `parameters { key: "weights" value:
   replaces the zoo architecture altogether (its inputs must match the config).
 
 Without a file the model serves its seeded random weights. Drawing them is
-slow (BERT's 110M numbers: 2.7 s on the CPU machine, more on the GPU host's
-first start), so `seeded_module` keeps them under $OPARA_CACHE_DIR/weights and a
-warm start builds the module on the meta device and maps them in.
+slow (BERT's 110M numbers, NASNet's BatchNorm calibration), so `seeded_module`
+keeps them under $OPARA_CACHE_DIR/weights and a warm start builds the module on
+the meta device and maps them in.
 """
 
 from __future__ import annotations
