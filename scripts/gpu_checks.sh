@@ -44,7 +44,9 @@
 #   warmbuild  a serving build cold then warm: a repository of $WARM_MODELS (default googlenet) with the
 #              parameters $WARM_PARAMS (KEY=VALUE ..., default fused_lanes=true, empty for none; e.g. WARM_MODELS="bert t5"
 #              WARM_PARAMS=compiler=aot), `python -m opara_core.serving.launcher warm` twice with one fresh
-#              OPARA_CACHE_DIR (Inductor's compiled code, AOTInductor packages, profiles): each model's build seconds both times
+#              OPARA_CACHE_DIR (Inductor's compiled code, AOTInductor packages, profiles, traces, seeded weights):
+#              each model's build seconds both times; `warm` builds every shape of a variable-length model
+#              unless OPARA_CAPTURE is set (OPARA_CAPTURE=first_use times a first-use start)
 #   fusedtests the GPU tests of fused lanes, remembered choices, builds, captures and profiles
 #              (tests/test_fused_lanes.py, test_choices.py, test_build.py, test_capture.py, test_profile.py)
 #   bench      python -m opara_core.bench for $BENCH_MODELS (default googlenet,bert) at $BENCH_BATCH

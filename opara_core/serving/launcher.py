@@ -882,7 +882,8 @@ def warm(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR, timeout_s: float
     startup = StartupLog(sys.stdout, models, hide_no_gpu_noise=not gpu_present())
     # variable-length models build every shape (serving.varlen.CAPTURE_ENV), not only those
     # their `capture` "first_use" would build at load, so that later starts find all of them
-    os.environ["OPARA_CAPTURE"] = "load"
+    # (unless the caller chose otherwise, e.g. to time a first-use start)
+    os.environ.setdefault("OPARA_CAPTURE", "load")
     server = TritonServer(config, log_path=None, workdir=workdir, startup=startup)
     print(f"warming: loading {', '.join(models) if models else 'the models'} from {config.model_repository}, then stopping", flush=True)
     _die_with_parent()
