@@ -127,3 +127,18 @@ def test_a_module_that_cannot_be_built_on_meta_is_drawn_as_usual(tmp_path):
     entry = zoo.ZooModel(name="real", builder=needs_real_tensors, inputs=zoo.get("deepfm").inputs, outputs=zoo.get("deepfm").outputs)
     module = seeded_module(entry, tmp_path)
     assert not module.weight.is_meta and not list(tmp_path.iterdir())
+
+
+def test_seeded_weights_that_cannot_be_saved_still_serve(tmp_path, monkeypatch):
+    """A full disk (torch.save fails mid-file) leaves no partial file behind and
+    the model its freshly drawn weights."""
+    entry = zoo.get("deepfm")
+
+    def full_disk(obj, handle, *args, **kwargs):
+        handle.write(b"partial")
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    module = seeded_module(entry, tmp_path)
+    assert not list(tmp_path.iterdir())
+    torch.testing.assert_close(module.state_dict(), entry.build().state_dict(), rtol=0, atol=0)

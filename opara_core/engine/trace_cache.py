@@ -80,10 +80,21 @@ def save(program: torch.export.ExportedProgram, path: Path) -> None:
         "example_inputs": artifact.example_inputs,
         "state": {name: isinstance(tensor, torch.nn.Parameter) for name, tensor in program.state_dict.items()},
     }
+    save_atomically(payload, path)
+
+
+def save_atomically(obj: Any, path: Path) -> None:
+    """`torch.save` to a temporary file beside `path`, then renamed: another
+    process reads the whole file or none; nothing is left behind on failure."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as handle:
-        torch.save(payload, handle)
-    os.replace(handle.name, path)  # whole or not at all, whatever another process reads
+        try:
+            torch.save(obj, handle)
+        except BaseException:
+            handle.close()
+            os.unlink(handle.name)
+            raise
+    os.replace(handle.name, path)
 
 
 def load(path: Path, module: torch.nn.Module) -> torch.fx.GraphModule:

@@ -21,16 +21,14 @@ import hashlib
 import inspect
 import json
 import logging
-import os
 import pickle
-import tempfile
 from pathlib import Path
 
 import torch
 
 from opara_core import zoo
 from opara_core.engine.inductor_cache import cache_root
-from opara_core.engine.trace_cache import module_fingerprint, named_tensors
+from opara_core.engine.trace_cache import module_fingerprint, named_tensors, save_atomically
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +101,8 @@ def seeded_module(entry: zoo.ZooModel, directory: Path | None = None) -> torch.n
             return skeleton
     module = entry.build()
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, suffix=".tmp", delete=False) as handle:
-            torch.save(dict(named_tensors(module)), handle)
-        os.replace(handle.name, path)
-    except OSError as error:
+        save_atomically(dict(named_tensors(module)), path)
+    except (OSError, RuntimeError) as error:  # a full or read-only disk: the next start draws them again
         log.info("seeded weights not saved to %s (%s)", path, error)
     return module
 
