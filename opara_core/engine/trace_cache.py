@@ -14,6 +14,7 @@ captures with the eager model.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import io
@@ -116,19 +117,24 @@ def load(path: Path, module: torch.nn.Module) -> torch.fx.GraphModule:
     program = deserialize(SerializedArtifact(payload["program"], buffer.getvalue(), payload["constants"], payload["example_inputs"]))
     graph_module = program.module()
     for name in payload["state"]:
-        _attach(graph_module, name, live[name])
+        put_tensor(graph_module, name, live[name])
     return graph_module
 
 
-def _attach(graph_module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+def put_tensor(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make `tensor` the module's parameter or buffer `name` (dotted), in place
+    of what is there (a plain tensor becomes a Parameter with the old one's
+    requires_grad)."""
     prefix, _, leaf = name.rpartition(".")
-    owner = graph_module.get_submodule(prefix) if prefix else graph_module
+    owner = module.get_submodule(prefix) if prefix else module
     if leaf in owner._parameters:
-        owner._parameters[leaf] = tensor if isinstance(tensor, torch.nn.Parameter) else torch.nn.Parameter(tensor, requires_grad=False)
+        old = owner._parameters[leaf]
+        requires_grad = old is not None and old.requires_grad
+        owner._parameters[leaf] = tensor if isinstance(tensor, torch.nn.Parameter) else torch.nn.Parameter(tensor, requires_grad=requires_grad)
     elif leaf in owner._buffers:
         owner._buffers[leaf] = tensor
     else:
-        raise KeyError(f"the saved graph has no {name!r}")
+        raise KeyError(f"the module has no parameter or buffer {name!r}")
 
 
 def named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -174,7 +180,8 @@ def module_fingerprint(module: torch.nn.Module) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _class_fingerprint(cls: type) -> str:
+@functools.lru_cache(maxsize=None)
+def _class_fingerprint(cls: type) -> str:  # once per class and process: every shape's trace asks again
     package = sys.modules.get(cls.__module__.split(".")[0])
     try:
         source = hashlib.sha256(inspect.getsource(cls).encode()).hexdigest()[:16]

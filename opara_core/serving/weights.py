@@ -28,7 +28,7 @@ import torch
 
 from opara_core import zoo
 from opara_core.engine.inductor_cache import cache_root
-from opara_core.engine.trace_cache import module_fingerprint, named_tensors, save_atomically
+from opara_core.engine.trace_cache import module_fingerprint, named_tensors, put_tensor, save_atomically
 
 log = logging.getLogger(__name__)
 
@@ -130,12 +130,7 @@ def _fill(skeleton: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     if set(tensors) != expected:
         raise KeyError(f"the file holds {len(tensors)} tensors, the module {len(expected)}")
     for name, tensor in tensors.items():
-        prefix, _, leaf = name.rpartition(".")
-        owner = skeleton.get_submodule(prefix) if prefix else skeleton
-        if leaf in owner._parameters:
-            owner._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=owner._parameters[leaf].requires_grad)
-        else:
-            owner._buffers[leaf] = tensor
+        put_tensor(skeleton, name, tensor)
     left = [f"{name}.{k}" for name, m in skeleton.named_modules() for k, v in vars(m).items() if isinstance(v, torch.Tensor) and v.is_meta]
     if left:
         raise ValueError(f"{left[0]} is not a parameter or buffer; it stays on the meta device")
