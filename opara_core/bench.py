@@ -127,11 +127,14 @@ def bench_model(
     compile_autotune: bool = False,
     on_row: Callable[[Row], None] | None = None,
     columns: Collection[str] = (),
+    cache_dir: Path | None = None,
 ) -> list[Row]:
     """Every variant of one model at each batch size (see the module docstring);
     `on_row` gets each row as soon as it is measured (a cut run keeps its rows);
     `columns`: only these of COLUMNS (default all), so that a model too slow for
-    one call (NASNet) can be measured in several and merged by `--report`.
+    one call (NASNet) can be measured in several and merged by `--report`;
+    `cache_dir`: a build cache to reuse (traces, profiles, compiled segments of
+    an earlier run) instead of a fresh one; the build timing needs a fresh one.
 
     Policy columns use the NCHW graph (NHWC with --layout nhwc); `auto` chooses
     among the layouts `--layout` allows, as serving does.
@@ -144,22 +147,28 @@ def bench_model(
     # cuDNN's autotune cache holds none of this model's shapes), then warm, in
     # a new process as a server restart would; the columns below load the
     # fused segments the cold build compiled
-    _fresh_cache(name)
+    if cache_dir is None:
+        _fresh_cache(name)
+    else:
+        _use_cache(cache_dir)
     build = _build_seconds(entry, device, max_streams, fusion, layout) if time_build else None
     module = entry.build().to(device).eval()  # eager and torch.compile
-    unfused = trace_zoo(entry, module, device)
+    # the engine's graphs only for the engine's columns (NASNet's trace, fusion and profile take a minute)
+    unfused = trace_zoo(entry, module, device) if "sequential (unfused)" in wanted else None
     report = BuildReport()
-    graphs = traced_graphs(entry.build().to(device).eval(), entry, device, EngineSettings(fusion=fusion, layout=layout, fused_lanes=True), report)
+    graphs, floors = {}, []
+    if wanted - {"eager", "compile", "compile max-autotune"}:
+        graphs = traced_graphs(entry.build().to(device).eval(), entry, device, EngineSettings(fusion=fusion, layout=layout, fused_lanes=True), report)
+        profiled = not any(f.startswith("profile") for f in report.fallbacks)
+        # measured kernel times (the graphs are profiled at batch 1): the least critical path over the layouts
+        floors = [(g.dag.critical_path_us / 1000, sum(g.dag.costs) / 1000) for k, g in graphs.items() if k != "inductor"] if profiled else []
     primary = "nhwc" if layout == "nhwc" else "nchw"
-    graph = graphs[primary]
-    fused_note = f"fusion: {report.fusion}" if report.fusion else "fusion off"
-    profiled = not any(f.startswith("profile") for f in report.fallbacks)
-    # measured kernel times (the graphs are profiled at batch 1): the least critical path over the layouts
-    floors = [(g.dag.critical_path_us / 1000, sum(g.dag.costs) / 1000) for k, g in graphs.items() if k != "inductor"] if profiled else []
+    graph = graphs.get(primary)
     rows = []
     for batch in batches:
-        row = Row(name, batch, kernels=len(graph.dag))
-        row.notes.append(fused_note)
+        row = Row(name, batch, kernels=len(graph.dag) if graph is not None else 0)
+        if graph is not None:
+            row.notes.append(f"fusion: {report.fusion}" if report.fusion else "fusion off")
         inputs = rotating_inputs(entry, batch, device)
         if "eager" in wanted:
             with torch.inference_mode():
@@ -170,6 +179,9 @@ def bench_model(
         if compile_autotune and "compile max-autotune" in wanted:
             row.timings["compile max-autotune"] = _time_compiled(module, inputs, row, "max-autotune-no-cudagraphs")
         progress.update()
+        if graph is None:  # eager and compile columns only
+            _keep(row, rows, on_row)
+            continue
         lane_pool = LanePool(device)
         static_in = [x.clone() for x in inputs[0]]
         variants = [("sequential (unfused)", unfused, "sequential", None), ("sequential", graph, "sequential", None)]
@@ -211,10 +223,14 @@ def bench_model(
         if build and not rows:
             row.plan_capture_s, row.warm_build_s, breakdown = build
             row.notes.append(breakdown)
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
+        _keep(row, rows, on_row)
     return rows
+
+
+def _keep(row: Row, rows: list[Row], on_row: Callable[[Row], None] | None) -> None:
+    rows.append(row)
+    if on_row is not None:
+        on_row(row)
 
 
 def _time_compiled(module: torch.nn.Module, inputs, row: Row, mode: str) -> Timing | None:
@@ -254,7 +270,11 @@ def _fresh_cache(name: str) -> Path:
     """An empty build cache directory for this model (compiled segments,
     Inductor's own cache, profiles, remembered choices), for this process and
     the processes it starts."""
-    directory = Path(tempfile.mkdtemp(prefix=f"opara-bench-{name}-"))
+    return _use_cache(Path(tempfile.mkdtemp(prefix=f"opara-bench-{name}-")))
+
+
+def _use_cache(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
     os.environ["OPARA_CACHE_DIR"] = str(directory)
     os.environ[INDUCTOR_ENV] = str(directory / "inductor")
     return directory
@@ -416,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fusion", action="store_true")
     parser.add_argument("--columns", default="", help=f"only these columns, comma-separated (default all: {', '.join(COLUMNS)}); --report merges a model's rows from several files")
     parser.add_argument("--no-plan-capture", action="store_true", help="skip timing the serving build of all buckets")
+    parser.add_argument("--cache-dir", type=Path, help="reuse this build cache (traces, profiles, compiled segments) across runs instead of a fresh one; needs --no-plan-capture")
     parser.add_argument("--layout", choices=("auto", "nchw", "nhwc"), default="auto", help="layouts auto may choose (policy columns: NCHW unless nhwc)")
     parser.add_argument("--plot", type=Path, help="PNG of speedups over the sequential graph")
     parser.add_argument("--timeline", type=Path, help="PNG of the first model's stream timeline at batch 1")
@@ -440,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.cache_dir and not args.no_plan_capture:
+        print("error: --cache-dir needs --no-plan-capture (the cold build timing needs an empty cache)", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: the benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -458,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             progress.set_postfix_str(name)
             compile_ = args.compile_models is None or name in args.compile_models.split(",")
             autotune = name in args.compile_autotune.split(",")
-            bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns)
+            bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns, args.cache_dir)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"fp32 (cuDNN TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'}), times in ms: median (p99)")
     print(table(rows))

@@ -55,3 +55,9 @@ def test_report_prints_one_line_per_model_and_batch(tmp_path, capsys):
 def test_an_unknown_column_is_refused_before_anything_runs(capsys):
     assert bench.main(["--models", "googlenet", "--columns", "fastest"]) == 2
     assert "'fastest'" in capsys.readouterr().err
+
+
+def test_a_reused_cache_without_no_plan_capture_is_refused(tmp_path, capsys):
+    # the cold build timing needs an empty cache: a reused one would time a warm build as cold
+    assert bench.main(["--models", "googlenet", "--cache-dir", str(tmp_path)]) == 2
+    assert "--no-plan-capture" in capsys.readouterr().err
