@@ -57,7 +57,10 @@
 #              jobs separated by ";" (COLUMNS as --columns takes them, empty for all), e.g.
 #              BENCH_JOBS="nasnet|1|eager,compile;nasnet|1|fused sequential,fused opara,auto"; job k runs
 #              on GPU k (more jobs than GPUs wait for a free one) with --no-plan-capture;
-#              $OUT/bench_<k>.json and bench_<k>.log, merged later by `python -m opara_core.bench --report`
+#              $OUT/bench_<k>.json and bench_<k>.log, merged later by `python -m opara_core.bench --report`;
+#              $BENCH_JOB_LIMIT: seconds each job may run (default none: the step's limit), e.g. 600 for
+#              the "max-autotune within 10 minutes per model"; add "--cache-dir DIR" to a job's
+#              MORE ARGS to trace, fuse and profile a model once for several jobs (and calls on one machine)
 #   generation scripts/generation_bench.py at the model's defaults, 64 slots, log-normal outputs (mean 64, cap 384):
 #              both schedulings at 64 req/s (the same load), iteration-level at 352 and 416, request-level at 72
 #              and 80 (their limits on the H200, generation's sixth run), 1,000 requests each;
@@ -189,7 +192,7 @@ benchgrid() {
             [ -z "$gpu" ] && sleep 5
         done
         echo "== job $k on GPU $gpu: $model batch $batch columns '${columns:-all}' $more"
-        ( CUDA_VISIBLE_DEVICES=$gpu python3 -m opara_core.bench --models "$model" --batch "$batch" \
+        ( CUDA_VISIBLE_DEVICES=$gpu timeout "${BENCH_JOB_LIMIT:-0}" python3 -m opara_core.bench --models "$model" --batch "$batch" \
               ${columns:+--columns "$columns"} --no-plan-capture --json "$out/bench_$k.json" $more >"$out/bench_$k.log" 2>&1
           echo $? >"$out/bench_$k.rc" ) &
         pids[gpu]=$!
