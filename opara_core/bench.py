@@ -335,7 +335,7 @@ def table(rows: Sequence[Row]) -> str:
         best = min((row.timings[c].median_ms for c in (*POLICIES, "auto") if c in row.timings), default=None)
         cells.append("-" if seq is None or best is None else f"{seq.median_ms / best:.2f}x")
         cells.append(row.auto_choice or "-")
-        cells.append(f"{row.peak_mb.get('sequential', 0):.0f}/{row.peak_mb.get('auto', 0):.0f}")
+        cells.append("/".join(f"{row.peak_mb[k]:.0f}" if k in row.peak_mb else "-" for k in ("sequential", "auto")))
         cells.append("-" if row.plan_capture_s is None else f"{row.plan_capture_s:.1f}/" + ("-" if row.warm_build_s is None else f"{row.warm_build_s:.1f}"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

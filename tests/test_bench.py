@@ -50,6 +50,7 @@ def test_report_prints_one_line_per_model_and_batch(tmp_path, capsys):
     assert bench.main(["--report", *paths]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| nasnet")]
     assert len(lines) == 1 and "2.500" in lines[0] and "2.100" in lines[0], lines
+    assert "| -/- |" in lines[0]  # no graph's memory measured: none shown (not 0 MB)
 
 
 def test_an_unknown_column_is_refused_before_anything_runs(capsys):
