@@ -46,7 +46,10 @@
 #              WARM_PARAMS=compiler=aot), `python -m opara_core.serving.launcher warm` twice with one fresh
 #              OPARA_CACHE_DIR (Inductor's compiled code, AOTInductor packages, profiles, traces, seeded weights):
 #              each model's build seconds both times; `warm` builds every shape of a variable-length model
-#              unless OPARA_CAPTURE is set (OPARA_CAPTURE=first_use times a first-use start)
+#              unless OPARA_CAPTURE is set (OPARA_CAPTURE=first_use times a first-use start);
+#              $WARM_CACHE: that cache directory instead of a fresh one, $WARM_RUNS: the runs (default
+#              "cold warm"): a cold build longer than one call (NASNet) goes on in the next call on the
+#              same machine with WARM_CACHE=$PWD/.benchcache/x WARM_RUNS="cold warm" (saved segments are kept)
 #   fusedtests the GPU tests of fused lanes, remembered choices, builds, captures and profiles
 #              (tests/test_fused_lanes.py, test_choices.py, test_build.py, test_capture.py, test_profile.py)
 #   bench      python -m opara_core.bench for $BENCH_MODELS (default googlenet,bert) at $BENCH_BATCH
@@ -136,14 +139,14 @@ twogpu() {
 warmbuild() {
     local repository cache model run parameter rc=0
     repository=$(mktemp -d)
-    cache=$(mktemp -d)
+    cache=${WARM_CACHE:-$(mktemp -d)}
     for model in ${WARM_MODELS:-googlenet}; do
         cp -r "model_repository/$model" "$repository/"
         for parameter in ${WARM_PARAMS-fused_lanes=true}; do
             printf '\nparameters { key: "%s" value: { string_value: "%s" } }\n' "${parameter%%=*}" "${parameter#*=}" >>"$repository/$model/config.pbtxt"
         done
     done
-    for run in cold warm; do
+    for run in ${WARM_RUNS:-cold warm}; do
         echo "== $run cache ($cache)"
         OPARA_CACHE_DIR=$cache python3 -m opara_core.serving.launcher warm --model-repository "$repository" || rc=1
     done
