@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_profile  # noqa: E402
 from opara_core import zoo  # noqa: E402
-from opara_core.bench import profile_replays  # noqa: E402
+from opara_core.bench import compiled_graph, profile_replays  # noqa: E402
 from opara_core.engine.capture import capture_module, time_replays  # noqa: E402
 from opara_core.engine.compare import max_relative_error  # noqa: E402
 from opara_core.engine.whole_model import WholeModelInductor  # noqa: E402
@@ -130,15 +130,11 @@ for shape, batch in SHAPES[:3] if "static" in PARTS else []:
 
 # 3. max-autotune (GEMM templates against cuBLAS) at the smallest cell
 if "autotune" in PARTS and time.monotonic() < deadline - 200:
-    torch._dynamo.reset()
     shape, batch = SHAPES[0]
-    start = time.perf_counter()
-    with torch._inductor.config.patch(freezing=True), torch.inference_mode():
-        compiled = torch.compile(module, mode="max-autotune-no-cudagraphs", dynamic=False)
-        x = inputs(shape, batch)
-        compiled(*x)
-        res["autotune_compile_s"] = round(time.perf_counter() - start, 1)
-        cap = capture_module(compiled, [t.clone() for t in x], torch.cuda.graph_pool_handle())
+    notes = []  # the bench's max-autotune column, at this one cell
+    cap = compiled_graph(module, [inputs(shape, batch)], "max-autotune-no-cudagraphs", notes)
+    res["autotune_compile"] = notes
+    with torch.inference_mode():
         record("static-autotune/cublas", shape, batch, cap, profile=True)
 save()
 print("done", flush=True)
