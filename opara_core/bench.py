@@ -251,20 +251,21 @@ def _time_compiled(module: torch.nn.Module, inputs, row: Row, mode: str) -> Timi
         return None
 
 
-def compiled_graph(module: torch.nn.Module, inputs, mode: str = "default", notes: list[str] | None = None) -> CapturedGraph:
+def compiled_graph(module: torch.nn.Module, inputs, mode: str = "default", notes: list[str] | None = None, freezing: bool = True) -> CapturedGraph:
     """torch.compile as an inference user runs it: under `inference_mode`, with
-    Inductor's freezing (weights folded in as constants), replayed from a CUDA
-    graph captured here around the compiled call (copy in, replay). `mode` is
-    torch.compile's ("default" or "max-autotune-no-cudagraphs")."""
+    Inductor's freezing (weights folded in as constants; off: weights stay
+    inputs, as in fused lanes' segments), replayed from a CUDA graph captured
+    here around the compiled call (copy in, replay). `mode` is torch.compile's
+    ("default" or "max-autotune-no-cudagraphs")."""
     torch._dynamo.reset()
-    with torch._inductor.config.patch(freezing=True), torch.inference_mode():
+    with torch._inductor.config.patch(freezing=freezing), torch.inference_mode():
         compiled = torch.compile(module, mode=mode)
         start = time.perf_counter()
         for x in inputs:
             compiled(*x)
         torch.cuda.synchronize()
         if notes is not None:
-            notes.append(f"{_compile_label(mode)} (freezing) compile and warm-up {time.perf_counter() - start:.0f} s")
+            notes.append(f"{_compile_label(mode)} ({'freezing' if freezing else 'no freezing'}) compile and warm-up {time.perf_counter() - start:.0f} s")
         return capture_module(compiled, [x.clone() for x in inputs[0]], torch.cuda.graph_pool_handle())
 
 
