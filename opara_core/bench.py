@@ -128,7 +128,7 @@ def bench_model(
     on_row: Callable[[Row], None] | None = None,
     columns: Collection[str] = (),
     cache_dir: Path | None = None,
-    max_autotune: bool = False,
+    gemm_autotune: bool = False,
 ) -> list[Row]:
     """Every variant of one model at each batch size (see the module docstring);
     `on_row` gets each row as soon as it is measured (a cut run keeps its rows);
@@ -136,8 +136,8 @@ def bench_model(
     one call (NASNet) can be measured in several and merged by `--report`;
     `cache_dir`: a build cache to reuse (traces, profiles, compiled segments of
     an earlier run) instead of a fresh one; the build timing needs a fresh one;
-    `max_autotune`: the autotuned fused-lanes columns, and auto and the build
-    with EngineSettings.max_autotune.
+    `gemm_autotune`: the autotuned fused-lanes columns, and auto and the build
+    with EngineSettings.gemm_autotune.
 
     Policy columns use the NCHW graph (NHWC with --layout nhwc); `auto` chooses
     among the layouts `--layout` allows, as serving does.
@@ -154,7 +154,7 @@ def bench_model(
         _fresh_cache(name)
     else:
         _use_cache(cache_dir)
-    settings = EngineSettings(max_streams=max_streams, fusion=fusion, layout=layout, fused_lanes=True, max_autotune=max_autotune)
+    settings = EngineSettings(max_streams=max_streams, fusion=fusion, layout=layout, fused_lanes=True, gemm_autotune=gemm_autotune)
     build = _build_seconds(entry, device, settings) if time_build else None
     module = entry.build().to(device).eval()  # eager and torch.compile
     # the engine's graphs only for the engine's columns (NASNet's trace, fusion and profile take a minute)
@@ -296,7 +296,7 @@ def _build_seconds(entry: zoo.ZooModel, device: torch.device, settings: EngineSe
     warm_run = subprocess.run(
         [sys.executable, "-m", "opara_core.bench", "--build-only", entry.name, "--max-streams", str(settings.max_streams), "--layout", settings.layout]
         + (["--no-fusion"] if not settings.fusion else [])
-        + (["--fused-autotune", entry.name] if settings.max_autotune else []),
+        + (["--gemm-autotune", entry.name] if settings.gemm_autotune else []),
         capture_output=True,
         text=True,
         timeout=900,
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-streams", type=int, default=8)
     parser.add_argument("--compile-models", default=None, help="models to time with torch.compile (default: all; it is slow to compile)")
     parser.add_argument("--compile-autotune", default="", help="models to also time with torch.compile max-autotune-no-cudagraphs (slow to compile)")
-    parser.add_argument("--fused-autotune", default="", help="models whose fused lanes are also tried autotuned (the autotuned columns; auto and the build with the max_autotune setting); slow to compile")
+    parser.add_argument("--gemm-autotune", default="", help="models whose fused lanes are also tried with autotuned GEMMs (the autotuned columns; auto and the build with gemm_autotune); slow to compile")
     parser.add_argument("--no-fusion", action="store_true")
     parser.add_argument("--columns", default="", help=f"only these columns, comma-separated (default all: {', '.join(COLUMNS)}); --report merges a model's rows from several files")
     parser.add_argument("--no-plan-capture", action="store_true", help="skip timing the serving build of all buckets")
@@ -454,8 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.build_only:
-        autotuned = args.build_only in args.fused_autotune.split(",")
-        settings = EngineSettings(max_streams=args.max_streams, fusion=not args.no_fusion, layout=args.layout, fused_lanes=True, max_autotune=autotuned)
+        autotuned = args.build_only in args.gemm_autotune.split(",")
+        settings = EngineSettings(max_streams=args.max_streams, fusion=not args.no_fusion, layout=args.layout, fused_lanes=True, gemm_autotune=autotuned)
         report = _build_report(args.build_only, torch.device("cuda"), settings)
         print(json.dumps(report))
         return 0
@@ -493,9 +493,9 @@ def main(argv: list[str] | None = None) -> int:
             progress.set_postfix_str(name)
             compile_ = args.compile_models is None or name in args.compile_models.split(",")
             autotune = name in args.compile_autotune.split(",")
-            max_autotune = name in args.fused_autotune.split(",")
+            gemm_autotune = name in args.gemm_autotune.split(",")
             bench_model(
-                name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns, args.cache_dir, max_autotune
+                name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns, args.cache_dir, gemm_autotune
             )
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"fp32 (cuDNN TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'}), times in ms: median (p99)")

@@ -59,7 +59,7 @@ FUSED_CANDIDATES: tuple[tuple[str, int], ...] = (("opara", 8),)
 # Inductor merges linear layers only with freezing, which lifted weights rule out.
 INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears")
 # the graphs whose plans run as fused lanes: Inductor's segments, and the same
-# segments compiled autotuned (EngineSettings.max_autotune)
+# segments with their GEMMs autotuned (EngineSettings.gemm_autotune)
 FUSED_GRAPHS = ("inductor", "inductor-autotuned")
 
 
@@ -97,10 +97,10 @@ class EngineSettings:
     # convolutions: 1.6e-2 relative on GoogLeNet against eager on an H100), so
     # fused lanes are checked against eager with this tolerance
     fused_tolerance: float = 5e-2
-    # fused lanes: auto also tries the same plans with each segment compiled as
-    # max-autotune does, convolutions excepted (engine.segment_compiler.SEGMENT_AUTOTUNE);
-    # a cold build takes minutes more
-    max_autotune: bool = False
+    # fused lanes: auto also tries the same plans with each segment's GEMMs
+    # autotuned (engine.segment_compiler.GEMM_AUTOTUNE): Triton templates beat
+    # cuBLAS on small GEMMs (DeepFM), at minutes more of a cold build
+    gemm_autotune: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in (*POLICIES, "auto"):
@@ -111,15 +111,15 @@ class EngineSettings:
             raise ValueError(f"buckets must be positive batch sizes, got {list(self.buckets)}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
-        if self.max_autotune and not self.fused_lanes:
-            raise ValueError("max_autotune autotunes the segments of fused lanes: it needs fused_lanes on")
+        if self.gemm_autotune and not self.fused_lanes:
+            raise ValueError("gemm_autotune autotunes the GEMMs of fused lanes' segments: it needs fused_lanes on")
 
 
 @dataclass(frozen=True, order=True)
 class Candidate:
     """One way to capture the model: which traced graph (ATen kernels in the
     `nchw` or `nhwc` layout, or `inductor`: fused lanes; `inductor-autotuned`:
-    fused lanes compiled autotuned) and a policy with its lanes. Shown as
+    fused lanes with autotuned GEMMs) and a policy with its lanes. Shown as
     `graph:policy/lanes` in reports."""
 
     graph: str
@@ -395,7 +395,7 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
         # segments take their weights as inputs, and Inductor converts a
         # convolution weight to channels-last at every call unless it already is
         graphs["inductor"] = channels_last_graph(inductor) if has_convs else inductor
-        if settings.max_autotune:  # the same graph, its segments compiled autotuned
+        if settings.gemm_autotune:  # the same graph, its segments compiled with autotuned GEMMs
             graphs["inductor-autotuned"] = graphs["inductor"]
     return graphs
 

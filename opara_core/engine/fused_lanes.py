@@ -135,8 +135,8 @@ def _copied(graph: Graph, env: dict[Node, Node], node: Node) -> Node:
 
 def fused_lanes(graph: OpGraph, plan: Plan, compile_segments: bool = True, autotune: bool = False) -> tuple[OpGraph, Plan]:
     """The graph with each segment of `plan` as one submodule (a CompiledSegment,
-    compiled per shape by `segment_compiler.prepare`, autotuned with `autotune`;
-    or its plain fx module), and the segment-level plan to run it with."""
+    compiled per shape by `segment_compiler.prepare`, its GEMMs autotuned with
+    `autotune`; or its plain fx module), and the segment-level plan to run it with."""
     segmentation = segment_plan(graph.dag, plan)
     top = split_into_segments(graph, segmentation)
     for node in top.graph.nodes:
@@ -152,7 +152,7 @@ class InductorCapture(PlanCapture):
     """PlanCapture of a fused-lanes graph: before the first capture at a new
     batch size, its segments are loaded from `cache_dir` or compiled there
     (`prepare_captures` does that for several captures and batch sizes at once).
-    `autotune`: the segments compiled autotuned (segment_compiler.SEGMENT_AUTOTUNE)."""
+    `autotune`: the segments' GEMMs autotuned (segment_compiler.GEMM_AUTOTUNE)."""
 
     def __init__(self, graph: OpGraph, plan: Plan, lane_pool: LanePool, cache_dir: Path, autotune: bool = False, **kwargs: Any):
         fused, segment_level = fused_lanes(graph, plan, autotune=autotune)
@@ -166,7 +166,7 @@ class InductorCapture(PlanCapture):
         self.prepared: set[tuple] = set()  # input layouts whose segments are ready
 
     def __call__(self, static_in: Any, pool: Any) -> CapturedGraph:
-        what = f"fused lanes ({self.plan.policy}, {self.segments} segments{', autotuned' if self.autotune else ''})"
+        what = f"fused lanes ({self.plan.policy}, {self.segments} segments{', GEMMs autotuned' if self.autotune else ''})"
         try:
             with torch.inference_mode():
                 self.count += prepare_captures([(self, static_in)])

@@ -20,14 +20,13 @@ Inductor converts a convolution weight that is an input to channels-last at
 every call unless it already is (its convolution lowering), so fused lanes
 compile the channels-last graph of convolutional models (engine.build).
 
-A segment may also be compiled autotuned (SEGMENT_AUTOTUNE), as
-`torch.compile(mode="max-autotune-no-cudagraphs")` compiles: Inductor times its
-Triton GEMM templates against cuBLAS and tunes its generated kernels' launch
-configurations (coordinate descent). On DeepFM that mode ran 1.42x faster than
-the default compile at batch 1 (H100, docs/benchmarks.md run 12). Convolutions
-stay cuDNN's: timing their templates took 6-89 s per convolution there.
-Autotuned segments compile in this process, one at a time: compile workers
-timing kernels on one GPU at once would time each other's load.
+A segment may also be compiled with its matrix multiplications autotuned
+(GEMM_AUTOTUNE): Inductor then times its Triton `mm` templates against cuBLAS
+per shape and keeps the fastest. On DeepFM's small GEMMs a template won by 21%
+(H100, docs/benchmarks.md run 12). Convolutions stay cuDNN's (their templates
+took 6-89 s each to time and rarely won). Autotuned segments compile in this
+process, one at a time: compile workers timing kernels on one GPU at once
+would time each other's load.
 """
 
 from __future__ import annotations
@@ -58,9 +57,9 @@ log = logging.getLogger(__name__)
 FORMAT = 1  # bump when what a key covers changes
 MAX_WORKERS = 8
 CHECK_TOLERANCE = 5e-2  # a segment's code against its ATen operators (TF32 either side)
-# Inductor's settings for an autotuned segment: those of max-autotune-no-cudagraphs
-# (torch._inductor.list_mode_options), convolutions left to cuDNN
-SEGMENT_AUTOTUNE = {"max_autotune": True, "coordinate_descent_tuning": True, "max_autotune_conv_backends": "ATEN"}
+# Inductor's settings for an autotuned segment: GEMM templates timed against
+# cuBLAS; convolutions left to cuDNN
+GEMM_AUTOTUNE = {"max_autotune_gemm": True, "max_autotune_conv_backends": "ATEN"}
 
 # compiled code by cache directory and key, shared by every segment of that structure in this process
 _loaded: dict[str, dict[str, Callable[..., Any]]] = {}
@@ -119,7 +118,7 @@ def segment_key(code: str, metas: Sequence[TensorMeta], autotune: bool = False) 
         "format": FORMAT,
     }
     if autotune:  # only then: the keys of segments compiled without it stay as they were
-        payload["autotune"] = SEGMENT_AUTOTUNE
+        payload["autotune"] = GEMM_AUTOTUNE
     text = json.dumps(payload, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
@@ -132,7 +131,7 @@ def layout(inputs: Sequence[torch.Tensor]) -> tuple:
 class CompiledSegment(torch.nn.Module):
     """One segment: Inductor's code for each input layout it was compiled for,
     called with the segment's weights; the segment's own fx module (eager) for
-    any other layout. `autotune`: compiled with SEGMENT_AUTOTUNE."""
+    any other layout. `autotune`: compiled with GEMM_AUTOTUNE."""
 
     def __init__(self, segment: GraphModule, autotune: bool = False):
         super().__init__()
@@ -333,7 +332,7 @@ def _passed_marker(cache_dir: Path, key: str) -> Path:
 
 
 def _compile(code: GraphModule, metas: Sequence[TensorMeta], autotune: bool = False) -> Any:
-    with torch.inference_mode(), torch._inductor.config.patch(SEGMENT_AUTOTUNE if autotune else {}):
+    with torch.inference_mode(), torch._inductor.config.patch(GEMM_AUTOTUNE if autotune else {}):
         return torch._inductor.standalone_compile(code, [m.empty() for m in metas], dynamic_shapes="from_example_inputs")
 
 

@@ -93,7 +93,7 @@ def engine_settings(config: dict, own: tuple[str, ...] = ()) -> EngineSettings:
         "autotune": _boolean,
         "fused_lanes": _boolean,
         "fused_tolerance": float,
-        "max_autotune": _boolean,
+        "gemm_autotune": _boolean,
         "inductor_cache": str,
         "remember_choices": _boolean,
         "profile": _boolean,
