@@ -30,7 +30,7 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 
 from opara_core import zoo
-from opara_core.engine.build import FUSED_GRAPHS, BuildReport, Candidate, EngineSettings, build_runner, candidates, capture_fastest, plan_capture, traced_graphs
+from opara_core.engine.build import BuildReport, Candidate, EngineSettings, build_runner, candidates, capture_fastest, plan_capture, traced_graphs
 from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, capture_module, pool_mb
 from opara_core.engine.inductor_cache import INDUCTOR_ENV
 from opara_core.engine.interpreter import plan_graph
@@ -128,16 +128,13 @@ def bench_model(
     on_row: Callable[[Row], None] | None = None,
     columns: Collection[str] = (),
     cache_dir: Path | None = None,
-    gemm_autotune: bool = False,
 ) -> list[Row]:
     """Every variant of one model at each batch size (see the module docstring);
     `on_row` gets each row as soon as it is measured (a cut run keeps its rows);
     `columns`: only these of COLUMNS (default all), so that a model too slow for
     one call (NASNet) can be measured in several and merged by `--report`;
     `cache_dir`: a build cache to reuse (traces, profiles, compiled segments of
-    an earlier run) instead of a fresh one; the build timing needs a fresh one;
-    `gemm_autotune`: the autotuned fused-lanes columns, and auto and the build
-    with EngineSettings.gemm_autotune.
+    an earlier run) instead of a fresh one; the build timing needs a fresh one.
 
     Policy columns use the NCHW graph (NHWC with --layout nhwc); `auto` chooses
     among the layouts `--layout` allows, as serving does.
@@ -154,18 +151,17 @@ def bench_model(
         _fresh_cache(name)
     else:
         _use_cache(cache_dir)
-    settings = EngineSettings(max_streams=max_streams, fusion=fusion, layout=layout, fused_lanes=True, gemm_autotune=gemm_autotune)
-    build = _build_seconds(entry, device, settings) if time_build else None
+    build = _build_seconds(entry, device, max_streams, fusion, layout) if time_build else None
     module = entry.build().to(device).eval()  # eager and torch.compile
     # the engine's graphs only for the engine's columns (NASNet's trace, fusion and profile take a minute)
     unfused = trace_zoo(entry, module, device) if "sequential (unfused)" in wanted else None
     report = BuildReport()
     graphs, floors = {}, []
     if wanted - {"eager", "compile", "compile max-autotune"}:
-        graphs = traced_graphs(entry.build().to(device).eval(), entry, device, settings, report)
+        graphs = traced_graphs(entry.build().to(device).eval(), entry, device, EngineSettings(fusion=fusion, layout=layout, fused_lanes=True), report)
         profiled = not any(f.startswith("profile") for f in report.fallbacks)
         # measured kernel times (the graphs are profiled at batch 1): the least critical path over the layouts
-        floors = [(g.dag.critical_path_us / 1000, sum(g.dag.costs) / 1000) for k, g in graphs.items() if k not in FUSED_GRAPHS] if profiled else []
+        floors = [(g.dag.critical_path_us / 1000, sum(g.dag.costs) / 1000) for k, g in graphs.items() if k != "inductor"] if profiled else []
     primary = "nhwc" if layout == "nhwc" else "nchw"
     graph = graphs.get(primary)
     rows = []
@@ -188,19 +184,16 @@ def bench_model(
             continue
         lane_pool = LanePool(device)
         static_in = [x.clone() for x in inputs[0]]
-        # (column, candidate graph, the graph, policy, lanes)
-        variants = [("sequential (unfused)", primary, unfused, "sequential", None), ("sequential", primary, graph, "sequential", None)]
-        variants += [(policy, primary, graph, policy, max_streams) for policy in POLICIES]
+        variants = [("sequential (unfused)", unfused, "sequential", None), ("sequential", graph, "sequential", None)]
+        variants += [(policy, graph, policy, max_streams) for policy in POLICIES]
         if "nhwc" in graphs and primary != "nhwc":
-            variants.append(("sequential nhwc", "nhwc", graphs["nhwc"], "sequential", None))
-        # fused lanes: one segment (torch.compile's kernels), and the opara plan's segments
-        for prefix, fused in (("fused", "inductor"), ("autotuned", "inductor-autotuned")):
-            if fused in graphs:
-                variants += [(f"{prefix} sequential", fused, graphs[fused], "sequential", None), (f"{prefix} opara", fused, graphs[fused], "opara", max_streams)]
+            variants.append(("sequential nhwc", graphs["nhwc"], "sequential", None))
+        if "inductor" in graphs:  # fused lanes: one segment (torch.compile's kernels), and the opara plan's segments
+            variants += [("fused sequential", graphs["inductor"], "sequential", None), ("fused opara", graphs["inductor"], "opara", max_streams)]
         with torch.inference_mode():
-            for label, graph_name, g, policy, lanes in (v for v in variants if v[0] in wanted):
+            for label, g, policy, lanes in (v for v in variants if v[0] in wanted):
                 plan = plan_graph(g, policy, lanes)
-                kind = Candidate(graph_name, policy, plan.num_streams)
+                kind = Candidate("inductor" if label.startswith("fused") else primary, policy, plan.num_streams)
                 try:
                     captured, peak = capture_measured(plan_capture(kind, g, plan, lane_pool), static_in)
                 except CaptureError as error:
@@ -214,6 +207,7 @@ def bench_model(
                 progress.update()
             if "auto" in wanted:  # exactly as the serving build chooses, for this one bucket
                 auto_report = BuildReport()
+                settings = EngineSettings(max_streams=max_streams, fused_lanes=True, layout=layout)
                 captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool) for c, plan in candidates(graphs, settings).items()}
                 captured = capture_fastest(captures, entry, device, [batch], auto_report)[batch]
                 row.timings["auto"] = time_calls(graph_call(captured, inputs))
@@ -287,16 +281,15 @@ def _use_cache(directory: Path) -> Path:
     return directory
 
 
-def _build_seconds(entry: zoo.ZooModel, device: torch.device, settings: EngineSettings) -> tuple[float, float | None, str]:
+def _build_seconds(entry: zoo.ZooModel, device: torch.device, max_streams: int, fusion: bool, layout: str) -> tuple[float, float | None, str]:
     """The serving build of all default buckets with `auto` and fused lanes,
     cold (this process, an empty cache) and warm (a new process, the same
     cache): seconds of each (tracing excluded, fusion and profiling included)
     and where the time went."""
-    cold = _build_report(entry.name, device, settings)
+    cold = _build_report(entry.name, device, max_streams, fusion, layout)
     warm_run = subprocess.run(
-        [sys.executable, "-m", "opara_core.bench", "--build-only", entry.name, "--max-streams", str(settings.max_streams), "--layout", settings.layout]
-        + (["--no-fusion"] if not settings.fusion else [])
-        + (["--gemm-autotune", entry.name] if settings.gemm_autotune else []),
+        [sys.executable, "-m", "opara_core.bench", "--build-only", entry.name, "--max-streams", str(max_streams), "--layout", layout]
+        + (["--no-fusion"] if not fusion else []),
         capture_output=True,
         text=True,
         timeout=900,
@@ -309,10 +302,10 @@ def _build_seconds(entry: zoo.ZooModel, device: torch.device, settings: EngineSe
     return _build_total(cold), _build_total(warm) if warm else None, "; ".join(notes)
 
 
-def _build_report(name: str, device: torch.device, settings: EngineSettings) -> dict[str, Any]:
-    """The serving build of all default buckets with `settings` (the guard on,
-    as in serving: its check of every bucket against eager is part of the build)."""
+def _build_report(name: str, device: torch.device, max_streams: int, fusion: bool, layout: str) -> dict[str, Any]:
     entry = zoo.get(name)
+    # the guard on, as in serving: its check of every bucket against eager is part of the build
+    settings = EngineSettings(max_streams=max_streams, fusion=fusion, layout=layout, fused_lanes=True)
     _, report = build_runner(entry.build(), entry, device, max(settings.buckets), settings)
     return {"seconds": report.seconds, "inductor": report.inductor, "remembered": report.remembered, "runner": report.runner}
 
@@ -327,7 +320,7 @@ def _breakdown(report: dict[str, Any]) -> str:
 
 # ---- report ------------------------------------------------------------------------
 
-COLUMNS = ("eager", "compile", "compile max-autotune", "sequential (unfused)", "sequential", *POLICIES, "sequential nhwc", "fused sequential", "fused opara", "autotuned sequential", "autotuned opara", "auto")
+COLUMNS = ("eager", "compile", "compile max-autotune", "sequential (unfused)", "sequential", *POLICIES, "sequential nhwc", "fused sequential", "fused opara", "auto")
 
 
 def table(rows: Sequence[Row]) -> str:
@@ -441,7 +434,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-streams", type=int, default=8)
     parser.add_argument("--compile-models", default=None, help="models to time with torch.compile (default: all; it is slow to compile)")
     parser.add_argument("--compile-autotune", default="", help="models to also time with torch.compile max-autotune-no-cudagraphs (slow to compile)")
-    parser.add_argument("--gemm-autotune", default="", help="models whose fused lanes are also tried with autotuned GEMMs (the autotuned columns; auto and the build with gemm_autotune); slow to compile")
     parser.add_argument("--no-fusion", action="store_true")
     parser.add_argument("--columns", default="", help=f"only these columns, comma-separated (default all: {', '.join(COLUMNS)}); --report merges a model's rows from several files")
     parser.add_argument("--no-plan-capture", action="store_true", help="skip timing the serving build of all buckets")
@@ -454,9 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.build_only:
-        autotuned = args.build_only in args.gemm_autotune.split(",")
-        settings = EngineSettings(max_streams=args.max_streams, fusion=not args.no_fusion, layout=args.layout, fused_lanes=True, gemm_autotune=autotuned)
-        report = _build_report(args.build_only, torch.device("cuda"), settings)
+        report = _build_report(args.build_only, torch.device("cuda"), args.max_streams, not args.no_fusion, args.layout)
         print(json.dumps(report))
         return 0
     if args.report:
@@ -493,10 +483,7 @@ def main(argv: list[str] | None = None) -> int:
             progress.set_postfix_str(name)
             compile_ = args.compile_models is None or name in args.compile_models.split(",")
             autotune = name in args.compile_autotune.split(",")
-            gemm_autotune = name in args.gemm_autotune.split(",")
-            bench_model(
-                name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns, args.cache_dir, gemm_autotune
-            )
+            bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns, args.cache_dir)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"fp32 (cuDNN TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'}), times in ms: median (p99)")
     print(table(rows))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from opara_core import zoo
-from opara_core.engine.build import BuildReport, Candidate, EngineSettings, candidates, channels_last_graph, traced_graphs
+from opara_core.engine.build import BuildReport, EngineSettings, channels_last_graph, traced_graphs
 from opara_core.engine.trace import trace_zoo
 from opara_core.engine.fusion import CONV
 
@@ -65,25 +65,8 @@ def test_models_without_convolutions_get_one_layout():
     assert list(graphs) == ["nchw"]
 
 
-@pytest.mark.parametrize(
-    "bad, message",
-    [({"layout": "nhcw"}, "unknown layout"), ({"max_streams": 0}, "max_streams"), ({"policy": "x"}, "unknown policy"), ({"gemm_autotune": True}, "needs fused_lanes")],
-)
+@pytest.mark.parametrize("bad, message", [({"layout": "nhcw"}, "unknown layout"), ({"max_streams": 0}, "max_streams"), ({"policy": "x"}, "unknown policy")])
 def test_bad_settings_are_refused_with_the_reason(bad, message):
     with pytest.raises(ValueError, match=message):
         EngineSettings(**bad)
 
-
-
-def test_gemm_autotune_offers_the_fused_lanes_plans_again_with_autotuned_segments():
-    # the fused-lanes graph is made on a GPU only (traced_graphs), its plans anywhere;
-    # that their segments autotune is checked on the GPU (test_fused_lanes)
-    entry = zoo.get("deepfm")
-    graph = traced_graphs(entry.build().eval(), entry, CPU, EngineSettings(fusion=False), BuildReport())["nchw"]
-    graphs = {"nchw": graph, "inductor": graph, "inductor-autotuned": graph}
-    plans = candidates(graphs, EngineSettings(fused_lanes=True, gemm_autotune=True))
-    fused = {(c.policy, c.lanes) for c in plans if c.graph == "inductor"}
-    assert ("sequential", 1) in fused and len(fused) > 1
-    assert {(c.policy, c.lanes) for c in plans if c.graph == "inductor-autotuned"} == fused
-    assert {c for c in plans if c.fused} == {c for c in plans if c.graph != "nchw"}
-    assert Candidate.parse("inductor-autotuned:opara/3").fused and not Candidate.parse("nhwc:opara/3").fused

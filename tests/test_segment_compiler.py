@@ -249,29 +249,3 @@ def test_code_from_a_compile_worker_that_fails_its_check_is_compiled_again_here(
     assert again.compiled == 0 and again.loaded == count.distinct, again
     with torch.inference_mode():
         assert torch.allclose(run_plan(fused, plan, x), module(x), rtol=1e-5, atol=1e-6)
-
-
-def test_autotuned_segments_have_keys_of_their_own_compile_here_and_compute_what_the_segments_do(tmp_path, monkeypatch):
-    # kernel timings from several compile workers on one GPU would time each other's load
-    monkeypatch.setattr(segment_compiler, "_loaded", {})
-    torch.manual_seed(7)
-    module = Twins().eval()
-    x = torch.randn(4, 16)
-    graph = trace(module, (torch.randn(2, 16),))
-    plan = plan_graph(graph, "opara", 4)
-    plain, _ = fused_lanes(graph, plan)
-    tuned, _ = fused_lanes(graph, plan, autotune=True)
-    plain_count = prepare([(plain.module, [x])], tmp_path, workers=1)
-
-    def no_workers(*args, **kwargs):
-        raise AssertionError("an autotuned segment went to a compile worker")
-
-    monkeypatch.setattr(segment_compiler.concurrent.futures, "ProcessPoolExecutor", no_workers)
-    count = prepare([(tuned.module, [x])], tmp_path)
-    assert count.distinct == plain_count.distinct > 1, (count, plain_count)
-    assert count.compiled == count.distinct and count.loaded == 0, count  # none of the plain segments' code reused
-    segments = [m for m in tuned.module.children() if isinstance(m, CompiledSegment)]
-    assert all(s.autotune and s.compiled for s in segments)
-    with torch.inference_mode():
-        torch.testing.assert_close(tuned.module(x), module(x))
-    assert not any(s.eager_calls for s in segments)

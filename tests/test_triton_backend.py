@@ -121,7 +121,6 @@ def test_published_id_ranges_must_match_the_model():
         ({"guard": "maybe"}, "guard"),
         ({"layout": "nhcw"}, "unknown layout"),
         ({"colour": "blue"}, "unknown parameters"),
-        ({"gemm_autotune": "true"}, "needs fused_lanes"),
     ],
 )
 def test_bad_parameters_are_named(parameters, problem):
@@ -133,8 +132,6 @@ def test_bad_parameters_are_named(parameters, problem):
 def test_parameters_become_engine_settings():
     config = {"parameters": {k: {"string_value": v} for k, v in {"policy": "nimble", "max_streams": "4", "buckets": "1, 8", "guard": "off", "layout": "nhwc"}.items()}}
     assert engine_settings(config) == EngineSettings(policy="nimble", max_streams=4, buckets=(1, 8), guard=False, layout="nhwc")
-    config = {"parameters": {k: {"string_value": v} for k, v in {"fused_lanes": "on", "gemm_autotune": "yes"}.items()}}
-    assert engine_settings(config) == EngineSettings(fused_lanes=True, gemm_autotune=True)
 
 
 def good_bert(batch: int = 2) -> dict[str, torch.Tensor]:

@@ -58,9 +58,6 @@ FUSED_CANDIDATES: tuple[tuple[str, int], ...] = (("opara", 8),)
 # do itself; cuDNN's fused convolution ops would hide the convolutions from it.
 # Inductor merges linear layers only with freezing, which lifted weights rule out.
 INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears")
-# the graphs whose plans run as fused lanes: Inductor's segments, and the same
-# segments with their GEMMs autotuned (EngineSettings.gemm_autotune)
-FUSED_GRAPHS = ("inductor", "inductor-autotuned")
 
 
 @dataclass(frozen=True)
@@ -97,10 +94,6 @@ class EngineSettings:
     # convolutions: 1.6e-2 relative on GoogLeNet against eager on an H100), so
     # fused lanes are checked against eager with this tolerance
     fused_tolerance: float = 5e-2
-    # fused lanes: auto also tries the same plans with each segment's GEMMs
-    # autotuned (engine.segment_compiler.GEMM_AUTOTUNE): Triton templates beat
-    # cuBLAS on small GEMMs (DeepFM), at minutes more of a cold build
-    gemm_autotune: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in (*POLICIES, "auto"):
@@ -111,16 +104,13 @@ class EngineSettings:
             raise ValueError(f"buckets must be positive batch sizes, got {list(self.buckets)}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
-        if self.gemm_autotune and not self.fused_lanes:
-            raise ValueError("gemm_autotune autotunes the GEMMs of fused lanes' segments: it needs fused_lanes on")
 
 
 @dataclass(frozen=True, order=True)
 class Candidate:
     """One way to capture the model: which traced graph (ATen kernels in the
-    `nchw` or `nhwc` layout, or `inductor`: fused lanes; `inductor-autotuned`:
-    fused lanes with autotuned GEMMs) and a policy with its lanes. Shown as
-    `graph:policy/lanes` in reports."""
+    `nchw` or `nhwc` layout, or `inductor`: fused lanes) and a policy with its
+    lanes. Shown as `graph:policy/lanes` in reports."""
 
     graph: str
     policy: str
@@ -139,11 +129,6 @@ class Candidate:
     @property
     def sequential(self) -> bool:
         return self.policy == "sequential"
-
-    @property
-    def fused(self) -> bool:
-        """Fused lanes: segments compiled by Inductor."""
-        return self.graph in FUSED_GRAPHS
 
 
 @dataclass
@@ -250,7 +235,7 @@ def build_runner(
             captured, references = capture()
             runner = runtime.GraphRunner(captured, entry.inputs, entry.outputs, device, max_batch)
             if settings.guard:
-                fused = {b for b, c in report.choices.items() if isinstance(c, Candidate) and c.fused}
+                fused = {b for b, c in report.choices.items() if isinstance(c, Candidate) and c.graph == "inductor"}
                 tolerances = {b: settings.fused_tolerance if b in fused else settings.guard_tolerance for b in report.choices}
                 check_against_eager(runner, references, entry, tolerances)
         except (CaptureError, GuardError, RuntimeError) as error:
@@ -395,8 +380,6 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
         # segments take their weights as inputs, and Inductor converts a
         # convolution weight to channels-last at every call unless it already is
         graphs["inductor"] = channels_last_graph(inductor) if has_convs else inductor
-        if settings.gemm_autotune:  # the same graph, its segments compiled with autotuned GEMMs
-            graphs["inductor-autotuned"] = graphs["inductor"]
     return graphs
 
 
@@ -420,7 +403,7 @@ def candidates(graphs: dict[str, OpGraph], settings: EngineSettings) -> dict[Can
     AUTO_CANDIDATES policy, FUSED_CANDIDATES for fused lanes) per graph."""
     found: dict[Candidate, Plan] = {}
     for name, graph in graphs.items():
-        wanted = (FUSED_CANDIDATES if name in FUSED_GRAPHS else AUTO_CANDIDATES) if settings.policy == "auto" else ((settings.policy, settings.max_streams),)
+        wanted = (FUSED_CANDIDATES if name == "inductor" else AUTO_CANDIDATES) if settings.policy == "auto" else ((settings.policy, settings.max_streams),)
         for policy, lanes in (("sequential", 1), *wanted):
             plan = plan_graph(graph, policy, min(lanes, settings.max_streams))
             found.setdefault(Candidate(name, policy, plan.num_streams), plan)
@@ -431,9 +414,8 @@ def plan_capture(candidate: Candidate, graph: OpGraph, plan: Plan, lane_pool: La
     """The capture of one candidate: fused lanes compile their segments with
     Inductor, keeping the code in `segment_cache` (default: under Inductor's
     cache directory, engine.inductor_cache)."""
-    if candidate.fused:
-        autotune = candidate.graph == "inductor-autotuned"
-        return InductorCapture(graph, plan, lane_pool, segment_cache or use_inductor_cache() / "segments", autotune=autotune)
+    if candidate.graph == "inductor":
+        return InductorCapture(graph, plan, lane_pool, segment_cache or use_inductor_cache() / "segments")
     return PlanCapture(graph, plan, lane_pool)
 
 

@@ -133,17 +133,17 @@ def _copied(graph: Graph, env: dict[Node, Node], node: Node) -> Node:
     return env[node]
 
 
-def fused_lanes(graph: OpGraph, plan: Plan, compile_segments: bool = True, autotune: bool = False) -> tuple[OpGraph, Plan]:
+def fused_lanes(graph: OpGraph, plan: Plan, compile_segments: bool = True) -> tuple[OpGraph, Plan]:
     """The graph with each segment of `plan` as one submodule (a CompiledSegment,
-    compiled per shape by `segment_compiler.prepare`, its GEMMs autotuned with
-    `autotune`; or its plain fx module), and the segment-level plan to run it with."""
+    compiled per shape by `segment_compiler.prepare`, or its plain fx module),
+    and the segment-level plan to run it with."""
     segmentation = segment_plan(graph.dag, plan)
     top = split_into_segments(graph, segmentation)
     for node in top.graph.nodes:
         node.meta["opara_free"] = node.op != "call_module"
     if compile_segments:
         for name in segmentation.members:
-            top.add_submodule(name, CompiledSegment(top.get_submodule(name), autotune))
+            top.add_submodule(name, CompiledSegment(top.get_submodule(name)))
     log.info("%s: %d kernels in %d segments on %d lanes", plan.policy, len(plan.order), len(segmentation.members), plan.num_streams)
     return dataclasses.replace(graph, module=top, dag=segmentation.dag), segmentation.plan
 
@@ -151,22 +151,20 @@ def fused_lanes(graph: OpGraph, plan: Plan, compile_segments: bool = True, autot
 class InductorCapture(PlanCapture):
     """PlanCapture of a fused-lanes graph: before the first capture at a new
     batch size, its segments are loaded from `cache_dir` or compiled there
-    (`prepare_captures` does that for several captures and batch sizes at once).
-    `autotune`: the segments' GEMMs autotuned (segment_compiler.GEMM_AUTOTUNE)."""
+    (`prepare_captures` does that for several captures and batch sizes at once)."""
 
-    def __init__(self, graph: OpGraph, plan: Plan, lane_pool: LanePool, cache_dir: Path, autotune: bool = False, **kwargs: Any):
-        fused, segment_level = fused_lanes(graph, plan, autotune=autotune)
+    def __init__(self, graph: OpGraph, plan: Plan, lane_pool: LanePool, cache_dir: Path, **kwargs: Any):
+        fused, segment_level = fused_lanes(graph, plan)
         super().__init__(fused, segment_level, lane_pool, **kwargs)
         self.graph = fused  # the segments as kernels: other plans of it reuse the compiled code
         self.module = fused.module
         self.cache_dir = cache_dir
-        self.autotune = autotune
         self.segments = len(segment_level.order)
         self.count = CompileCount()
         self.prepared: set[tuple] = set()  # input layouts whose segments are ready
 
     def __call__(self, static_in: Any, pool: Any) -> CapturedGraph:
-        what = f"fused lanes ({self.plan.policy}, {self.segments} segments{', GEMMs autotuned' if self.autotune else ''})"
+        what = f"fused lanes ({self.plan.policy}, {self.segments} segments)"
         try:
             with torch.inference_mode():
                 self.count += prepare_captures([(self, static_in)])

@@ -19,14 +19,6 @@ every name made canonical) with `torch._inductor.standalone_compile`:
 Inductor converts a convolution weight that is an input to channels-last at
 every call unless it already is (its convolution lowering), so fused lanes
 compile the channels-last graph of convolutional models (engine.build).
-
-A segment may also be compiled with its matrix multiplications autotuned
-(GEMM_AUTOTUNE): Inductor then times its Triton `mm` templates against cuBLAS
-per shape and keeps the fastest. On DeepFM's small GEMMs a template won by 21%
-(H100, docs/benchmarks.md run 12). Convolutions stay cuDNN's (their templates
-took 6-89 s each to time and rarely won). Autotuned segments compile in this
-process, one at a time: compile workers timing kernels on one GPU at once
-would time each other's load.
 """
 
 from __future__ import annotations
@@ -57,9 +49,6 @@ log = logging.getLogger(__name__)
 FORMAT = 1  # bump when what a key covers changes
 MAX_WORKERS = 8
 CHECK_TOLERANCE = 5e-2  # a segment's code against its ATen operators (TF32 either side)
-# Inductor's settings for an autotuned segment: GEMM templates timed against
-# cuBLAS; convolutions left to cuDNN
-GEMM_AUTOTUNE = {"max_autotune_gemm": True, "max_autotune_conv_backends": "ATEN"}
 
 # compiled code by cache directory and key, shared by every segment of that structure in this process
 _loaded: dict[str, dict[str, Callable[..., Any]]] = {}
@@ -106,20 +95,20 @@ def canonical(segment: GraphModule) -> tuple[GraphModule, list[torch.Tensor]]:
     return GraphModule(torch.nn.Module(), graph), [operator.attrgetter(n.target)(segment) for n in weights]
 
 
-def segment_key(code: str, metas: Sequence[TensorMeta], autotune: bool = False) -> str:
+def segment_key(code: str, metas: Sequence[TensorMeta]) -> str:
     """sha256 of everything the compiled code depends on."""
     device = metas[0].device if metas else "cpu"
-    payload = {
-        "code": code,
-        "inputs": [[list(m.shape), list(m.stride), m.offset, str(m.dtype), m.device] for m in metas],
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else "",
-        "tf32": [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()],
-        "format": FORMAT,
-    }
-    if autotune:  # only then: the keys of segments compiled without it stay as they were
-        payload["autotune"] = GEMM_AUTOTUNE
-    text = json.dumps(payload, sort_keys=True)
+    text = json.dumps(
+        {
+            "code": code,
+            "inputs": [[list(m.shape), list(m.stride), m.offset, str(m.dtype), m.device] for m in metas],
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else "",
+            "tf32": [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()],
+            "format": FORMAT,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -131,12 +120,11 @@ def layout(inputs: Sequence[torch.Tensor]) -> tuple:
 class CompiledSegment(torch.nn.Module):
     """One segment: Inductor's code for each input layout it was compiled for,
     called with the segment's weights; the segment's own fx module (eager) for
-    any other layout. `autotune`: compiled with GEMM_AUTOTUNE."""
+    any other layout."""
 
-    def __init__(self, segment: GraphModule, autotune: bool = False):
+    def __init__(self, segment: GraphModule):
         super().__init__()
         self.eager = segment
-        self.autotune = autotune
         self.code, self.weights = canonical(segment)
         self.compiled: dict[tuple, Callable[..., Any]] = {}
         self.eager_calls = 0  # calls at layouts not compiled for (see `prepare`)
@@ -191,7 +179,7 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
     each segment's inputs, then load what the cache directory holds and
     compile the rest, all of it in one pool of workers."""
     wanted: dict[str, list[tuple[CompiledSegment, tuple]]] = {}
-    jobs: dict[str, tuple[GraphModule, list[TensorMeta], bool]] = {}
+    jobs: dict[str, tuple[GraphModule, list[TensorMeta]]] = {}
     samples: dict[str, tuple] = {}  # one call's inputs per key
     calls = 0
     seconds = dict.fromkeys(("record", "compile", "load", "check"), 0.0)
@@ -206,10 +194,10 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
                 continue
             calls += 1
             metas = [TensorMeta.of(x) for x in (*args, *segment.weights)]
-            key = segment_key(segment.code.code, metas, segment.autotune)
+            key = segment_key(segment.code.code, metas)
             wanted.setdefault(key, []).append((segment, layout(args)))
             samples.setdefault(key, args)
-            jobs[key] = (segment.code, metas, segment.autotune)
+            jobs[key] = (segment.code, metas)
     seconds["record"] = time.perf_counter() - start
     # code in memory counts only for the directory it came from, so that each
     # cache directory ends up holding all of its builds' segments
@@ -289,7 +277,7 @@ def _checked(
     return segment.code
 
 
-def _compiled_here(segment: CompiledSegment, job: tuple[GraphModule, Sequence[TensorMeta], bool], sample: tuple, cache_dir: Path, key: str) -> Callable[..., Any]:
+def _compiled_here(segment: CompiledSegment, job: tuple[GraphModule, Sequence[TensorMeta]], sample: tuple, cache_dir: Path, key: str) -> Callable[..., Any]:
     """A segment whose code from a compile worker failed its check, compiled
     once more in this process and checked again. On the H100 (torch 2.11) the
     whole-model BERT graph failed its check (IndexError) after the build's
@@ -331,18 +319,18 @@ def _passed_marker(cache_dir: Path, key: str) -> Path:
     return cache_dir / f"{key}.passed"
 
 
-def _compile(code: GraphModule, metas: Sequence[TensorMeta], autotune: bool = False) -> Any:
-    with torch.inference_mode(), torch._inductor.config.patch(GEMM_AUTOTUNE if autotune else {}):
+def _compile(code: GraphModule, metas: Sequence[TensorMeta]) -> Any:
+    with torch.inference_mode():
         return torch._inductor.standalone_compile(code, [m.empty() for m in metas], dynamic_shapes="from_example_inputs")
 
 
-def compile_one(key: str, code: GraphModule, metas: Sequence[TensorMeta], cache_dir: Path, autotune: bool = False) -> tuple[str, str | None]:
+def compile_one(key: str, code: GraphModule, metas: Sequence[TensorMeta], cache_dir: Path) -> tuple[str, str | None]:
     """Compile one segment for inputs like `metas` and save it as `key`
     (atomically). Returns the key and, where Inductor's cache bypassed the
     segment so that there is nothing to save, why."""
     bypassed = _BypassReasons()
     with bypassed:
-        artifact = _compile(code, metas, autotune)
+        artifact = _compile(code, metas)
     cache_dir.mkdir(parents=True, exist_ok=True)
     partial = cache_dir / f"{key}.{os.getpid()}.tmp"
     try:
@@ -382,30 +370,28 @@ class _BypassReasons(logging.Handler):
         self.logger.setLevel(self.level_before)
 
 
-def compile_all(jobs: Sequence[tuple[str, GraphModule, Sequence[TensorMeta], bool]], cache_dir: Path, workers: int | None = None) -> set[str]:
-    """Compile and save every job (key, code, inputs, autotune): in parallel
-    worker processes when there are several (spawned, so they start clean of
-    this process's CUDA state), else here; autotuned ones here, one at a time
-    (their kernel timings must not share the GPU). A worker pool that cannot
-    start or breaks leaves the rest to this process; a segment Inductor cannot
-    compile raises its error. Returns the keys that compiled but could not be saved."""
-    parallel = [job for job in jobs if not job[3]]
-    workers = min(len(parallel), MAX_WORKERS, _cpus() // 2) if workers is None else min(workers, len(parallel))
+def compile_all(jobs: Sequence[tuple[str, GraphModule, Sequence[TensorMeta]]], cache_dir: Path, workers: int | None = None) -> set[str]:
+    """Compile and save every job: in parallel worker processes when there are
+    several (spawned, so they start clean of this process's CUDA state), else here.
+    A worker pool that cannot start or breaks leaves the rest to this process;
+    a segment Inductor cannot compile raises its error. Returns the keys that
+    compiled but could not be saved."""
+    workers = min(len(jobs), MAX_WORKERS, _cpus() // 2) if workers is None else min(workers, len(jobs))
     done: dict[str, str | None] = {}
     if workers > 1:
         try:
             context = multiprocessing.get_context("spawn")
             context.set_executable(python_interpreter())
             with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_setup) as pool:
-                futures = [pool.submit(compile_one, key, code, metas, cache_dir) for key, code, metas, _ in parallel]
+                futures = [pool.submit(compile_one, key, code, metas, cache_dir) for key, code, metas in jobs]
                 for future in concurrent.futures.as_completed(futures):
                     key, reason = future.result()
                     done[key] = reason
         except (concurrent.futures.process.BrokenProcessPool, OSError) as error:
             log.warning("parallel compilation failed (%s: %s); compiling the rest here", type(error).__name__, error)
-    for key, code, metas, autotune in jobs:
+    for key, code, metas in jobs:
         if key not in done:
-            done[key] = compile_one(key, code, metas, cache_dir, autotune)[1]
+            done[key] = compile_one(key, code, metas, cache_dir)[1]
     return {key for key, reason in done.items() if reason is not None}
 
 

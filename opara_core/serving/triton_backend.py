@@ -93,7 +93,6 @@ def engine_settings(config: dict, own: tuple[str, ...] = ()) -> EngineSettings:
         "autotune": _boolean,
         "fused_lanes": _boolean,
         "fused_tolerance": float,
-        "gemm_autotune": _boolean,
         "inductor_cache": str,
         "remember_choices": _boolean,
         "profile": _boolean,
