@@ -3,7 +3,7 @@
 `python scripts/kernel_profile.py --models bert,t5 --batch 1 --json out/kernels.json --traces out/`
 
 For each model and batch, the bench's torch.compile column (freezing, inference
-mode, one CUDA graph) and the graph `auto` builds for that bucket as serving
+mode, one CUDA graph; `--compile-mode max-autotune-no-cudagraphs`: its max-autotune column) and the graph `auto` builds for that bucket as serving
 does (fused lanes among the candidates) are replayed under the profiler. Per
 replay (median of the profiled ones): kernels launched, the sum of their
 durations, the time the GPU had at least one of them running (busy), the span
@@ -90,15 +90,16 @@ def profile_graph(captured, label: str, trace: Path, timeline: Path | None, titl
     return {"label": label, "replay_ms": time_replays(captured, seconds=0.1), **median, "kinds": kinds, "heaviest": heaviest(replays)}
 
 
-def profile_model(name: str, batch: int, max_streams: int, traces: Path, timeline: bool) -> dict[str, Any]:
+def profile_model(name: str, batch: int, max_streams: int, traces: Path, timeline: bool, mode: str = "default") -> dict[str, Any]:
     device = torch.device("cuda")
     entry = zoo.get(name)
     torch.backends.cudnn.benchmark = True
     module = entry.build().to(device).eval()
     inputs = rotating_inputs(entry, batch, device)
     results = []
-    compiled = compiled_graph(module, inputs)
-    results.append(profile_graph(compiled, "compile", traces / f"{name}_b{batch}_compile.trace.json", None, ""))
+    compiled = compiled_graph(module, inputs, mode)
+    label = "compile" if mode == "default" else f"compile {mode}"
+    results.append(profile_graph(compiled, label, traces / f"{name}_b{batch}_{label.replace(' ', '_')}.trace.json", None, ""))
     del compiled
     auto, choice = auto_graph(name, batch, max_streams, fusion=True)
     with torch.inference_mode():  # the runner's static inputs are inference tensors
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--traces", type=Path, default=Path("out/kernel_profile"), help="directory for the chrome traces (and timelines)")
     parser.add_argument("--timeline", action="store_true", help="also draw each auto replay's kernels per stream (PNG)")
+    parser.add_argument("--compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"), help="torch.compile's mode for the compile graph")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: the kernel profile needs a CUDA GPU", file=sys.stderr)
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args.traces.mkdir(parents=True, exist_ok=True)
     models = []
     for name, batch in jobs:
-        models.append(profile_model(name, batch, args.max_streams, args.traces, args.timeline))
+        models.append(profile_model(name, batch, args.max_streams, args.traces, args.timeline, args.compile_mode))
         if args.json:
             args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "models": models}, indent=1))
     print(table(models))
