@@ -3,7 +3,8 @@
 `python scripts/kernel_profile.py --models bert,t5 --batch 1 --json out/kernels.json --traces out/`
 
 For each model and batch, the bench's torch.compile column (freezing, inference
-mode, one CUDA graph; `--compile-mode max-autotune-no-cudagraphs`: its max-autotune column) and the graph `auto` builds for that bucket as serving
+mode, one CUDA graph; with `--compile-mode max-autotune-no-cudagraphs` its
+max-autotune column) and the graph `auto` builds for that bucket as serving
 does (fused lanes among the candidates) are replayed under the profiler. Per
 replay (median of the profiled ones): kernels launched, the sum of their
 durations, the time the GPU had at least one of them running (busy), the span
