@@ -3,10 +3,10 @@
 `python scripts/compile_freezing.py --models deepfm --batch 1 --json out.json`
 
 Fused lanes compile segments whose weights are inputs (no freezing). Where
-torch.compile's max-autotune beats the fused lanes compiled the same way
-(DeepFM at batch 1), this tells whether freezing, the mode, or both make the
-difference: each variant compiled fresh, replayed from a CUDA graph and timed
-as the bench times its columns.
+torch.compile's max-autotune beat segments compiled with the same options
+(DeepFM at batch 1, docs/benchmarks.md run 13), this tells whether freezing,
+the mode, or both make the difference: each variant compiled fresh, replayed
+from a CUDA graph and timed as the bench times its columns.
 """
 
 from __future__ import annotations
