@@ -243,6 +243,46 @@ def test_merging_linear_layers_on_the_transformers(name, merged):
     assert max_relative_error(run_plan(fused, plan_graph(fused, "opara"), *inputs), want) <= TOLERANCE
 
 
+class Heads(nn.Module):
+    """One-output linear layers (DeepFM's last layer and dense term), with and without
+    a bias, beside a wider one that must stay a GEMM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.out, self.plain = nn.Linear(12, 7), nn.Linear(7, 1), nn.Linear(12, 1, bias=False)
+
+    def forward(self, x):
+        return torch.sigmoid(self.out(torch.relu(self.hidden(x))) + self.plain(x))
+
+
+def test_one_output_linear_layers_become_a_product_and_a_row_sum():
+    module = Heads().eval()
+    make = lambda batch: (torch.randn(batch, 12, generator=torch.Generator().manual_seed(batch)),)  # noqa: E731
+    graph = trace(module, make(2), ({0: torch.export.Dim("batch", min=1, max=8)},))
+    assert count(graph.module, aten.addmm.default) == 2 and count(graph.module, aten.mm.default) == 1
+    gm, report = fused_copy(graph, "single_column_linears")
+    assert report.rewrites["single_column_linears"] == 2
+    assert count(gm, aten.addmm.default) == 1 and count(gm, aten.mm.default) == 0  # the 12 -> 7 layer stays
+    assert count(gm, aten.sum.dim_IntList) == 2 and count(gm, aten.mul.Tensor) == 2
+    assert len(from_graph_module(gm).dag) == report.kernels_after
+    for batch in (1, 2, 5):
+        with torch.no_grad():
+            assert max_relative_error(gm(*make(batch)), module(*make(batch))) <= TOLERANCE
+
+
+def test_deepfm_keeps_its_one_output_layers_out_of_the_default_passes():
+    # the ATen graph keeps them as GEMMs (the rewrite is for Inductor's graph); the
+    # Inductor graph of DeepFM has two: the DNN's last layer and the dense features' term
+    from opara_core.engine.build import INDUCTOR_PASSES
+
+    graph = traced("deepfm")
+    inputs = zoo.get("deepfm").example_inputs(2, seed=5)
+    default, report = fusion.fuse_graph(graph, "cpu", check_inputs=[inputs])
+    assert "single_column_linears" not in report.rewrites
+    inductor, report = fusion.fuse_graph(graph, "cpu", passes=INDUCTOR_PASSES, check_inputs=[inputs])
+    assert report.note == "" and report.rewrites["single_column_linears"] == 2
+
+
 def test_the_cudnn_passes_leave_cpu_graphs_alone(patterns):
     _, graph = patterns
     gm = copy.deepcopy(graph.module)

@@ -56,8 +56,9 @@ AUTO_KEEP = 3
 FUSED_CANDIDATES: tuple[tuple[str, int], ...] = (("opara", 8),)
 # The graph Inductor compiles: the project's rewrites that Inductor does not
 # do itself; cuDNN's fused convolution ops would hide the convolutions from it.
-# Inductor merges linear layers only with freezing, which lifted weights rule out.
-INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears")
+# Inductor merges linear layers only with freezing, which lifted weights rule out;
+# it keeps a linear layer with one output a GEMM (fusion.single_column_linears).
+INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears", "single_column_linears")
 
 
 @dataclass(frozen=True)
