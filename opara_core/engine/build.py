@@ -57,8 +57,9 @@ FUSED_CANDIDATES: tuple[tuple[str, int], ...] = (("opara", 8),)
 # The graph Inductor compiles: the project's rewrites that Inductor does not
 # do itself; cuDNN's fused convolution ops would hide the convolutions from it.
 # Inductor merges linear layers only with freezing, which lifted weights rule out;
-# it keeps a linear layer with one output a GEMM (fusion.single_column_linears).
-INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears", "single_column_linears")
+# it keeps a linear layer with one output a GEMM (fusion.single_column_linears),
+# and runs cuBLAS's fp32 GEMMs of few rows, which skinny_linears replaces where measured faster.
+INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears", "single_column_linears", "skinny_linears")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_leaves, tree_map
 
+from opara_core.engine import skinny_gemm
 from opara_core.engine import trace as graphs
 from opara_core.engine.compare import max_relative_error, no_cudnn_autotuning
 from opara_core.engine.trace import OpGraph
@@ -588,6 +589,38 @@ def single_column_linears(gm: GraphModule) -> int:
     return count
 
 
+def skinny_linears(gm: GraphModule) -> int:
+    """Run fp32 linear layers through `opara::skinny_mm` (engine.skinny_gemm):
+    `x @ w.t()` as the op, given `w` and a transposed copy (the kernel's
+    layout), the bias as an add after it. For CUDA graphs (on a CPU the op is
+    `torch.mm`, so it only costs there).
+
+    The op runs the split-K kernel where its first call at that number of rows
+    measured it faster than cuBLAS, and cuBLAS's `mm` (what the graph ran)
+    elsewhere; the bias add is what Inductor makes of an `addmm` whose result
+    feeds pointwise work anyway, and it fuses into the next generated kernel.
+    Returns the number of layers rewritten.
+    """
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (ADDMM, MM):
+            continue
+        weight = _linear_weight(gm, node)
+        if weight is None or weight.dtype != torch.float32:
+            continue
+        op = skinny_gemm.skinny_mm_op()
+        with gm.graph.inserting_before(node), torch.no_grad():
+            transposed = _add_constant(gm, weight.t().contiguous(), "transposed_linear_weight")
+            result = _call(gm, op, (node.args[-2], node.args[-1].args[0], transposed), like=node)
+            if node.target is ADDMM:
+                result = _call(gm, ADD, (result, node.args[0]), like=node)
+        node.replace_all_uses_with(result)
+        gm.graph.erase_node(node)
+        count += 1
+    _eliminate_dead_code(gm)
+    return count
+
+
 # ---- cuDNN fused convolutions (CUDA only) --------------------------------------------
 
 
@@ -756,10 +789,11 @@ PASSES: dict[str, Pass] = {
     "merge_convs": merge_parallel_convs,
     "merge_linears": merge_parallel_linears,
     "single_column_linears": single_column_linears,
+    "skinny_linears": skinny_linears,
     "conv_add_relu": fuse_conv_add_relu,
     "conv_relu": fuse_conv_relu,
 }
-CUDA_ONLY = frozenset({"conv_add_relu", "conv_relu"})
+CUDA_ONLY = frozenset({"conv_add_relu", "conv_relu", "skinny_linears"})
 # conv_add_relu is left out until measured: cuDNN's runtime-fused kernels are not
 # always faster than a convolution plus an elementwise kernel.
 DEFAULT_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_convs", "merge_linears", "conv_relu")

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Interpreter
 
+from opara_core.engine import skinny_gemm
 from opara_core.engine.compare import max_relative_error, no_cudnn_autotuning
 
 log = logging.getLogger(__name__)
@@ -396,8 +397,10 @@ def compile_all(jobs: Sequence[tuple[str, GraphModule, Sequence[TensorMeta]]], c
 
 
 def _worker_setup() -> None:
-    """A compile worker: Inductor's own parallel compile would start a pool per worker."""
+    """A compile worker: Inductor's own parallel compile would start a pool per worker;
+    the project's custom op registered before any segment that calls it arrives."""
     torch._inductor.config.compile_threads = 1
+    skinny_gemm.skinny_mm_op()
 
 
 def _cpus() -> int:

@@ -1,24 +1,56 @@
-"""fp32 GEMMs with few rows (x @ w.T + b, M <= 64) as a split-K Triton kernel.
+"""fp32 GEMMs with few rows (`x @ w.T`, M <= 128) as a split-K Triton kernel,
+chosen per shape by measurement, as the custom op `opara::skinny_mm`.
 
-Why: at small batch the transformers' and DeepFM's linear layers are GEMMs of
-1-64 rows against weights of 0.2-9 MB. cuBLAS's fp32 kernels for them tile N
-only, so a 768 x 768 weight at 16 rows runs on a few dozen of the H100's 132
-SMs and reads the weights at 0.48 TB/s (BERT's 16-token cell: 706 of 876 us in
-GEMMs, docs/benchmarks.md, variable lengths run 7). Splitting K as well puts
-every SM to work; the partial sums are added in a fixed order by a second
-kernel, so results do not vary from run to run. Products and sums stay fp32
-(`precision` "ieee": no TF32 unless asked for).
+Why: at small batch the transformers' linear layers are GEMMs of 16-128 rows
+against weights of 1-9 MB. cuBLAS's fp32 kernels for them read the weights at
+a fraction of the H100's bandwidth (BERT's 16-token cell: 706 of 876 us in
+GEMMs, 0.48 TB/s; docs/benchmarks.md, variable lengths run 7). Splitting K as
+well as N puts every SM to work; the partial sums are added in a fixed order
+by a second kernel, so results do not vary from run to run. Products and sums
+stay fp32 ("ieee": no TF32). The kernel reads the weight stored transposed,
+[K, N]: with the weight as nn.Linear stores it, it was no faster than cuBLAS
+(scripts/skinny_gemm.py, H100, 2026-11-26).
+
+Which is faster depends on the shape and the GPU, so the first call at each
+(M, K, N) times cuBLAS and the kernel's CANDIDATES on copies of a weight of
+that size that together miss L2 (as a model's layers, each read once per call,
+do; one weight timed again and again stays in L2 and misleads) and keeps the
+winner: in this process, and on disk under $OPARA_CACHE_DIR/skinny (one file
+per GPU and software), so later builds do not time again. A call inside a CUDA
+graph capture cannot time: an unknown shape there runs cuBLAS (builds warm up
+before they capture, so in practice every shape is known by then).
+
+The op takes the weight both ways, as nn.Linear stores it and transposed, so
+that where cuBLAS wins it runs exactly what the graph ran before,
+`torch.mm(x, w.t())` (the price: the layer's weight twice in memory); a linear
+layer's bias stays a separate add that Inductor fuses into the next kernel
+(`fusion.skinny_linears`).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import hashlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import threading
+from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 
-PRECISIONS = ("ieee", "tf32x3", "tf32")
+from opara_core.engine.inductor_cache import cache_root
+
+log = logging.getLogger(__name__)
+
+KERNEL_VERSION = 2  # bump when the kernels change: the choices on disk are then timed again
+MAX_ROWS = 128  # more rows: cuBLAS (its tiles fill the GPU; measured ties or losses at 128 on an H100)
+MIN_GAIN = 0.95  # the kernel must take at most this fraction of cuBLAS's time to be chosen
 SUM_BLOCK = 1024
+L2_MISS_BYTES = 128 * 2**20  # weight copies per timing: together at least this (an H100's L2 holds 50 MB)
 
 
 @dataclass(frozen=True)
@@ -32,13 +64,23 @@ class SkinnyConfig:
     num_stages: int = 3
 
 
+# the configurations timed at each shape (a cold build compiles each once per tile
+# height): around the winners of sweeps of 50-90 per shape over BERT's and T5's
+# shapes at 16-32 rows (scripts/skinny_gemm.py, H100, 2026-11-26)
+CANDIDATES: tuple[SkinnyConfig, ...] = (
+    *(SkinnyConfig(n, 64, s) for n in (16, 32, 64) for s in (1, 2, 4, 8)),
+    SkinnyConfig(32, 64, 4, num_warps=2),
+    SkinnyConfig(32, 64, 8, num_warps=2),
+)
+
+
 def block_m(rows: int) -> int:
-    """The tile height for `rows` rows: tl.dot needs at least 16, 64 caps registers."""
+    """The tile's row count: tl.dot needs at least 16; 64 caps the registers."""
     return min(64, max(16, 1 << max(rows - 1, 0).bit_length()))
 
 
 def slices(k: int, config: SkinnyConfig) -> tuple[int, int]:
-    """(K per slice rounded up to whole BLOCK_K steps, number of non-empty slices)."""
+    """(K per slice, rounded up to whole BLOCK_K steps; number of non-empty slices)."""
     per = -(-k // config.split_k)
     per = -(-per // config.block_k) * config.block_k
     return per, -(-k // per)
@@ -51,35 +93,177 @@ def _kernels():
     return skinny_kernels
 
 
-def skinny_addmm(
-    x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig, precision: str = "ieee"
-) -> torch.Tensor:
-    """x [M, K] @ weight_t [K, N] (+ bias [N]) on the GPU, fp32, any strides."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
-    if x.dtype != torch.float32 or weight_t.dtype != torch.float32:
-        raise TypeError(f"skinny_addmm takes float32 tensors, got {x.dtype} and {weight_t.dtype}")
+def skinny_mm(x: torch.Tensor, weight_t: torch.Tensor, config: SkinnyConfig, precision: str = "ieee") -> torch.Tensor:
+    """x [M, K] @ weight_t [K, N] with the kernel (a GPU, fp32, any strides)."""
     (m, k), (k2, n) = x.shape, weight_t.shape
     if k != k2:
-        raise ValueError(f"skinny_addmm: x is {m}x{k}, weight_t {k2}x{n}")
+        raise ValueError(f"skinny_mm: x is {m}x{k}, the transposed weight {k2}x{n}")
+    if x.dtype != torch.float32 or weight_t.dtype != torch.float32:
+        raise TypeError(f"skinny_mm takes float32 tensors, got {x.dtype} and {weight_t.dtype}")
     kernels = _kernels()
     out = torch.empty((m, n), device=x.device, dtype=torch.float32)
     per, split = slices(k, config)
     target = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     tile_m = block_m(m)
-    grid = (-(-n // config.block_n), -(-m // tile_m), split)
-    kernels.skinny_mm[grid](
-        x, weight_t, bias if bias is not None else out, target,
-        m, n, k, per,
+    kernels.skinny_mm[(-(-n // config.block_n), -(-m // tile_m), split)](
+        x, weight_t, target, m, n, k, per,
         x.stride(0), x.stride(1), weight_t.stride(0), weight_t.stride(1),
         target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
-        HAS_BIAS=bias is not None and split == 1, PRECISION=precision,
-        BLOCK_M=tile_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        PRECISION=precision, BLOCK_M=tile_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    )  # fmt: skip
     if split > 1:
-        kernels.sum_splits[(-(-m * n // SUM_BLOCK),)](
-            target, bias if bias is not None else out, out, m * n, n,
-            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK,
-        )
+        kernels.sum_splits[(-(-m * n // SUM_BLOCK),)](target, out, m * n, SPLIT_K=split, BLOCK=SUM_BLOCK)
     return out
+
+
+# ---- timing ------------------------------------------------------------------------------
+
+
+def per_call_ms(calls: list[Callable[[], object]], replays: int = 5, repeats: int = 3) -> float:
+    """Median ms per call of `calls` captured back to back in one CUDA graph
+    (warmed up on a side stream first, as capture requires)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls[:2]:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / replays / len(calls))
+    return statistics.median(samples)
+
+
+def weight_copies(n: int, k: int, device: torch.device) -> list[torch.Tensor]:
+    """Random weights of this size, enough of them to miss L2 together."""
+    count = max(4, min(32, L2_MISS_BYTES // (4 * n * k)))
+    return [torch.randn(n, k, device=device) / k**0.5 for _ in range(count)]
+
+
+def time_shape(m: int, k: int, n: int, device: torch.device, candidates: tuple[SkinnyConfig, ...] = CANDIDATES) -> dict:
+    """cuBLAS's and every candidate's ms per call at this shape."""
+    x = torch.randn(m, k, device=device)
+    weights = weight_copies(n, k, device)
+    timings = {"cublas": per_call_ms([lambda w=w: torch.mm(x, w.t()) for w in weights])}
+    stored_t = [w.t().contiguous() for w in weights]
+    for config in candidates:
+        timings[config] = per_call_ms([lambda w=w, c=config: skinny_mm(x, w, c) for w in stored_t])
+    return timings
+
+
+def best_of(timings: dict) -> SkinnyConfig | None:
+    """The fastest candidate if it beats cuBLAS by MIN_GAIN, else None (cuBLAS)."""
+    configs = [c for c in timings if c != "cublas"]
+    best = min(configs, key=timings.get, default=None)
+    return best if best is not None and timings[best] <= MIN_GAIN * timings["cublas"] else None
+
+
+# ---- choices: per process and on disk ----------------------------------------------------
+
+
+class Choices:
+    """The kernel configuration (or cuBLAS: None) per (M, K, N) on this GPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.known: dict[str, SkinnyConfig | None] = {}
+        self.lock = threading.Lock()
+        self.path = cache_root() / "skinny" / f"{self._key()}.json"
+        self.known.update(self._read())
+        self.warned = False
+
+    def _key(self) -> str:
+        import triton
+
+        text = json.dumps([torch.cuda.get_device_name(self.device), torch.__version__, triton.__version__, KERNEL_VERSION, MIN_GAIN, [asdict(c) for c in CANDIDATES]])
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    def _read(self) -> dict[str, SkinnyConfig | None]:
+        try:
+            saved = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {shape: SkinnyConfig(**c) if c else None for shape, c in saved.items()}
+
+    def _write(self) -> None:
+        """Merge with what other processes wrote and replace the file whole."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            merged = {**self._read(), **self.known}
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
+                json.dump({shape: asdict(c) if c else None for shape, c in merged.items()}, f)
+            os.replace(f.name, self.path)
+        except OSError as error:
+            log.warning("skinny GEMM choices not saved to %s: %s", self.path, error)
+
+    def choose(self, m: int, k: int, n: int) -> SkinnyConfig | None:
+        shape = f"{m},{k},{n}"
+        with self.lock:
+            if shape in self.known:
+                return self.known[shape]
+            if torch.cuda.is_current_stream_capturing():
+                if not self.warned:
+                    log.warning("skinny GEMM %s first seen inside a CUDA graph capture: cuBLAS (shapes are timed on their first call outside one)", shape)
+                    self.warned = True
+                return None
+            timings = time_shape(m, k, n, self.device)
+            chosen = self.known[shape] = best_of(timings)
+            log.info("skinny GEMM %sx%sx%s: %s (%.1f us; cuBLAS %.1f us)", m, k, n, chosen or "cuBLAS",
+                     timings[chosen or "cublas"] * 1e3, timings["cublas"] * 1e3)  # fmt: skip
+            self._write()
+            return chosen
+
+
+_choices: dict[str, Choices] = {}
+
+
+def choices_for(device: torch.device) -> Choices:
+    key = str(device)
+    if key not in _choices:
+        _choices[key] = Choices(device)
+    return _choices[key]
+
+
+def linear_mm(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` (`weight_t` is `weight.t()` stored contiguous): the kernel
+    where it was measured faster, else cuBLAS."""
+    m, n = x.shape[0], weight.shape[0]
+    if x.is_cuda and x.dtype == weight_t.dtype == torch.float32 and 0 < m <= MAX_ROWS:
+        config = choices_for(x.device).choose(m, x.shape[1], n)
+        if config is not None:
+            return skinny_mm(x, weight_t, config)
+    return torch.mm(x, weight.t())
+
+
+@functools.cache
+def skinny_mm_op():
+    """`torch.ops.opara.skinny_mm` (registered on first use: no side effects at
+    import): `linear_mm` as a custom op, so that Inductor calls it as one
+    opaque kernel with a fake implementation for shapes."""
+
+    @torch.library.custom_op("opara::skinny_mm", mutates_args=())
+    def op(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+        return linear_mm(x, weight, weight_t)
+
+    @op.register_fake
+    def _(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    # the static cost model counts its FLOPs as mm's (engine.costs)
+    from torch.utils.flop_counter import flop_registry
+
+    mm = flop_registry[torch.ops.aten.mm]
+    flop_registry.setdefault(torch.ops.opara.skinny_mm, lambda x, weight, *args, out_val=None, **kwargs: mm(x, weight.t(), out_val=out_val))
+    return torch.ops.opara.skinny_mm.default

@@ -1,0 +1,145 @@
+"""engine.skinny_gemm: the split-K kernel's arithmetic (on the CPU through Triton's
+interpreter), the choice against cuBLAS, and on a GPU the kernel, the choices on
+disk and the custom op inside captures and Inductor's code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from opara_core.engine import skinny_gemm
+from opara_core.engine.skinny_gemm import SkinnyConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# shapes (M, K, N) with ragged edges everywhere: rows below a tile, K not a
+# multiple of BLOCK_K or of the slices, N not a multiple of BLOCK_N
+INTERPRETED = textwrap.dedent(
+    """
+    import torch
+    from opara_core.engine.skinny_gemm import SkinnyConfig, skinny_mm
+    generator = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for m, k, n in [(1, 429, 40), (5, 100, 33), (16, 96, 64), (40, 300, 70), (70, 64, 20)]:
+        x = torch.randn(m, k, generator=generator)
+        weight = torch.randn(n, k, generator=generator)
+        exact = x.double() @ weight.t().double()
+        for config in [SkinnyConfig(16, 32, 1), SkinnyConfig(32, 64, 4), SkinnyConfig(64, 32, 16, num_warps=2)]:
+            # the weight stored transposed (the kernel's layout), a view of it as
+            # nn.Linear stores it, and x a non-contiguous view
+            for w in (weight.t().contiguous(), weight.t()):
+                for rows in (x, x.t().contiguous().t()):
+                    got = skinny_mm(rows, w, config)
+                    assert got.shape == (m, n) and got.dtype == torch.float32
+                    worst = max(worst, float((got.double() - exact).abs().max() / exact.abs().max()))
+    print(worst)
+    """
+)
+
+
+def test_the_kernel_computes_the_product_for_every_tiling_and_layout():
+    # Triton's interpreter runs the kernels' Python on the CPU: the same index
+    # arithmetic, masks and slice sums the GPU runs
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) <= 1e-6
+
+
+@given(st.integers(1, 5000), st.sampled_from(skinny_gemm.CANDIDATES))
+def test_the_slices_cover_k_exactly_once(k, config):
+    per, count = skinny_gemm.slices(k, config)
+    assert per % config.block_k == 0 and 1 <= count <= config.split_k
+    assert (count - 1) * per < k <= count * per  # no empty slice, none missing
+
+
+def test_the_kernel_is_chosen_only_where_it_beats_cublas_by_the_margin():
+    fast, slow = SkinnyConfig(32, 64, 4), SkinnyConfig(16, 64, 1)
+    assert skinny_gemm.best_of({"cublas": 10.0, fast: 9.0, slow: 12.0}) == fast
+    assert skinny_gemm.best_of({"cublas": 10.0, fast: 9.6, slow: 12.0}) is None  # 4% is within noise
+    assert skinny_gemm.best_of({"cublas": 10.0}) is None
+
+
+def test_on_the_cpu_the_op_is_a_matrix_product():
+    op = skinny_gemm.skinny_mm_op()
+    x, weight = torch.randn(5, 7), torch.randn(3, 7)
+    assert torch.equal(op(x, weight, weight.t().contiguous()), torch.mm(x, weight.t()))
+
+
+# ---- on a GPU ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(skinny_gemm, "_choices", {})
+    return tmp_path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, n", [(1, 429, 400), (16, 768, 2304), (16, 3072, 768), (32, 512, 2048), (100, 768, 768), (128, 2048, 512)])
+def test_every_candidate_equals_the_float64_product_on_the_gpu(m, k, n):
+    x = torch.randn(m, k, device="cuda")
+    weight = torch.randn(n, k, device="cuda") / k**0.5
+    exact = x.double() @ weight.t().double()
+    scale = exact.abs().max()
+    cublas = float((torch.mm(x, weight.t()).double() - exact).abs().max() / scale)
+    errors = {c: float((skinny_gemm.skinny_mm(x, weight.t().contiguous(), c).double() - exact).abs().max() / scale) for c in skinny_gemm.CANDIDATES}
+    # fp32 sums of up to 3,072 products: cuBLAS's own error is 1e-7 to 1e-6
+    assert max(errors.values()) <= max(10 * cublas, 2e-6), (errors, cublas)
+
+
+@pytest.mark.gpu
+def test_choices_are_timed_once_and_kept_on_disk(cache):
+    device = torch.device("cuda")
+    choices = skinny_gemm.choices_for(device)
+    chosen = choices.choose(16, 768, 768)
+    assert choices.path.is_file() and choices.path.is_relative_to(cache)
+    again = skinny_gemm.Choices(device)  # another process: reads the file, times nothing
+    assert again.known["16,768,768"] == chosen
+
+
+@pytest.mark.gpu
+def test_a_shape_first_seen_inside_a_capture_runs_cublas(cache):
+    op = skinny_gemm.skinny_mm_op()
+    x = torch.randn(24, 512, device="cuda")
+    weight = torch.randn(640, 512, device="cuda")
+    weight_t = weight.t().contiguous()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(x, weight, weight_t)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.mm(x, weight.t()))
+    assert skinny_gemm.choices_for(x.device).known == {}  # nothing timed, nothing remembered
+
+
+@pytest.mark.gpu
+def test_the_op_inside_inductor_code_and_a_cuda_graph_equals_the_linear_layer(cache):
+    op = skinny_gemm.skinny_mm_op()
+    layer = torch.nn.Linear(768, 3072).cuda()
+    weight_t = layer.weight.t().contiguous()
+
+    def forward(x):
+        return torch.nn.functional.gelu(op(x, layer.weight, weight_t) + layer.bias)
+
+    x = torch.randn(16, 768, device="cuda")
+    with torch.no_grad():
+        compiled = torch.compile(forward)
+        compiled(x)  # outside a capture: times the shape
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = compiled(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        exact = torch.nn.functional.gelu(x.double() @ layer.weight.double().t() + layer.bias.double())
+    assert "16,768,3072" in skinny_gemm.choices_for(x.device).known
+    assert float((out.double() - exact).abs().max() / exact.abs().max()) <= 1e-5
