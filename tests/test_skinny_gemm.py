@@ -31,7 +31,6 @@ INTERPRETED = textwrap.dedent(
     for m, k, n in [(1, 429, 40), (5, 100, 33), (16, 96, 64), (40, 300, 70), (70, 64, 20)]:
         x = torch.randn(m, k, generator=generator)
         weight = torch.randn(n, k, generator=generator)
-        bias = torch.randn(n, generator=generator)
         exact = x.double() @ weight.t().double()
         for config in [SkinnyConfig(16, 32, 1), SkinnyConfig(32, 64, 4), SkinnyConfig(64, 32, 16, num_warps=2)]:
             # the weight stored transposed (the kernel's layout), a view of it as
@@ -41,9 +40,6 @@ INTERPRETED = textwrap.dedent(
                     got = skinny_mm(rows, w, config)
                     assert got.shape == (m, n) and got.dtype == torch.float32
                     worst = max(worst, float((got.double() - exact).abs().max() / exact.abs().max()))
-            biased = exact + bias.double()
-            got = skinny_mm(x, weight.t().contiguous(), config, bias)
-            worst = max(worst, float((got.double() - biased).abs().max() / biased.abs().max()))
     print(worst)
     """
 )
@@ -73,10 +69,9 @@ def test_the_kernel_is_chosen_only_where_it_beats_cublas_by_the_margin():
 
 
 def test_on_the_cpu_the_op_is_a_matrix_product():
-    op = skinny_gemm.skinny_linear_op()
-    x, weight, bias = torch.randn(5, 7), torch.randn(3, 7), torch.randn(3)
-    assert torch.equal(op(x, weight, weight.t().contiguous(), None), torch.mm(x, weight.t()))
-    assert torch.equal(op(x, weight, weight.t().contiguous(), bias), torch.addmm(bias, x, weight.t()))
+    op = skinny_gemm.skinny_mm_op()
+    x, weight = torch.randn(5, 7), torch.randn(3, 7)
+    assert torch.equal(op(x, weight, weight.t().contiguous()), torch.mm(x, weight.t()))
 
 
 # ---- on a GPU ------------------------------------------------------------------------
@@ -94,11 +89,10 @@ def cache(tmp_path, monkeypatch):
 def test_every_candidate_equals_the_float64_product_on_the_gpu(m, k, n):
     x = torch.randn(m, k, device="cuda")
     weight = torch.randn(n, k, device="cuda") / k**0.5
-    bias = torch.randn(n, device="cuda")
-    exact = x.double() @ weight.t().double() + bias.double()
+    exact = x.double() @ weight.t().double()
     scale = exact.abs().max()
-    cublas = float((torch.addmm(bias, x, weight.t()).double() - exact).abs().max() / scale)
-    errors = {c: float((skinny_gemm.skinny_mm(x, weight.t().contiguous(), c, bias).double() - exact).abs().max() / scale) for c in skinny_gemm.CANDIDATES}
+    cublas = float((torch.mm(x, weight.t()).double() - exact).abs().max() / scale)
+    errors = {c: float((skinny_gemm.skinny_mm(x, weight.t().contiguous(), c).double() - exact).abs().max() / scale) for c in skinny_gemm.CANDIDATES}
     # fp32 sums of up to 3,072 products: cuBLAS's own error is 1e-7 to 1e-6
     assert max(errors.values()) <= max(10 * cublas, 2e-6), (errors, cublas)
 
@@ -115,27 +109,27 @@ def test_choices_are_timed_once_and_kept_on_disk(cache):
 
 @pytest.mark.gpu
 def test_a_shape_first_seen_inside_a_capture_runs_cublas(cache):
-    op = skinny_gemm.skinny_linear_op()
+    op = skinny_gemm.skinny_mm_op()
     x = torch.randn(24, 512, device="cuda")
     weight = torch.randn(640, 512, device="cuda")
-    weight_t, bias = weight.t().contiguous(), torch.randn(640, device="cuda")
+    weight_t = weight.t().contiguous()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = op(x, weight, weight_t, bias)
+        out = op(x, weight, weight_t)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, torch.mm(x, weight.t()) + bias)
+    assert torch.equal(out, torch.mm(x, weight.t()))
     assert skinny_gemm.choices_for(x.device).known == {}  # nothing timed, nothing remembered
 
 
 @pytest.mark.gpu
 def test_the_op_inside_inductor_code_and_a_cuda_graph_equals_the_linear_layer(cache):
-    op = skinny_gemm.skinny_linear_op()
+    op = skinny_gemm.skinny_mm_op()
     layer = torch.nn.Linear(768, 3072).cuda()
     weight_t = layer.weight.t().contiguous()
 
     def forward(x):
-        return torch.nn.functional.gelu(op(x, layer.weight, weight_t, layer.bias))
+        return torch.nn.functional.gelu(op(x, layer.weight, weight_t) + layer.bias)
 
     x = torch.randn(16, 768, device="cuda")
     with torch.no_grad():

@@ -590,14 +590,16 @@ def single_column_linears(gm: GraphModule) -> int:
 
 
 def skinny_linears(gm: GraphModule) -> int:
-    """Run fp32 linear layers through `opara::skinny_linear` (engine.skinny_gemm),
-    given the weight, a transposed copy (the kernel's layout) and the bias. For
-    CUDA graphs (on a CPU the op is cuBLAS's call as before, so it only costs).
+    """Run fp32 linear layers through `opara::skinny_mm` (engine.skinny_gemm):
+    `x @ w.t()` as the op, given `w` and a transposed copy (the kernel's
+    layout), the bias as an add after it. For CUDA graphs (on a CPU the op is
+    `torch.mm`, so it only costs there).
 
     The op runs the split-K kernel where its first call at that number of rows
-    measured it faster than cuBLAS, and cuBLAS elsewhere. Measured on an H100
-    (fused sequential graphs, 2026-11-26): BERT 1.411 -> 1.328 ms at batch 1,
-    T5 1.137 -> 0.995. Returns the number of layers rewritten.
+    measured it faster than cuBLAS, and cuBLAS's `mm` (what the graph ran)
+    elsewhere; the bias add is what Inductor makes of an `addmm` whose result
+    feeds pointwise work anyway, and it fuses into the next generated kernel.
+    Returns the number of layers rewritten.
     """
     count = 0
     for node in list(gm.graph.nodes):
@@ -606,11 +608,12 @@ def skinny_linears(gm: GraphModule) -> int:
         weight = _linear_weight(gm, node)
         if weight is None or weight.dtype != torch.float32:
             continue
-        op = skinny_gemm.skinny_linear_op()
-        bias = node.args[0] if node.target is ADDMM else None
+        op = skinny_gemm.skinny_mm_op()
         with gm.graph.inserting_before(node), torch.no_grad():
             transposed = _add_constant(gm, weight.t().contiguous(), "transposed_linear_weight")
-            result = _call(gm, op, (node.args[-2], node.args[-1].args[0], transposed, bias), like=node)
+            result = _call(gm, op, (node.args[-2], node.args[-1].args[0], transposed), like=node)
+            if node.target is ADDMM:
+                result = _call(gm, ADD, (result, node.args[0]), like=node)
         node.replace_all_uses_with(result)
         gm.graph.erase_node(node)
         count += 1

@@ -400,7 +400,7 @@ def _worker_setup() -> None:
     """A compile worker: Inductor's own parallel compile would start a pool per worker;
     the project's custom op registered before any segment that calls it arrives."""
     torch._inductor.config.compile_threads = 1
-    skinny_gemm.skinny_linear_op()
+    skinny_gemm.skinny_mm_op()
 
 
 def _cpus() -> int:

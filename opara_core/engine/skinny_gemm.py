@@ -1,5 +1,5 @@
 """fp32 GEMMs with few rows (`x @ w.T`, M <= 128) as a split-K Triton kernel,
-chosen per shape by measurement, as the custom op `opara::skinny_linear`.
+chosen per shape by measurement, as the custom op `opara::skinny_mm`.
 
 Why: at small batch the transformers' linear layers are GEMMs of 16-128 rows
 against weights of 1-9 MB. cuBLAS's fp32 kernels for them read the weights at
@@ -20,10 +20,11 @@ per GPU and software), so later builds do not time again. A call inside a CUDA
 graph capture cannot time: an unknown shape there runs cuBLAS (builds warm up
 before they capture, so in practice every shape is known by then).
 
-The op (`linear`) takes the weight both ways, as nn.Linear stores it and
-transposed, so that where cuBLAS wins it runs cuBLAS on the weight as before
-(the price: the layer's weight twice in memory), and the bias, which the kernel
-adds as it writes its result.
+The op takes the weight both ways, as nn.Linear stores it and transposed, so
+that where cuBLAS wins it runs exactly what the graph ran before,
+`torch.mm(x, w.t())` (the price: the layer's weight twice in memory); a linear
+layer's bias stays a separate add that Inductor fuses into the next kernel
+(`fusion.skinny_linears`).
 """
 
 from __future__ import annotations
@@ -92,10 +93,8 @@ def _kernels():
     return skinny_kernels
 
 
-def skinny_mm(
-    x: torch.Tensor, weight_t: torch.Tensor, config: SkinnyConfig, bias: torch.Tensor | None = None, precision: str = "ieee"
-) -> torch.Tensor:
-    """x [M, K] @ weight_t [K, N] (+ bias [N]) with the kernel (a GPU, fp32, any strides)."""
+def skinny_mm(x: torch.Tensor, weight_t: torch.Tensor, config: SkinnyConfig, precision: str = "ieee") -> torch.Tensor:
+    """x [M, K] @ weight_t [K, N] with the kernel (a GPU, fp32, any strides)."""
     (m, k), (k2, n) = x.shape, weight_t.shape
     if k != k2:
         raise ValueError(f"skinny_mm: x is {m}x{k}, the transposed weight {k2}x{n}")
@@ -107,16 +106,14 @@ def skinny_mm(
     target = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     tile_m = block_m(m)
     kernels.skinny_mm[(-(-n // config.block_n), -(-m // tile_m), split)](
-        x, weight_t, bias if bias is not None else out, target, m, n, k, per,
+        x, weight_t, target, m, n, k, per,
         x.stride(0), x.stride(1), weight_t.stride(0), weight_t.stride(1),
         target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
-        HAS_BIAS=bias is not None and split == 1, PRECISION=precision, BLOCK_M=tile_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        PRECISION=precision, BLOCK_M=tile_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if split > 1:
-        kernels.sum_splits[(-(-m * n // SUM_BLOCK),)](
-            target, bias if bias is not None else out, out, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK
-        )
+        kernels.sum_splits[(-(-m * n // SUM_BLOCK),)](target, out, m * n, SPLIT_K=split, BLOCK=SUM_BLOCK)
     return out
 
 
@@ -239,39 +236,34 @@ def choices_for(device: torch.device) -> Choices:
     return _choices[key]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ weight.T + bias` (`weight_t` is `weight.t()` stored contiguous): the
-    kernel where it was measured faster; else cuBLAS: above MAX_ROWS rows its
-    `addmm` (the bias in its epilogue, what the graph ran), at fewer its `mm`
-    and the bias added after (cuBLASLt's fp32 kernels with the bias epilogue
-    took 2-4x as long at 16-32 rows on an H100: scripts/skinny_gemm.py)."""
+def linear_mm(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` (`weight_t` is `weight.t()` stored contiguous): the kernel
+    where it was measured faster, else cuBLAS."""
     m, n = x.shape[0], weight.shape[0]
-    if not (x.is_cuda and x.dtype == weight_t.dtype == torch.float32 and 0 < m <= MAX_ROWS):
-        return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
-    config = choices_for(x.device).choose(m, x.shape[1], n)
-    if config is not None:
-        return skinny_mm(x, weight_t, config, bias)
-    out = torch.mm(x, weight.t())
-    return out if bias is None else out.add_(bias)
+    if x.is_cuda and x.dtype == weight_t.dtype == torch.float32 and 0 < m <= MAX_ROWS:
+        config = choices_for(x.device).choose(m, x.shape[1], n)
+        if config is not None:
+            return skinny_mm(x, weight_t, config)
+    return torch.mm(x, weight.t())
 
 
 @functools.cache
-def skinny_linear_op():
-    """`torch.ops.opara.skinny_linear` (registered on first use: no side effects at
-    import): `linear` as a custom op, so that Inductor calls it as one
+def skinny_mm_op():
+    """`torch.ops.opara.skinny_mm` (registered on first use: no side effects at
+    import): `linear_mm` as a custom op, so that Inductor calls it as one
     opaque kernel with a fake implementation for shapes."""
 
-    @torch.library.custom_op("opara::skinny_linear", mutates_args=())
-    def op(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return linear(x, weight, weight_t, bias)
+    @torch.library.custom_op("opara::skinny_mm", mutates_args=())
+    def op(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+        return linear_mm(x, weight, weight_t)
 
     @op.register_fake
-    def _(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
     # the static cost model counts its FLOPs as mm's (engine.costs)
     from torch.utils.flop_counter import flop_registry
 
     mm = flop_registry[torch.ops.aten.mm]
-    flop_registry.setdefault(torch.ops.opara.skinny_linear, lambda x, weight, *args, out_val=None, **kwargs: mm(x, weight.t(), out_val=out_val))
-    return torch.ops.opara.skinny_linear.default
+    flop_registry.setdefault(torch.ops.opara.skinny_mm, lambda x, weight, *args, out_val=None, **kwargs: mm(x, weight.t(), out_val=out_val))
+    return torch.ops.opara.skinny_mm.default
