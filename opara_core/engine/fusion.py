@@ -599,7 +599,10 @@ def skinny_linears(gm: GraphModule) -> int:
     measured it faster than cuBLAS, and cuBLAS's `mm` (what the graph ran)
     elsewhere; the bias add is what Inductor makes of an `addmm` whose result
     feeds pointwise work anyway, and it fuses into the next generated kernel.
-    Returns the number of layers rewritten.
+    Measured on an H100 (fused sequential graphs, 2026-11-26, one machine):
+    BERT 1.411 -> 1.328 ms at batch 1 and 17.440 -> 17.742 at batch 32 (no
+    kernel there: the add costs), T5 1.137 -> 0.995 at batch 1. Returns the
+    number of layers rewritten.
     """
     count = 0
     for node in list(gm.graph.nodes):
