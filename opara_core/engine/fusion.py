@@ -570,23 +570,12 @@ def single_column_linears(gm: GraphModule) -> int:
     the model's whole graph; as a reduction it joins the kernel that makes `x`
     or the one that reads the result. Returns the number of layers rewritten.
     """
-    count = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in (ADDMM, MM):
-            continue
-        weight = _linear_weight(gm, node)
-        if weight is None or weight.shape[0] != 1:
-            continue
-        with gm.graph.inserting_before(node):
-            product = _call(gm, aten.mul.Tensor, (node.args[-2], node.args[-1].args[0]), like=node)
-            result = _call(gm, aten.sum.dim_IntList, (product, [1], True), like=node)
-            if node.target is ADDMM:
-                result = _call(gm, ADD, (result, node.args[0]), like=node)
-        node.replace_all_uses_with(result)
-        gm.graph.erase_node(node)
-        count += 1
-    _eliminate_dead_code(gm)
-    return count
+
+    def row_sum(node: Node, weight: torch.Tensor) -> Node:
+        product = _call(gm, aten.mul.Tensor, (node.args[-2], node.args[-1].args[0]), like=node)
+        return _call(gm, aten.sum.dim_IntList, (product, [1], True), like=node)
+
+    return _rewrite_linears(gm, lambda weight: weight.shape[0] == 1, row_sum)
 
 
 def skinny_linears(gm: GraphModule) -> int:
@@ -604,17 +593,26 @@ def skinny_linears(gm: GraphModule) -> int:
     kernel there: the add costs), T5 1.137 -> 0.995 at batch 1. Returns the
     number of layers rewritten.
     """
+
+    def through_the_op(node: Node, weight: torch.Tensor) -> Node:
+        transposed = _add_constant(gm, weight.t().contiguous(), "transposed_linear_weight")
+        return _call(gm, skinny_gemm.skinny_mm_op(), (node.args[-2], node.args[-1].args[0], transposed), like=node)
+
+    return _rewrite_linears(gm, lambda weight: weight.dtype == torch.float32, through_the_op)
+
+
+def _rewrite_linears(gm: GraphModule, wanted: Callable[[torch.Tensor], bool], product: Callable[[Node, torch.Tensor], Node]) -> int:
+    """Replace each linear layer (`_linear_weight`) whose weight is `wanted` by
+    `product(node, weight)` (the new nodes for `x @ w.t()`) plus its bias as an add."""
     count = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in (ADDMM, MM):
             continue
         weight = _linear_weight(gm, node)
-        if weight is None or weight.dtype != torch.float32:
+        if weight is None or not wanted(weight):
             continue
-        op = skinny_gemm.skinny_mm_op()
         with gm.graph.inserting_before(node), torch.no_grad():
-            transposed = _add_constant(gm, weight.t().contiguous(), "transposed_linear_weight")
-            result = _call(gm, op, (node.args[-2], node.args[-1].args[0], transposed), like=node)
+            result = product(node, weight)
             if node.target is ADDMM:
                 result = _call(gm, ADD, (result, node.args[0]), like=node)
         node.replace_all_uses_with(result)
