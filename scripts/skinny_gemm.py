@@ -67,8 +67,8 @@ def sweep(m: int, k: int, n: int, quick: bool) -> dict:
     row = {
         "shape": [m, k, n],
         "weight_copies": len(weights),
-        "cublas_mm_ms": per_call_ms([lambda w=w: torch.mm(x, w.t()) for w in weights], replays=20, repeats=5),
-        "cublas_addmm_ms": per_call_ms([lambda w=w: torch.addmm(bias, x, w.t()) for w in weights], replays=20, repeats=5),
+        "cublas_mm_ms": per_call_ms([lambda w=w: torch.mm(x, w.t()) for w in weights], seconds=0.02, repeats=5),
+        "cublas_addmm_ms": per_call_ms([lambda w=w: torch.addmm(bias, x, w.t()) for w in weights], seconds=0.02, repeats=5),
         "error_cublas": relative_error(torch.mm(x, weights[0].t()), exact),
     }
     # stored transposed, [K, N] (the kernel's layout), and as nn.Linear stores it, [N, K] (passed as its [K, N] view)
@@ -87,7 +87,7 @@ def sweep(m: int, k: int, n: int, quick: bool) -> dict:
         best = min(timed, key=timed.get)
         row[layout] = {
             "best": asdict(best),
-            "ms": time_config(best, replays=20, repeats=5),
+            "ms": time_config(best, seconds=0.02, repeats=5),
             "error": relative_error(skinny_mm(x, stored[0], best), exact),
             "configs_timed": len(timed),
             "top5": [[asdict(c), timed[c]] for c in sorted(timed, key=timed.get)[:5]],

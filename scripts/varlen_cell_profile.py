@@ -8,8 +8,10 @@ model (max relative error) and timed (CUDA events); the first cell of the list
 is also profiled kernel by kernel (scripts/kernel_profile.py's tables):
 
 - dynamic: the served graph (`engine.whole_model`: one `torch.compile` with
-  dynamic sizes and freezing), every cell captured from it, with cuBLAS and with
-  cuBLASLt (`torch.backends.cuda.preferred_blas_library`);
+  dynamic sizes and freezing, its GEMMs through the skinny GEMM op), every cell
+  captured from it, with cuBLAS and with cuBLASLt
+  (`torch.backends.cuda.preferred_blas_library`); dynamic-plain: the same
+  without the op (Inductor's own GEMMs);
 - static: `torch.compile` at each of the first three cells' fixed shapes, both libraries;
 - autotune: `max-autotune-no-cudagraphs` at the first cell (Inductor's Triton
   GEMM templates against the library's), if `--budget` leaves 200 s for it.
@@ -33,7 +35,8 @@ from opara_core.engine.whole_model import WholeModelInductor  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", default="bert", choices=("bert", "t5"))
-parser.add_argument("--parts", default="dynamic,static,autotune")
+parser.add_argument("--parts", default="dynamic,static,autotune", help="of dynamic, dynamic-plain, static, autotune")
+parser.add_argument("--blas", default="cublas,cublaslt", help="the libraries the dynamic parts are captured with")
 parser.add_argument("--budget", type=float, default=400.0, help="seconds; later parts are skipped when too few are left")
 parser.add_argument("--json", type=Path, default=Path("out/cells.json"), help="results; kernel traces go beside it")
 args = parser.parse_args()
@@ -93,22 +96,27 @@ def blas(name):
 
 
 PARTS = args.parts.split(",")
-# 1. the served graph: one dynamic whole-model compile, every cell captured from it
-start = time.perf_counter()
-whole = WholeModelInductor(module)
-pool = torch.cuda.graph_pool_handle()
-keep = []
-for shape, batch in SHAPES if "dynamic" in PARTS else []:
-    for lib in ("cublas", "cublaslt"):
-        blas(lib)
-        cap = whole.capture(inputs(shape, batch), pool)
-        keep.append(cap)
-        record(f"dynamic/{lib}", shape, batch, cap, profile=(shape, batch) == SHAPES[0])
-blas("cublas")
-res["dynamic_compile_s"] = round(time.perf_counter() - start, 1)
-del keep, whole
-torch.cuda.synchronize()
-torch._dynamo.reset()
+LIBRARIES = args.blas.split(",")
+# 1. the served graph: one dynamic whole-model compile (its GEMMs through the
+# skinny GEMM op; "dynamic-plain": without it), every cell captured from it
+for part, skinny in (("dynamic", True), ("dynamic-plain", False)):
+    if part not in PARTS:
+        continue
+    start = time.perf_counter()
+    whole = WholeModelInductor(module, skinny_gemms=skinny)
+    pool = torch.cuda.graph_pool_handle()
+    keep = []
+    for shape, batch in SHAPES:
+        for lib in LIBRARIES:
+            blas(lib)
+            cap = whole.capture(inputs(shape, batch), pool)
+            keep.append(cap)
+            record(f"{part}/{lib}", shape, batch, cap, profile=(shape, batch) == SHAPES[0])
+    blas("cublas")
+    res[f"{part}_compile_s"] = round(time.perf_counter() - start, 1)
+    del keep, whole
+    torch.cuda.synchronize()
+    torch._dynamo.reset()
 
 # 2. static shapes at the small cells, default mode (as the engine's fused segments)
 for shape, batch in SHAPES[:3] if "static" in PARTS else []:

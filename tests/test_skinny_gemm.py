@@ -31,15 +31,18 @@ INTERPRETED = textwrap.dedent(
     for m, k, n in [(1, 429, 40), (5, 100, 33), (16, 96, 64), (40, 300, 70), (70, 64, 20)]:
         x = torch.randn(m, k, generator=generator)
         weight = torch.randn(n, k, generator=generator)
-        exact = x.double() @ weight.t().double()
+        bias = torch.randn(n, generator=generator)
+        product = x.double() @ weight.t().double()
         for config in [SkinnyConfig(16, 32, 1), SkinnyConfig(32, 64, 4), SkinnyConfig(64, 32, 16, num_warps=2)]:
             # the weight stored transposed (the kernel's layout), a view of it as
-            # nn.Linear stores it, and x a non-contiguous view
+            # nn.Linear stores it, and x a non-contiguous view; with and without
+            # a bias (added by the kernel itself with one slice, by the sum of slices with several)
             for w in (weight.t().contiguous(), weight.t()):
                 for rows in (x, x.t().contiguous().t()):
-                    got = skinny_mm(rows, w, config)
-                    assert got.shape == (m, n) and got.dtype == torch.float32
-                    worst = max(worst, float((got.double() - exact).abs().max() / exact.abs().max()))
+                    for b, exact in ((None, product), (bias, product + bias.double())):
+                        got = skinny_mm(rows, w, config, b)
+                        assert got.shape == (m, n) and got.dtype == torch.float32
+                        worst = max(worst, float((got.double() - exact).abs().max() / exact.abs().max()))
     print(worst)
     """
 )
@@ -70,8 +73,9 @@ def test_the_kernel_is_chosen_only_where_it_beats_cublas_by_the_margin():
 
 def test_on_the_cpu_the_op_is_a_matrix_product():
     op = skinny_gemm.skinny_mm_op()
-    x, weight = torch.randn(5, 7), torch.randn(3, 7)
+    x, weight, bias = torch.randn(5, 7), torch.randn(3, 7), torch.randn(3)
     assert torch.equal(op(x, weight, weight.t().contiguous()), torch.mm(x, weight.t()))
+    assert torch.equal(op(x, weight, weight.t().contiguous(), bias), torch.addmm(bias, x, weight.t()))
 
 
 # ---- on a GPU ------------------------------------------------------------------------
@@ -93,6 +97,11 @@ def test_every_candidate_equals_the_float64_product_on_the_gpu(m, k, n):
     scale = exact.abs().max()
     cublas = float((torch.mm(x, weight.t()).double() - exact).abs().max() / scale)
     errors = {c: float((skinny_gemm.skinny_mm(x, weight.t().contiguous(), c).double() - exact).abs().max() / scale) for c in skinny_gemm.CANDIDATES}
+    bias = torch.randn(n, device="cuda")
+    with_bias = exact + bias.double()
+    for c in skinny_gemm.CANDIDATES:  # the bias added by the kernel (one slice) or by the sum of slices
+        got = skinny_gemm.skinny_mm(x, weight.t().contiguous(), c, bias).double()
+        errors[c, "bias"] = float((got - with_bias).abs().max() / with_bias.abs().max())
     # fp32 sums of up to 3,072 products: cuBLAS's own error is 1e-7 to 1e-6
     assert max(errors.values()) <= max(10 * cublas, 2e-6), (errors, cublas)
 

@@ -22,9 +22,12 @@ before they capture, so in practice every shape is known by then).
 
 The op takes the weight both ways, as nn.Linear stores it and transposed, so
 that where cuBLAS wins it runs exactly what the graph ran before,
-`torch.mm(x, w.t())` (the price: the layer's weight twice in memory); a linear
-layer's bias stays a separate add that Inductor fuses into the next kernel
-(`fusion.skinny_linears`).
+`torch.mm(x, w.t())` (the price: the layer's weight twice in memory), and
+optionally a bias: `engine.skinny_pass` passes the bias of the GEMMs Inductor
+kept as `addmm` (no pointwise work follows them that could take the add), and
+the kernel adds it as it writes, or cuBLAS's `addmm` runs as before; the
+engine's own pass leaves a linear layer's bias as a separate add that
+Inductor fuses into the next kernel (`fusion.skinny_linears`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 import tempfile
 import threading
 from dataclasses import asdict, dataclass
@@ -42,11 +44,12 @@ from typing import Callable
 
 import torch
 
+from opara_core.engine.capture import capture_module, time_replays
 from opara_core.engine.inductor_cache import cache_root
 
 log = logging.getLogger(__name__)
 
-KERNEL_VERSION = 2  # bump when the kernels change: the choices on disk are then timed again
+KERNEL_VERSION = 3  # bump when the kernels change: the choices on disk are then timed again
 MAX_ROWS = 128  # more rows: cuBLAS (its tiles fill the GPU; measured ties or losses at 128 on an H100)
 MIN_GAIN = 0.95  # the kernel must take at most this fraction of cuBLAS's time to be chosen
 SUM_BLOCK = 1024
@@ -93,8 +96,10 @@ def _kernels():
     return skinny_kernels
 
 
-def skinny_mm(x: torch.Tensor, weight_t: torch.Tensor, config: SkinnyConfig, precision: str = "ieee") -> torch.Tensor:
-    """x [M, K] @ weight_t [K, N] with the kernel (a GPU, fp32, any strides)."""
+def skinny_mm(
+    x: torch.Tensor, weight_t: torch.Tensor, config: SkinnyConfig, bias: torch.Tensor | None = None, precision: str = "ieee"
+) -> torch.Tensor:
+    """x [M, K] @ weight_t [K, N] (+ bias [N]) with the kernel (a GPU, fp32, any strides)."""
     (m, k), (k2, n) = x.shape, weight_t.shape
     if k != k2:
         raise ValueError(f"skinny_mm: x is {m}x{k}, the transposed weight {k2}x{n}")
@@ -106,44 +111,26 @@ def skinny_mm(x: torch.Tensor, weight_t: torch.Tensor, config: SkinnyConfig, pre
     target = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     tile_m = block_m(m)
     kernels.skinny_mm[(-(-n // config.block_n), -(-m // tile_m), split)](
-        x, weight_t, target, m, n, k, per,
+        x, weight_t, out if bias is None else bias, target, m, n, k, per,
         x.stride(0), x.stride(1), weight_t.stride(0), weight_t.stride(1),
         target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
-        PRECISION=precision, BLOCK_M=tile_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        HAS_BIAS=bias is not None and split == 1, PRECISION=precision, BLOCK_M=tile_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if split > 1:
-        kernels.sum_splits[(-(-m * n // SUM_BLOCK),)](target, out, m * n, SPLIT_K=split, BLOCK=SUM_BLOCK)
+        kernels.sum_splits[(-(-m * n // SUM_BLOCK),)](
+            target, out if bias is None else bias, out, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK
+        )
     return out
 
 
 # ---- timing ------------------------------------------------------------------------------
 
 
-def per_call_ms(calls: list[Callable[[], object]], replays: int = 5, repeats: int = 3) -> float:
-    """Median ms per call of `calls` captured back to back in one CUDA graph
-    (warmed up on a side stream first, as capture requires)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls[:2]:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / replays / len(calls))
-    return statistics.median(samples)
+def per_call_ms(calls: list[Callable[[], object]], seconds: float = 0.002, repeats: int = 3) -> float:
+    """Median ms per call of `calls` captured back to back in one CUDA graph."""
+    captured = capture_module(lambda: [call() for call in calls], [], None, warmup=1)
+    return time_replays(captured, seconds=seconds, repeats=repeats) / len(calls)
 
 
 def weight_copies(n: int, k: int, device: torch.device) -> list[torch.Tensor]:
@@ -236,15 +223,19 @@ def choices_for(device: torch.device) -> Choices:
     return _choices[key]
 
 
-def linear_mm(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T` (`weight_t` is `weight.t()` stored contiguous): the kernel
-    where it was measured faster, else cuBLAS."""
+def linear_mm(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T` (+ `bias`; `weight_t` is `weight.t()` stored contiguous):
+    the kernel where it was measured faster (adding a bias of one value per
+    column as it writes); else cuBLAS, `torch.addmm` with a bias (its epilogue
+    adds it, as the graph ran)."""
     m, n = x.shape[0], weight.shape[0]
     if x.is_cuda and x.dtype == weight_t.dtype == torch.float32 and 0 < m <= MAX_ROWS:
         config = choices_for(x.device).choose(m, x.shape[1], n)
         if config is not None:
-            return skinny_mm(x, weight_t, config)
-    return torch.mm(x, weight.t())
+            if bias is None or (bias.shape == (n,) and bias.is_contiguous() and bias.dtype == torch.float32):
+                return skinny_mm(x, weight_t, config, bias)
+            return skinny_mm(x, weight_t, config) + bias
+    return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
 
 
 @functools.cache
@@ -254,11 +245,11 @@ def skinny_mm_op():
     opaque kernel with a fake implementation for shapes."""
 
     @torch.library.custom_op("opara::skinny_mm", mutates_args=())
-    def op(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
-        return linear_mm(x, weight, weight_t)
+    def op(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return linear_mm(x, weight, weight_t, bias)
 
     @op.register_fake
-    def _(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    def _(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
     # the static cost model counts its FLOPs as mm's (engine.costs)

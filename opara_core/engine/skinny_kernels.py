@@ -7,7 +7,8 @@ program computes a BLOCK_M x BLOCK_N tile over one of the slices of K that the
 third grid axis numbers: with one slice it writes its result, with several it
 writes its partial sums to a workspace [SPLIT_K, M, N] that `sum_splits` adds
 up in a fixed order (the result does not depend on which program finished
-first). Products and sums are fp32 (`PRECISION` "ieee").
+first). A bias, if any, is added by whichever kernel writes the result.
+Products and sums are fp32 (`PRECISION` "ieee").
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import triton.language as tl
 
 @triton.jit
 def skinny_mm(
-    x_ptr, w_ptr, out_ptr,
+    x_ptr, w_ptr, bias_ptr, out_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_xk, stride_wk, stride_wn, stride_os, stride_om, stride_on,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -39,15 +40,19 @@ def skinny_mm(
         w = tl.load(w_ptr + kk[:, None] * stride_wk + offs_n[None, :] * stride_wn,
                     mask=(kk[:, None] < k_end) & (offs_n[None, :] < N), other=0.0)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, acc, mask=mask)
 
 
 @triton.jit
-def sum_splits(parts_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def sum_splits(parts_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(parts_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0)
     tl.store(out_ptr + offs, acc, mask=mask)

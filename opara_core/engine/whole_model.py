@@ -39,8 +39,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from opara_core.engine import skinny_gemm
 from opara_core.engine.capture import CapturedGraph, CaptureError, capture_module
 from opara_core.engine.segment_compiler import python_interpreter
+from opara_core.engine.skinny_pass import SkinnyGemmPass
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +52,24 @@ DynamicDims = Sequence[dict[int, tuple[str, int, int]]]
 
 class WholeModelInductor:
     """`torch.compile(module, dynamic=True)`; compiles on the first capture and
-    again only where a shape breaks its guards (a size of 1)."""
+    again only where a shape breaks its guards (a size of 1). With
+    `skinny_gemms` its frozen-weight GEMMs go through `opara::skinny_mm`
+    (`engine.skinny_pass`: the small-row kernel where a cell's rows are few)."""
 
     label = "whole-model inductor graph"
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, skinny_gemms: bool = True):
         self.module = module
         self.compiled = torch.compile(module, dynamic=True)
+        self.skinny_pass = SkinnyGemmPass() if skinny_gemms else None
+        if skinny_gemms:
+            skinny_gemm.skinny_mm_op()  # registered before Inductor's code (compiled or cached) calls it
 
     def capture(self, static_in: Sequence[torch.Tensor], pool: Any) -> CapturedGraph:
         """The compiled model at these inputs' shapes, as one CUDA graph in `pool`
-        (the capture's warm-up compiles what is missing)."""
-        with torch._inductor.config.patch(freezing=True):
+        (the capture's warm-up compiles what is missing, and times the shapes the
+        skinny GEMM op has not met)."""
+        with torch._inductor.config.patch(freezing=True, post_grad_custom_post_pass=self.skinny_pass):
             return _capture(self.compiled, static_in, pool, "the whole-model Inductor graph")
 
 

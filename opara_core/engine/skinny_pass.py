@@ -1,0 +1,103 @@
+"""Inductor's own graph with frozen weights: its GEMMs through `opara::skinny_mm`.
+
+`fusion.skinny_linears` gives the engine's graphs the small-row GEMM kernel
+(`engine.skinny_gemm`) before Inductor compiles them. The whole-model graph
+that variable-length serving compiles (`engine.whole_model`) is traced by
+`torch.compile` itself, so the same rewrite runs as Inductor's post-grad custom
+pass: after freezing, where every linear weight is a constant (folded to its
+transposed view, [K, N]) and Inductor has already merged the linear layers
+that share an input (BERT's q, k and v: one GEMM of N 2304). Each `mm` or
+`addmm` whose right operand is such an fp32 CUDA constant becomes the op,
+given the bias of an `addmm` (Inductor keeps `addmm` only where no pointwise
+work follows that could take the add: the kernel adds it as it writes, cuBLAS
+in its epilogue as before; a separate add there cost BERT's 512 x 8 cell 2.3%,
+19.33 against 18.89 ms on an H100, 2026-11-26). The op
+picks the kernel or cuBLAS per row count when it runs, so one graph with
+dynamic sizes serves every cell: the kernel where the cell's rows are few and
+it measured faster, cuBLAS's `mm` (what Inductor ran) elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.fx import Graph, GraphModule, Node
+
+from opara_core.engine import skinny_gemm
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+
+
+class SkinnyGemmPass(CustomGraphPass):
+    """For `torch._inductor.config.post_grad_custom_post_pass`. Its uuid (this
+    file's and the op's source, the devices) keys Inductor's FX graph cache, so
+    a change of either compiles again. `devices`: where GEMMs are rewritten (on
+    a CPU the op is `torch.mm`: only tests want it there); `rewritten` counts
+    the GEMMs of every graph it saw."""
+
+    def __init__(self, devices: tuple[str, ...] = ("cuda",)):
+        self.devices = devices
+        self.rewritten = 0
+
+    def __call__(self, graph: Graph) -> None:
+        count = rewrite_frozen_gemms(graph, self.devices)
+        self.rewritten += count
+        log.debug("%d frozen-weight GEMMs through opara::skinny_mm", count)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__, skinny_gemm.__file__), extra=",".join(self.devices))
+
+
+def rewrite_frozen_gemms(graph: Graph, devices: tuple[str, ...] = ("cuda",)) -> int:
+    """Route every GEMM with a constant fp32 right operand on one of `devices`
+    through the op; the number rewritten."""
+    gm = graph.owning_module
+    count = 0
+    for node in list(graph.nodes):
+        weight_t = _frozen_right_operand(gm, node, devices)
+        if weight_t is None:
+            continue
+        with graph.inserting_before(node):
+            weight = _constant(gm, graph, weight_t.t(), "skinny_w", like=node.args[-2])
+            stored = node.args[-1] if weight_t.is_contiguous() else _constant(gm, graph, weight_t.contiguous(), "skinny_w_t", like=node.args[-2])
+            bias = (node.args[0],) if node.target is aten.addmm.default else ()
+            result = graph.call_function(skinny_gemm.skinny_mm_op(), (node.args[-2], weight, stored, *bias))
+            result.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(result)
+        graph.erase_node(node)
+        count += 1
+    graph.eliminate_dead_code()
+    return count
+
+
+def _frozen_right_operand(gm: GraphModule, node: Node, devices: tuple[str, ...]) -> torch.Tensor | None:
+    """W of `mm(x, W)` or `addmm(b, x, W)` (default alpha and beta) where W is a
+    2-D fp32 constant on one of `devices` and x fp32; None for anything else."""
+    if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default) or node.kwargs:
+        return None
+    right, left = node.args[-1], node.args[-2]
+    if not isinstance(right, Node) or right.op != "get_attr" or not isinstance(left, Node):
+        return None
+    weight_t = getattr(gm, right.target, None)
+    left_val = left.meta.get("val")
+    if not isinstance(weight_t, torch.Tensor) or not isinstance(left_val, torch.Tensor) or "val" not in node.meta:
+        return None
+    if weight_t.dim() != 2 or weight_t.device.type not in devices or weight_t.dtype != torch.float32 or left_val.dtype != torch.float32:
+        return None
+    return weight_t
+
+
+def _constant(gm: GraphModule, graph: Graph, tensor: torch.Tensor, hint: str, like: Node) -> Node:
+    """A new constant attribute of `gm` and the get_attr node that reads it."""
+    index = 0
+    while hasattr(gm, f"_opara_{hint}_{index}"):
+        index += 1
+    name = f"_opara_{hint}_{index}"
+    gm.register_buffer(name, tensor.detach())
+    node = graph.get_attr(name)
+    node.meta["val"] = like.meta["val"].fake_mode.from_tensor(tensor, static_shapes=True)
+    return node

@@ -1,0 +1,125 @@
+"""engine.skinny_pass: Inductor's frozen-weight GEMMs routed through
+`opara::skinny_mm`, on the CPU (the op is `torch.mm` there) and, on a GPU, the
+whole-model graph that variable-length serving captures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from opara_core.engine import skinny_gemm
+from opara_core.engine.skinny_pass import SkinnyGemmPass
+from opara_core.models.hf import BertLastHiddenState
+
+LAYERS = 2
+LINEARS_PER_LAYER = 6  # query, key, value, attention output, intermediate, output
+
+
+def tiny_bert() -> torch.nn.Module:
+    config = transformers.BertConfig(
+        num_hidden_layers=LAYERS, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=100, attn_implementation="sdpa"
+    )
+    torch.manual_seed(0)
+    return BertLastHiddenState(transformers.BertModel(config, add_pooling_layer=False)).eval()
+
+
+def bert_inputs(batch: int, length: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(batch * 1000 + length)
+    ids = torch.randint(0, 100, (batch, length), generator=generator)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[0, length // 2 :] = 0
+    return ids.to(device), mask.to(device)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How often the op's implementation ran (it still computes: a spy)."""
+    counted = {"n": 0}
+    real = skinny_gemm.linear_mm
+
+    def counting(*args):
+        counted["n"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(skinny_gemm, "linear_mm", counting)
+    return counted
+
+
+def compiled_with(module: torch.nn.Module, graph_pass: SkinnyGemmPass):
+    """`module` as the whole-model path compiles it, with `graph_pass` (on the
+    CPU without Inductor's prepacked mkldnn weights, so GEMMs stay GEMMs)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(module, dynamic=True)
+    patch = torch._inductor.config.patch(
+        {"freezing": True, "post_grad_custom_post_pass": graph_pass, "cpp.weight_prepack": False, "force_disable_caches": True}
+    )
+    return compiled, patch
+
+
+def test_every_linear_layer_runs_through_the_op_and_answers_as_eager(calls):
+    module = tiny_bert()
+    graph_pass = SkinnyGemmPass(devices=("cpu",))
+    skinny_gemm.skinny_mm_op()
+    compiled, patch = compiled_with(module, graph_pass)
+    with patch, torch.inference_mode():
+        got = compiled(*bert_inputs(2, 16))
+        assert graph_pass.rewritten == LAYERS * LINEARS_PER_LAYER
+        assert calls["n"] == LAYERS * LINEARS_PER_LAYER
+        for batch, length in [(2, 16), (3, 37)]:  # dynamic sizes: the same graph, other rows
+            x = bert_inputs(batch, length)
+            got = compiled(*x)
+            torch.testing.assert_close(got, module(*x), rtol=1e-5, atol=1e-5)
+
+
+def test_only_constant_fp32_weights_on_the_named_devices_are_rewritten(calls):
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 8)
+            self.wide = torch.nn.Linear(8, 8).to(torch.float64)
+
+        def forward(self, x, y):
+            # x @ y: both operands inputs (no constant weight); the float64 layer: not fp32
+            return self.layer(x) + (x @ y) + self.wide(x.double()).float()
+
+    module = Mixed().eval()
+    x, y = torch.randn(4, 8), torch.randn(8, 8)
+    for devices, expected in [(("cpu",), 1), (("cuda",), 0)]:
+        graph_pass = SkinnyGemmPass(devices=devices)
+        compiled, patch = compiled_with(module, graph_pass)
+        with patch, torch.inference_mode():
+            torch.testing.assert_close(compiled(x, y), module(x, y))
+        assert graph_pass.rewritten == expected
+
+
+def test_the_cache_key_follows_the_devices():
+    assert SkinnyGemmPass().uuid() == SkinnyGemmPass().uuid()
+    assert SkinnyGemmPass(devices=("cpu",)).uuid() != SkinnyGemmPass().uuid()
+
+
+@pytest.mark.gpu
+def test_the_served_whole_model_graph_takes_the_kernel_and_answers_as_eager(tmp_path, monkeypatch, calls):
+    from opara_core.engine.whole_model import WholeModelInductor
+
+    monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(skinny_gemm, "_choices", {})
+    torch._dynamo.reset()
+    module = tiny_bert().cuda()
+    whole = WholeModelInductor(module)
+    pool = torch.cuda.graph_pool_handle()
+    for batch, length in [(1, 16), (2, 16), (4, 64)]:  # 16, 32 and 256 rows
+        x = bert_inputs(batch, length, "cuda")
+        captured = whole.capture([t.clone() for t in x], pool)
+        fresh = bert_inputs(batch, length + 0, "cuda")
+        fresh[0].random_(0, 100)
+        for static, value in zip(captured.inputs, fresh):
+            static.copy_(value)
+        captured.replay()
+        torch.cuda.synchronize()
+        with torch.inference_mode():
+            torch.testing.assert_close(captured.outputs[0], module(*fresh), rtol=1e-4, atol=1e-4)
+    assert whole.skinny_pass.rewritten > 0 and calls["n"] > 0
+    # every row count the cells met was timed outside the captures, and kept
+    known = skinny_gemm.choices_for(torch.device("cuda")).known
+    assert {int(shape.split(",")[0]) for shape in known} == {16, 32}  # 256 rows: cuBLAS without timing
