@@ -4,6 +4,13 @@ whole-model graph that variable-length serving captures."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -91,6 +98,48 @@ def test_only_constant_fp32_weights_on_the_named_devices_are_rewritten(calls):
         with patch, torch.inference_mode():
             torch.testing.assert_close(compiled(x, y), module(x, y))
         assert graph_pass.rewritten == expected
+
+
+# one start of a process: the tiny BERT compiled with the pass and Inductor's
+# caches in the directory given, run once
+ONE_START = textwrap.dedent(
+    """
+    import json, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    from test_skinny_pass import tiny_bert, bert_inputs
+    from torch._dynamo.utils import counters
+    from opara_core.engine import skinny_gemm
+    from opara_core.engine.skinny_pass import SkinnyGemmPass
+    calls = []
+    real = skinny_gemm.linear_mm
+    skinny_gemm.linear_mm = lambda *args: calls.append(1) or real(*args)
+    skinny_gemm.skinny_mm_op()
+    module = tiny_bert()
+    graph_pass = SkinnyGemmPass(devices=("cpu",))
+    config = {"freezing": True, "post_grad_custom_post_pass": graph_pass, "cpp.weight_prepack": False}
+    with torch._inductor.config.patch(config), torch.inference_mode():
+        x = bert_inputs(2, 16)
+        error = float((torch.compile(module, dynamic=True)(*x) - module(*x)).abs().max())
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    print(json.dumps({"error": error, "rewritten": graph_pass.rewritten, "calls": len(calls), "hits": hits}))
+    """
+)
+
+
+def test_a_later_start_loads_the_rewritten_graph_from_inductors_cache(tmp_path):
+    # the pass adds constants (the transposed weights) after the cache key is taken:
+    # a cache hit must still find them, and still call the op
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    starts = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", ONE_START, str(Path(__file__).parent)], capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        starts.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, later = starts
+    assert first["hits"] == 0 and first["rewritten"] == LAYERS * LINEARS_PER_LAYER
+    assert later["hits"] == 1 and later["rewritten"] == 0  # compiled code from the cache: no pass ran
+    assert later["calls"] == first["calls"] == LAYERS * LINEARS_PER_LAYER
+    assert later["error"] <= 1e-5
 
 
 def test_the_cache_key_follows_the_devices():
