@@ -67,10 +67,12 @@ def rewrite_frozen_gemms(graph: Graph, devices: tuple[str, ...] = ("cuda",)) -> 
             bias = (node.args[0],) if node.target is aten.addmm.default else ()
             result = graph.call_function(skinny_gemm.skinny_mm_op(), (node.args[-2], weight, stored, *bias))
             result.meta["val"] = node.meta["val"]
+        right = node.args[-1]
         node.replace_all_uses_with(result)
         graph.erase_node(node)
+        if not right.users:  # only the weight read as it was; nothing else is removed
+            graph.erase_node(right)
         count += 1
-    graph.eliminate_dead_code()
     return count
 
 
