@@ -26,6 +26,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch.fx import Graph, GraphModule, Node
 
 from opara_core.engine import skinny_gemm
+from opara_core.engine.fusion import _add_constant, _constant
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,8 @@ def rewrite_frozen_gemms(graph: Graph, devices: tuple[str, ...] = ("cuda",)) -> 
         if weight_t is None:
             continue
         with graph.inserting_before(node):
-            weight = _constant(gm, graph, weight_t.t(), "skinny_w", like=node.args[-2])
-            stored = node.args[-1] if weight_t.is_contiguous() else _constant(gm, graph, weight_t.contiguous(), "skinny_w_t", like=node.args[-2])
+            weight = _add_constant(gm, weight_t.t(), "skinny_w")
+            stored = node.args[-1] if weight_t.is_contiguous() else _add_constant(gm, weight_t.contiguous(), "skinny_w_t")
             bias = (node.args[0],) if node.target is aten.addmm.default else ()
             result = graph.call_function(skinny_gemm.skinny_mm_op(), (node.args[-2], weight, stored, *bias))
             result.meta["val"] = node.meta["val"]
@@ -81,25 +82,11 @@ def _frozen_right_operand(gm: GraphModule, node: Node, devices: tuple[str, ...])
     2-D fp32 constant on one of `devices` and x fp32; None for anything else."""
     if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default) or node.kwargs:
         return None
-    right, left = node.args[-1], node.args[-2]
-    if not isinstance(right, Node) or right.op != "get_attr" or not isinstance(left, Node):
-        return None
-    weight_t = getattr(gm, right.target, None)
-    left_val = left.meta.get("val")
-    if not isinstance(weight_t, torch.Tensor) or not isinstance(left_val, torch.Tensor) or "val" not in node.meta:
+    weight_t, left = _constant(gm, node.args[-1]), node.args[-2]
+    left_val = left.meta.get("val") if isinstance(left, Node) else None
+    if weight_t is None or not isinstance(left_val, torch.Tensor) or "val" not in node.meta:
         return None
     if weight_t.dim() != 2 or weight_t.device.type not in devices or weight_t.dtype != torch.float32 or left_val.dtype != torch.float32:
         return None
     return weight_t
 
-
-def _constant(gm: GraphModule, graph: Graph, tensor: torch.Tensor, hint: str, like: Node) -> Node:
-    """A new constant attribute of `gm` and the get_attr node that reads it."""
-    index = 0
-    while hasattr(gm, f"_opara_{hint}_{index}"):
-        index += 1
-    name = f"_opara_{hint}_{index}"
-    gm.register_buffer(name, tensor.detach())
-    node = graph.get_attr(name)
-    node.meta["val"] = like.meta["val"].fake_mode.from_tensor(tensor, static_shapes=True)
-    return node
