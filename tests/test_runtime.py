@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -93,3 +95,62 @@ def test_graph_runner_equals_eager_on_every_bucket_and_chunks(entry, gpu_graphs,
     with torch.inference_mode():
         expected = gpu_module(x.to(device)).cpu()
     assert max_relative_error(out.cpu(), expected) <= 1e-4
+
+
+def test_packed_inputs_need_one_dtype():
+    ids = zoo.TensorSpec("ids", torch.int64, (4,))
+    assert runtime.PackedInputs.fits([ids, zoo.TensorSpec("mask", torch.int64, (4,))])
+    assert not runtime.PackedInputs.fits([ids, zoo.TensorSpec("dense", torch.float32, (4,))])
+    with pytest.raises(ValueError, match="one dtype"):
+        runtime.PackedInputs([ids, zoo.TensorSpec("dense", torch.float32, (4,))], 2, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_packed_inputs_are_copied_up_by_the_graph_and_refilled_only_after_it_read_them():
+    """Rows written into the host views reach the captured graph (inputs of
+    different shapes, one buffer, the copy captured as its prologue); a refill
+    waits for the replay that reads them, even while a long kernel delays it."""
+    device = torch.device("cuda")
+    specs = [zoo.TensorSpec("ids", torch.int64, (5,)), zoo.TensorSpec("mask", torch.int64, (5,)), zoo.TensorSpec("decoder", torch.int64, (3,))]
+    packed = runtime.PackedInputs(specs, 2, device)
+    assert [tuple(v.shape) for v in packed.host_inputs] == [(2, 5), (2, 5), (2, 3)]
+    assert all(v.is_pinned() for v in packed.host_inputs)
+
+    def model(ids, mask, decoder):
+        return ids * mask, decoder + 1
+
+    captured = capture_module(lambda *x: (packed.copy_up(), model(*x))[1], packed.device_inputs, None, warmup=1)
+    first = [torch.arange(10).view(2, 5), torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]), torch.arange(6).view(2, 3) + 7]
+    for view, rows in zip(packed.refill(), first):
+        view.copy_(rows)
+    torch.cuda._sleep(50_000_000)  # the replay queues behind this
+    captured.replay()
+    packed.replayed()
+    second = packed.refill()  # waits for that replay, then zeroes
+    assert all(int(v.abs().sum()) == 0 for v in second)
+    ids_times_mask, decoder = (out.cpu() for out in captured.outputs)
+    assert torch.equal(ids_times_mask, first[0] * first[1]) and torch.equal(decoder, first[2] + 1)
+    second[2][1, :2] = torch.tensor([4, 9])
+    captured.replay()
+    assert captured.outputs[1].cpu().tolist() == [[1, 1, 1], [5, 10, 1]]
+    assert int(captured.outputs[0].abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_graph_runner_fills_host_inputs_of_a_graph_that_copies_them_up():
+    """GraphRunner.run on such a graph (what the guard does): each batch's own
+    answer, with outputs kept on the device between runs."""
+    device = torch.device("cuda")
+    specs = [zoo.TensorSpec("ids", torch.int64, (4,)), zoo.TensorSpec("mask", torch.int64, (4,))]
+    outputs = [zoo.TensorSpec("out", torch.int64, (4,))]
+    graphs = {}
+    for bucket in (1, 4):
+        packed = runtime.PackedInputs(specs, bucket, device)
+        captured = capture_module(lambda *x, p=packed: (p.copy_up(), x[0] * x[1] + 1)[1], packed.device_inputs, None, warmup=1)
+        graphs[bucket] = replace(captured, inputs=tuple(packed.host_inputs))
+    runner = runtime.GraphRunner(graphs, specs, outputs, device, max_batch=8)
+    for rows in (1, 3, 4, 7):
+        ids, mask = torch.randint(0, 100, (rows, 4)), torch.randint(0, 2, (rows, 4))
+        torch.cuda._sleep(10_000_000)
+        (out,) = runner.run([ids, mask], outputs_on_device=rows != 7)
+        assert torch.equal(out.cpu(), ids * mask + 1), rows

@@ -13,6 +13,7 @@ stay valid until the next `run`. The runtime only replays: graphs come from
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -124,7 +125,8 @@ class GraphRunner:
     previous batch's (valid) data, which is harmless because every served model
     treats rows independently in eval mode. A batch above the largest bucket
     runs as several chunks. A lock keeps two threads from replaying one graph
-    at once.
+    at once. A graph whose inputs are host tensors copies them up itself
+    (`PackedInputs`): the runner waits for the GPU before it refills them.
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class GraphRunner:
         self._host_in_read = torch.cuda.Event()
         self._device_in: list[torch.Tensor] | None = None  # for GPU batches above the largest bucket
         self._input_specs = tuple(inputs)
+        self._inputs_on_host = any(t.device.type == "cpu" for captured in graphs.values() for t in captured.inputs)
         self._lock = threading.Lock()
         self.info = RunnerInfo("cuda-graph", str(device), self.buckets)
         self.batches: Counter[int] = Counter()  # bucket -> replays
@@ -169,6 +172,7 @@ class GraphRunner:
                 self._host_in_read.synchronize()  # returns at once unless that copy is still queued
             if n <= self.buckets[-1]:
                 captured = self._graph_for(n)
+                self._wait_inputs_read()
                 staged = captured.inputs if on_gpu else self._host_in
                 for blocks, buffer, static in zip(inputs, staged, captured.inputs):
                     gather(blocks, buffer)
@@ -192,6 +196,11 @@ class GraphRunner:
         self.padded_rows += bucket - rows
         return self.graphs[bucket]
 
+    def _wait_inputs_read(self) -> None:
+        """Graphs with host inputs read them when they replay: the last replay must have run."""
+        if self._inputs_on_host:
+            torch.cuda.current_stream(self.device).synchronize()
+
     def _staging_for(self, on_gpu: bool) -> list[torch.Tensor]:
         if not on_gpu:
             return self._host_in
@@ -205,12 +214,60 @@ class GraphRunner:
         while done < n:
             rows = min(n - done, self.buckets[-1])
             captured = self._graph_for(rows)
+            self._wait_inputs_read()
             for static, staged in zip(captured.inputs, batch):
                 static[:rows].copy_(staged[done : done + rows], non_blocking=True)
             captured.replay()
             for host, out in zip(self._host_out, captured.outputs):
                 host[done : done + rows].copy_(out[:rows], non_blocking=True)
             done += rows
+
+
+class PackedInputs:
+    """A graph's static inputs as views of one device buffer, filled from a
+    pinned host twin of the same layout by a copy captured at the head of the
+    graph (`copy_up`, the graph's prologue): a caller that assembles its batch
+    row by row writes the rows into `refill()`'s host views and replays, one
+    submission to the GPU per batch. The host views are the graph's inputs
+    (`CapturedGraph.inputs`), so `GraphRunner.run` fills them as well.
+
+    For the variable-length path, where a lone request's host time before the
+    launch is latency: a 16-token BERT request's replay was queued 85 us after
+    `VarLenRunners.run` began, against 170 with each input padded into a tensor
+    of its own and sent by `GraphRunner.run` (staging, one transfer per input),
+    and a copy outside the graph cost 59 us on the host after 1 ms of idle GPU
+    (H100, 2026-11-27, scripts/varlen_host_profile.py; docs/benchmarks.md,
+    variable lengths run 9). The inputs must share a dtype (`fits`)."""
+
+    def __init__(self, specs: Sequence[TensorSpec], rows: int, device: torch.device):
+        if not self.fits(specs):
+            raise ValueError(f"packed inputs need one dtype, got {sorted({str(s.dtype) for s in specs})}")
+        sizes = [rows * math.prod(s.shape) for s in specs]
+        dtype = specs[0].dtype
+        self.host = torch.zeros(sum(sizes), dtype=dtype, pin_memory=True)
+        self.device = torch.empty(sum(sizes), dtype=dtype, device=device)
+        shapes = [(rows, *s.shape) for s in specs]
+        self.host_inputs = [v.view(shape) for v, shape in zip(self.host.split(sizes), shapes)]
+        self.device_inputs = [v.view(shape) for v, shape in zip(self.device.split(sizes), shapes)]
+        self._read = torch.cuda.Event()  # recorded after each replay that copied `host` up
+
+    @staticmethod
+    def fits(specs: Sequence[TensorSpec]) -> bool:
+        return len({s.dtype for s in specs}) == 1
+
+    def copy_up(self) -> None:
+        """The whole host buffer into the device views (the graph's prologue)."""
+        self.device.copy_(self.host, non_blocking=True)
+
+    def refill(self) -> list[torch.Tensor]:
+        """The host views, zeroed, once the last replay that read them has (`replayed`)."""
+        self._read.synchronize()  # returns at once unless that replay is still queued
+        self.host.zero_()
+        return self.host_inputs
+
+    def replayed(self) -> None:
+        """Mark the replay just queued (on the current stream) as the host buffer's last reader."""
+        self._read.record()
 
 
 def _as_tuple(result) -> tuple[torch.Tensor, ...]:

@@ -65,12 +65,12 @@ class WholeModelInductor:
         if skinny_gemms:
             skinny_gemm.skinny_mm_op()  # registered before Inductor's code (compiled or cached) calls it
 
-    def capture(self, static_in: Sequence[torch.Tensor], pool: Any) -> CapturedGraph:
+    def capture(self, static_in: Sequence[torch.Tensor], pool: Any, prologue: Callable[[], None] | None = None) -> CapturedGraph:
         """The compiled model at these inputs' shapes, as one CUDA graph in `pool`
         (the capture's warm-up compiles what is missing, and times the shapes the
-        skinny GEMM op has not met)."""
+        skinny GEMM op has not met); `prologue`, if any, captured ahead of it."""
         with torch._inductor.config.patch(freezing=True, post_grad_custom_post_pass=self.skinny_pass):
-            return _capture(self.compiled, static_in, pool, "the whole-model Inductor graph")
+            return _capture(self.compiled, static_in, pool, "the whole-model Inductor graph", prologue)
 
 
 class WholeModelAOT:
@@ -97,9 +97,20 @@ class WholeModelAOT:
             compile_package(module, example_inputs, dims, self.path)
             self.runner = _load_package(self.path, device)
 
-    def capture(self, static_in: Sequence[torch.Tensor], pool: Any) -> CapturedGraph:
-        """The package's model at these inputs' shapes, as one CUDA graph in `pool`."""
-        return _capture(self.runner, static_in, pool, "the whole-model AOTInductor package")
+    def capture(self, static_in: Sequence[torch.Tensor], pool: Any, prologue: Callable[[], None] | None = None) -> CapturedGraph:
+        """The package's model at these inputs' shapes, as one CUDA graph in `pool`
+        (`prologue`, if any, captured ahead of it)."""
+        return _capture(self.runner, static_in, pool, "the whole-model AOTInductor package", prologue)
+
+
+def _after(prologue: Callable[[], None], model: Callable) -> Callable:
+    """`model`, with `prologue` run (and captured) ahead of it."""
+
+    def run(*inputs):
+        prologue()
+        return model(*inputs)
+
+    return run
 
 
 def _load_package(path: Path, device: torch.device) -> Callable:
@@ -113,10 +124,10 @@ def _device_index(device: torch.device) -> int:
     return -1 if device.index is None else device.index
 
 
-def _capture(model: Callable, static_in: Sequence[torch.Tensor], pool: Any, what: str) -> CapturedGraph:
+def _capture(model: Callable, static_in: Sequence[torch.Tensor], pool: Any, what: str, prologue: Callable[[], None] | None = None) -> CapturedGraph:
     try:
         with torch.inference_mode():
-            return capture_module(model, static_in, pool)
+            return capture_module(model if prologue is None else _after(prologue, model), static_in, pool)
     except CaptureError:
         raise
     except Exception as error:  # noqa: BLE001 - Dynamo and Inductor raise many kinds

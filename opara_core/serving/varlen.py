@@ -39,6 +39,7 @@ benchmarks use to compare them on one server), `compiler`, `capture`,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -54,9 +55,9 @@ import torch
 
 from opara_core import zoo
 from opara_core.engine.build import BuildReport, EngineSettings, GuardError, build_runner, check_against_eager, static_inputs
-from opara_core.engine.capture import CaptureError, GraphPool, pool_mb, time_replays
+from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, pool_mb, time_replays
 from opara_core.engine.inductor_cache import cache_root, use_inductor_cache
-from opara_core.engine.runtime import GraphRunner, Runner, RunnerInfo
+from opara_core.engine.runtime import GraphRunner, PackedInputs, Runner, RunnerInfo
 from opara_core.engine.whole_model import DynamicDims, WholeModelAOT, WholeModelInductor
 from opara_core.planning import batching
 from opara_core.planning.batching import CostTable
@@ -283,7 +284,10 @@ class VarLenRunners:
     replay one after another on one stream, under one lock, and each one's
     outputs are copied off (queued on that stream) before the next replays.
     The sub-batches of one `run` are queued without waiting for each other:
-    one synchronisation per `run`.
+    one synchronisation per `run`. The whole-model graph's cells read their
+    inputs from a pinned host buffer that the graph copies up itself
+    (`engine.runtime.PackedInputs`): a sub-batch's rows are padded straight
+    into it, and the replay is the first thing sent to the GPU.
     """
 
     def __init__(
@@ -311,6 +315,7 @@ class VarLenRunners:
         self._axes, self._batches = varlen.axes, tuple(sorted(settings.buckets))
         self._modelled = {(s, b): modelled_seconds(s, b) for s in batching.grid(varlen.axes) for b in self._batches}
         self._measured: dict[tuple[tuple[int, ...], int], float] = {}
+        self._packed: dict[tuple[tuple[int, ...], int], PackedInputs] = {}  # cells of the whole-model graph
         # "load": every shape, largest first (the smaller ones fit in the blocks it freed);
         # "first_use": the smallest only, so that the compile happens at load, not in a request
         shapes = batching.grid(varlen.axes)
@@ -373,8 +378,9 @@ class VarLenRunners:
         label = self.whole_model.label
         report = BuildReport(runner=label, inductor=self.inductor_cache)
         start = time.perf_counter()
+        packed = {b: PackedInputs(entry.inputs, b, self.device) for b in settings.buckets} if PackedInputs.fits(entry.inputs) else {}
         try:
-            graphs = {b: self.whole_model.capture(static_inputs(entry, b, self.device), self.pool.handle) for b in sorted(settings.buckets, reverse=True)}
+            graphs = {b: self._capture(entry, b, packed.get(b)) for b in sorted(settings.buckets, reverse=True)}
             runner = GraphRunner(graphs, entry.inputs, entry.outputs, self.device, self.max_batch)
             if settings.guard:
                 check_against_eager(runner, dict.fromkeys(graphs, self.whole_model.module), entry, settings.fused_tolerance)
@@ -384,7 +390,18 @@ class VarLenRunners:
             return None, report
         report.choices = dict.fromkeys(sorted(graphs), label)
         report.seconds["capture" + (" and check" if settings.guard else "")] = time.perf_counter() - start
+        self._packed.update({(shape, b): inputs for b, inputs in packed.items()})
         return runner, report
+
+    def _capture(self, entry: zoo.ZooModel, batch: int, packed: PackedInputs | None) -> CapturedGraph:
+        """One cell's graph from the whole-model graph; with packed inputs, the
+        graph copies them up itself and its inputs are the pinned host views."""
+        if packed is None:
+            return self.whole_model.capture(static_inputs(entry, batch, self.device), self.pool.handle)
+        for view, spec in zip(packed.refill(), entry.inputs):
+            view.copy_(spec.random(batch))  # valid values for the warm-up runs
+        captured = self.whole_model.capture(packed.device_inputs, self.pool.handle, prologue=packed.copy_up)
+        return dataclasses.replace(captured, inputs=tuple(packed.host_inputs))
 
     def _set_costs(self) -> None:
         """The cost table: replay timings where a shape has graphs; elsewhere (not
@@ -440,18 +457,27 @@ class VarLenRunners:
         """Pad the group's rows to its cell (shape, and batch for graphs), run them,
         queue the copy of each row's outputs, cut to its lengths, into `results`."""
         runner = self.runner_for(group.shape)
-        graphs = isinstance(runner, GraphRunner)
-        size = group.batch if graphs else len(members)  # eager runs the rows as they are
-        inputs = []
-        for k, spec in enumerate(self._inputs[group.shape]):
-            # zeros: valid ids, and masks that hide the padding; on the host, from where a graph
-            # runner copies them once through its pinned staging into its graph's inputs
-            batch = torch.zeros((size, *spec.shape), dtype=spec.dtype)
-            for i, (q, r) in enumerate(members):
-                row = requests[q].tensors[k][r]
-                batch[i, ..., : row.shape[-1]] = row
-            inputs.append(batch)
-        outputs = runner.run(inputs, outputs_on_device=True)
+        packed = self._packed.get((group.shape, group.batch))
+        size = group.batch if isinstance(runner, GraphRunner) else len(members)  # eager runs the rows as they are
+        # zeros: valid ids, and masks that hide the padding
+        if packed is not None:  # the rows straight into the cell's pinned buffer; its graph copies them up
+            for k, view in enumerate(packed.refill()):
+                for i, (q, r) in enumerate(members):
+                    row = requests[q].tensors[k][r]
+                    view[i, ..., : row.shape[-1]] = row
+            captured = runner.graphs[size]
+            captured.replay()
+            packed.replayed()
+            outputs = captured.outputs
+        else:  # on the host, from where a graph runner copies them through its staging into its graph's inputs
+            inputs = []
+            for k, spec in enumerate(self._inputs[group.shape]):
+                batch = torch.zeros((size, *spec.shape), dtype=spec.dtype)
+                for i, (q, r) in enumerate(members):
+                    row = requests[q].tensors[k][r]
+                    batch[i, ..., : row.shape[-1]] = row
+                inputs.append(batch)
+            outputs = runner.run(inputs, outputs_on_device=True)
         self.batches[f"{_label(group.shape)}x{size}"] += 1
         self.padded_rows += size - len(members)
         for i, (q, r) in enumerate(members):
