@@ -459,24 +459,15 @@ class VarLenRunners:
         runner = self.runner_for(group.shape)
         packed = self._packed.get((group.shape, group.batch))
         size = group.batch if isinstance(runner, GraphRunner) else len(members)  # eager runs the rows as they are
-        # zeros: valid ids, and masks that hide the padding
         if packed is not None:  # the rows straight into the cell's pinned buffer; its graph copies them up
-            for k, view in enumerate(packed.refill()):
-                for i, (q, r) in enumerate(members):
-                    row = requests[q].tensors[k][r]
-                    view[i, ..., : row.shape[-1]] = row
+            _pad_into(packed.refill(), members, requests)
             captured = runner.graphs[size]
             captured.replay()
             packed.replayed()
             outputs = captured.outputs
         else:  # on the host, from where a graph runner copies them through its staging into its graph's inputs
-            inputs = []
-            for k, spec in enumerate(self._inputs[group.shape]):
-                batch = torch.zeros((size, *spec.shape), dtype=spec.dtype)
-                for i, (q, r) in enumerate(members):
-                    row = requests[q].tensors[k][r]
-                    batch[i, ..., : row.shape[-1]] = row
-                inputs.append(batch)
+            inputs = [torch.zeros((size, *spec.shape), dtype=spec.dtype) for spec in self._inputs[group.shape]]
+            _pad_into(inputs, members, requests)
             outputs = runner.run(inputs, outputs_on_device=True)
         self.batches[f"{_label(group.shape)}x{size}"] += 1
         self.padded_rows += size - len(members)
@@ -486,6 +477,15 @@ class VarLenRunners:
             for out, target in zip(outputs, results[q]):
                 # before another graph of the pool replays: its intermediates may lie where these outputs are
                 target[r].copy_(out[i][tuple(slice(0, n) for n in target.shape[1:])], non_blocking=True)
+
+
+def _pad_into(batch: list[torch.Tensor], members: list[tuple[int, int]], requests: list[VarLenRequest]) -> None:
+    """Each member row (request, row) at the head of its row of the zeroed `batch`,
+    one tensor per input (zeros: valid ids, and masks that hide the padding)."""
+    for k, inputs in enumerate(batch):
+        for i, (q, r) in enumerate(members):
+            row = requests[q].tensors[k][r]
+            inputs[i, ..., : row.shape[-1]] = row
 
 
 def request_scheduler(request, default: str) -> str:
