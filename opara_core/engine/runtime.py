@@ -244,12 +244,12 @@ class PackedInputs:
             raise ValueError(f"packed inputs need one dtype, got {sorted({str(s.dtype) for s in specs})}")
         sizes = [rows * math.prod(s.shape) for s in specs]
         dtype = specs[0].dtype
-        self.host = torch.zeros(sum(sizes), dtype=dtype, pin_memory=True)
-        self.device = torch.empty(sum(sizes), dtype=dtype, device=device)
+        self.host_buffer = torch.zeros(sum(sizes), dtype=dtype, pin_memory=True)
+        self.device_buffer = torch.empty(sum(sizes), dtype=dtype, device=device)
         shapes = [(rows, *s.shape) for s in specs]
-        self.host_inputs = [v.view(shape) for v, shape in zip(self.host.split(sizes), shapes)]
-        self.device_inputs = [v.view(shape) for v, shape in zip(self.device.split(sizes), shapes)]
-        self._read = torch.cuda.Event()  # recorded after each replay that copied `host` up
+        self.host_inputs = [v.view(shape) for v, shape in zip(self.host_buffer.split(sizes), shapes)]
+        self.device_inputs = [v.view(shape) for v, shape in zip(self.device_buffer.split(sizes), shapes)]
+        self._read = torch.cuda.Event()  # recorded after each replay that copied `host_buffer` up
 
     @staticmethod
     def fits(specs: Sequence[TensorSpec]) -> bool:
@@ -257,12 +257,12 @@ class PackedInputs:
 
     def copy_up(self) -> None:
         """The whole host buffer into the device views (the graph's prologue)."""
-        self.device.copy_(self.host, non_blocking=True)
+        self.device_buffer.copy_(self.host_buffer, non_blocking=True)
 
     def refill(self) -> list[torch.Tensor]:
         """The host views, zeroed, once the last replay that read them has (`replayed`)."""
         self._read.synchronize()  # returns at once unless that replay is still queued
-        self.host.zero_()
+        self.host_buffer.zero_()
         return self.host_inputs
 
     def replayed(self) -> None:
