@@ -8,10 +8,11 @@ model (max relative error) and timed (CUDA events); the first cell of the list
 is also profiled kernel by kernel (scripts/kernel_profile.py's tables):
 
 - dynamic: the served graph (`engine.whole_model`: one `torch.compile` with
-  dynamic sizes and freezing, its GEMMs through the skinny GEMM op), every cell
-  captured from it, with cuBLAS and with cuBLASLt
-  (`torch.backends.cuda.preferred_blas_library`); dynamic-plain: the same
-  without the op (Inductor's own GEMMs);
+  dynamic sizes and freezing, its GEMMs through the skinny GEMM op, its
+  attention through the short-attention op), every cell captured from it, with
+  cuBLAS and with cuBLASLt (`torch.backends.cuda.preferred_blas_library`);
+  dynamic-no-attention: without the attention op; dynamic-plain: without
+  either op (Inductor's own graph);
 - static: `torch.compile` at each of the first three cells' fixed shapes, both libraries;
 - autotune: `max-autotune-no-cudagraphs` at the first cell (Inductor's Triton
   GEMM templates against the library's), if `--budget` leaves 200 s for it.
@@ -35,7 +36,7 @@ from opara_core.engine.whole_model import WholeModelInductor  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", default="bert", choices=("bert", "t5"))
-parser.add_argument("--parts", default="dynamic,static,autotune", help="of dynamic, dynamic-plain, static, autotune")
+parser.add_argument("--parts", default="dynamic,static,autotune", help="of dynamic, dynamic-no-attention, dynamic-plain, static, autotune")
 parser.add_argument("--blas", default="cublas,cublaslt", help="the libraries the dynamic parts are captured with")
 parser.add_argument("--budget", type=float, default=400.0, help="seconds; later parts are skipped when too few are left")
 parser.add_argument("--json", type=Path, default=Path("out/cells.json"), help="results; kernel traces go beside it")
@@ -97,13 +98,14 @@ def blas(name):
 
 PARTS = args.parts.split(",")
 LIBRARIES = args.blas.split(",")
-# 1. the served graph: one dynamic whole-model compile (its GEMMs through the
-# skinny GEMM op; "dynamic-plain": without it), every cell captured from it
-for part, skinny in (("dynamic", True), ("dynamic-plain", False)):
+# 1. the served graph: one dynamic whole-model compile (its GEMMs through the skinny
+# GEMM op, its attention through the short-attention op; without one or both), every
+# cell captured from it
+for part, skinny, attention in (("dynamic", True, True), ("dynamic-no-attention", True, False), ("dynamic-plain", False, False)):
     if part not in PARTS:
         continue
     start = time.perf_counter()
-    whole = WholeModelInductor(module, skinny_gemms=skinny)
+    whole = WholeModelInductor(module, skinny_gemms=skinny, short_attention=attention)
     pool = torch.cuda.graph_pool_handle()
     keep = []
     for shape, batch in SHAPES:

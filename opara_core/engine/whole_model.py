@@ -39,9 +39,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
 from opara_core.engine import skinny_gemm
 from opara_core.engine.capture import CapturedGraph, CaptureError, capture_module
 from opara_core.engine.segment_compiler import python_interpreter
+from opara_core.engine.short_attention import ShortAttentionPass, short_attention_op
 from opara_core.engine.skinny_pass import SkinnyGemmPass
 
 log = logging.getLogger(__name__)
@@ -54,23 +57,47 @@ class WholeModelInductor:
     """`torch.compile(module, dynamic=True)`; compiles on the first capture and
     again only where a shape breaks its guards (a size of 1). With
     `skinny_gemms` its frozen-weight GEMMs go through `opara::skinny_mm`
-    (`engine.skinny_pass`: the small-row kernel where a cell's rows are few)."""
+    (`engine.skinny_pass`: the small-row kernel where a cell's rows are few),
+    with `short_attention` its efficient-attention calls through
+    `opara::short_attention` (`engine.short_attention`: a small kernel where a
+    cell's sequences are short)."""
 
     label = "whole-model inductor graph"
 
-    def __init__(self, module: torch.nn.Module, skinny_gemms: bool = True):
+    def __init__(self, module: torch.nn.Module, skinny_gemms: bool = True, short_attention: bool = True):
         self.module = module
         self.compiled = torch.compile(module, dynamic=True)
         self.skinny_pass = SkinnyGemmPass() if skinny_gemms else None
+        self.attention_pass = ShortAttentionPass() if short_attention else None
+        # the ops are registered before Inductor's code (compiled or cached) calls them
         if skinny_gemms:
-            skinny_gemm.skinny_mm_op()  # registered before Inductor's code (compiled or cached) calls it
+            skinny_gemm.skinny_mm_op()
+        if short_attention:
+            short_attention_op()
+        passes = tuple(p for p in (self.skinny_pass, self.attention_pass) if p is not None)
+        self.post_grad_pass = InOrder(passes) if passes else None
 
     def capture(self, static_in: Sequence[torch.Tensor], pool: Any, prologue: Callable[[], None] | None = None) -> CapturedGraph:
         """The compiled model at these inputs' shapes, as one CUDA graph in `pool`
         (the capture's warm-up compiles what is missing, and times the shapes the
         skinny GEMM op has not met); `prologue`, if any, captured ahead of it."""
-        with torch._inductor.config.patch(freezing=True, post_grad_custom_post_pass=self.skinny_pass):
+        with torch._inductor.config.patch(freezing=True, post_grad_custom_post_pass=self.post_grad_pass):
             return _capture(self.compiled, static_in, pool, "the whole-model Inductor graph", prologue)
+
+
+class InOrder(CustomGraphPass):
+    """Inductor takes one post-grad custom pass: these, one after the other,
+    keyed for its FX graph cache by all their uuids."""
+
+    def __init__(self, passes: Sequence[CustomGraphPass]):
+        self.passes = tuple(passes)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for graph_pass in self.passes:
+            graph_pass(graph)
+
+    def uuid(self) -> bytes:
+        return hashlib.sha256(b"".join(graph_pass.uuid() for graph_pass in self.passes)).digest()
 
 
 class WholeModelAOT:
