@@ -192,32 +192,18 @@ def test_the_kernel_equals_float64_on_the_gpu_as_closely_as_the_efficient_kernel
 
 @pytest.mark.gpu
 def test_the_served_whole_model_graph_takes_the_kernel_and_answers_as_eager(tmp_path, monkeypatch):
-    from test_skinny_pass import bert_inputs, tiny_bert
+    from test_skinny_pass import bert_inputs, replay_against_eager, spy, tiny_bert
 
     from opara_core.engine.whole_model import WholeModelInductor
 
     monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
-    ran = {"kernel": 0}
-    real = short_attention.kernel_attention
-
-    def counting(*args):
-        ran["kernel"] += 1
-        return real(*args)
-
-    monkeypatch.setattr(short_attention, "kernel_attention", counting)
+    ran = spy(monkeypatch, short_attention, "kernel_attention")
     torch._dynamo.reset()
     module = tiny_bert().cuda()
     whole = WholeModelInductor(module)
     pool = torch.cuda.graph_pool_handle()
     for batch, length in [(1, 16), (2, 32), (2, 64)]:  # the kernel at 16 and 32 tokens; 64: the efficient kernel
-        before = ran["kernel"]
+        before = ran["n"]
         captured = whole.capture([t.clone() for t in bert_inputs(batch, length, "cuda")], pool)
-        assert (ran["kernel"] > before) == (length <= short_attention.MAX_TOKENS)
-        fresh = bert_inputs(batch, length, "cuda")
-        fresh[0].random_(0, 100)
-        for static, value in zip(captured.inputs, fresh):
-            static.copy_(value)
-        captured.replay()
-        torch.cuda.synchronize()
-        with torch.inference_mode():
-            torch.testing.assert_close(captured.outputs[0], module(*fresh), rtol=1e-4, atol=1e-4)
+        assert (ran["n"] > before) == (length <= short_attention.MAX_TOKENS)
+        replay_against_eager(captured, module, batch, length)

@@ -39,18 +39,35 @@ def bert_inputs(batch: int, length: int, device: str = "cpu") -> tuple[torch.Ten
     return ids.to(device), mask.to(device)
 
 
-@pytest.fixture
-def calls(monkeypatch):
-    """How often the op's implementation ran (it still computes: a spy)."""
+def spy(monkeypatch, owner, name: str) -> dict:
+    """Count the calls of `owner.name` (it still computes): {"n": calls}."""
     counted = {"n": 0}
-    real = skinny_gemm.linear_mm
+    real = getattr(owner, name)
 
     def counting(*args):
         counted["n"] += 1
         return real(*args)
 
-    monkeypatch.setattr(skinny_gemm, "linear_mm", counting)
+    monkeypatch.setattr(owner, name, counting)
     return counted
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How often the op's implementation ran."""
+    return spy(monkeypatch, skinny_gemm, "linear_mm")
+
+
+def replay_against_eager(captured, module: torch.nn.Module, batch: int, length: int) -> None:
+    """Replay a captured cell of the tiny BERT on fresh ids and compare with eager."""
+    fresh = bert_inputs(batch, length, "cuda")
+    fresh[0].random_(0, 100)
+    for static, value in zip(captured.inputs, fresh):
+        static.copy_(value)
+    captured.replay()
+    torch.cuda.synchronize()
+    with torch.inference_mode():
+        torch.testing.assert_close(captured.outputs[0], module(*fresh), rtol=1e-4, atol=1e-4)
 
 
 def compiled_with(module: torch.nn.Module, graph_pass: SkinnyGemmPass):
@@ -158,16 +175,8 @@ def test_the_served_whole_model_graph_takes_the_kernel_and_answers_as_eager(tmp_
     whole = WholeModelInductor(module)
     pool = torch.cuda.graph_pool_handle()
     for batch, length in [(1, 16), (2, 16), (4, 64)]:  # 16, 32 and 256 rows
-        x = bert_inputs(batch, length, "cuda")
-        captured = whole.capture([t.clone() for t in x], pool)
-        fresh = bert_inputs(batch, length, "cuda")
-        fresh[0].random_(0, 100)
-        for static, value in zip(captured.inputs, fresh):
-            static.copy_(value)
-        captured.replay()
-        torch.cuda.synchronize()
-        with torch.inference_mode():
-            torch.testing.assert_close(captured.outputs[0], module(*fresh), rtol=1e-4, atol=1e-4)
+        captured = whole.capture([t.clone() for t in bert_inputs(batch, length, "cuda")], pool)
+        replay_against_eager(captured, module, batch, length)
     assert whole.skinny_pass.rewritten > 0 and calls["n"] > 0
     # every row count the cells met was timed outside the captures, and kept
     known = skinny_gemm.choices_for(torch.device("cuda")).known
