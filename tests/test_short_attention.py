@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from opara_core.engine import short_attention
 from opara_core.engine.short_attention import ShortAttentionPass, rewrite_efficient_attention
@@ -105,6 +107,13 @@ def test_on_the_cpu_the_op_is_sdpa_laid_out_as_the_efficient_kernel():
     got = op(q, k, v, bias, scale=0.5)
     torch.testing.assert_close(got, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.5))
     assert got.transpose(1, 2).is_contiguous()  # [B, L, H, D] in memory
+
+
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 40), st.sampled_from(short_attention.HEAD_SIZES))
+def test_the_layout_is_known_without_allocating(batch, heads, length, size):
+    # the op returns the efficient kernel's own output as it is where these strides match
+    like = torch.empty(0)
+    assert short_attention.efficient_layout(batch, heads, length, size, like).stride() == short_attention.efficient_strides(batch, heads, length, size)
 
 
 # ---- the rewrite, on a hand-built post-grad graph (CPU SDPA has no efficient kernel to trace) ----

@@ -61,6 +61,11 @@ def efficient_layout(batch: int, heads: int, length: int, head_size: int, like: 
     return like.new_empty((batch, length, heads, head_size)).transpose(1, 2)
 
 
+def efficient_strides(batch: int, heads: int, length: int, head_size: int) -> tuple[int, int, int, int]:
+    """The strides of `efficient_layout`'s tensor, without allocating one."""
+    return (length * heads * head_size, head_size, heads * head_size, 1)
+
+
 def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + bias) v with the kernel: q [B, H, Lq, D], k and v
     [B, H, Lk, D], bias broadcastable to [B, H, Lq, Lk]; any strides; lengths up
@@ -87,8 +92,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
         result = aten._scaled_dot_product_efficient_attention(q, k, v, bias, False, scale=scale)[0]
     else:
         result = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-    out = efficient_layout(q.shape[0], q.shape[1], q.shape[2], v.shape[3], q)
-    return result if result.stride() == out.stride() else out.copy_(result)
+    sizes = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+    return result if result.stride() == efficient_strides(*sizes) else efficient_layout(*sizes, q).copy_(result)
 
 
 @functools.cache
