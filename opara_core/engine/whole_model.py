@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from opara_core.engine import skinny_gemm
