@@ -167,7 +167,7 @@ with torch.inference_mode():
     timed(capture.CapturedGraph, "replay", "replay")
     timed(runtime.GraphRunner, "run", "graph_runner_run")
     timed(runtime.PackedInputs, "refill", "refill")
-    timed(varlen.VarLenRunners, "_outputs_for", "outputs_for")
+    timed(varlen.VarLenRunners, "_run_group", "run_group")
     packed = runners._packed
     # unpacked: padded per input and run through GraphRunner.run, as before PackedInputs (it now also
     # waits for the GPU before it refills the graph's host inputs: idle by then, a few us)

@@ -243,6 +243,33 @@ def test_a_sub_batch_runs_on_a_cheaper_longer_shape_and_answers_as_eager():
         assert_close(answer[0].numpy(), reference.numpy())
 
 
+def test_each_request_is_answered_once_with_its_rows_as_their_eager_runs():
+    """Requests of one and of several rows and mixed lengths, through every
+    scheduler: `run` hands each request over to `answered` exactly once, with the
+    outputs it returns, and each row equals the eager model on that row alone."""
+    from opara_core.engine.build import EngineSettings
+    from opara_core.serving.varlen import VarLenRunners, VarLenSettings
+
+    entry = zoo.get("bert")
+    module = entry.build()
+    runners = VarLenRunners(module, entry, torch.device("cpu"), EngineSettings(buckets=(1, 2, 4)), VarLenSettings(((16, 64),)))
+    names = [s.name for s in entry.inputs]
+    requests = [check_request(entry, dict(zip(names, entry.at((n,)).example_inputs(rows, seed=n))), "dp") for n, rows in ((5, 1), (40, 3), (12, 2), (16, 1))]
+    with torch.inference_mode():
+        expected = [[module(*(t[r : r + 1] for t in request.tensors)) for r in range(request.rows)] for request in requests]
+        for scheduler in batching.SCHEDULERS:
+            for request in requests:
+                request.scheduler = scheduler
+            handed = []
+            answers = runners.run(requests, answered=lambda k, outputs: handed.append((k, outputs)))
+            assert sorted(k for k, _ in handed) == list(range(len(requests))), scheduler
+            assert all(outputs is answers[k] for k, outputs in handed)
+            for answer, rows in zip(answers, expected):
+                assert answer[0].shape == (len(rows), *rows[0].shape[1:])
+                for r, reference in enumerate(rows):
+                    assert_close(answer[0][r : r + 1].numpy(), reference.numpy())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("model", "compiler"), [("bert", "inductor"), ("bert", "engine"), ("t5", "inductor"), ("bert", "aot")])
 def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(model, compiler, strict_fp32):
@@ -267,6 +294,7 @@ def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(
     assert runners.report.measured == (set(batching.grid(axes)) if capture == "load" else {batching.grid(axes)[0]})
     shapes = [(3,), (40,), (17,), (300,), (9,)] if model == "bert" else [(3, 2), (40, 100), (17, 9), (300, 5), (9, 1)]
     requests = [check_request(entry, dict(zip((s.name for s in entry.inputs), entry.at(n).example_inputs(1, seed=k))), "dp") for k, n in enumerate(shapes)]
+    requests.append(check_request(entry, dict(zip((s.name for s in entry.inputs), entry.at(shapes[1]).example_inputs(2, seed=9))), "dp"))  # two rows
     for request in requests:
         request.tensors[1][:] = 1  # attention masks without padding of their own
     cpu_module = entry.build()

@@ -318,9 +318,8 @@ class OparaModel:
         if good:
             try:
                 with torch.inference_mode():
-                    outputs = self._run(good, on_device)
-                for (i, _), tensors in zip(good, outputs):
-                    responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
+                    for (i, _), response in zip(good, self._run(good, on_device)):
+                        responses[i] = response
                 clock.lap("respond")
             except Exception:  # noqa: BLE001 - reported per request, never as a traceback
                 log.exception("inference failed for a batch of %d requests", len(good))
@@ -358,9 +357,9 @@ class OparaModel:
                     tensors[k] = tensor.to(target, non_blocking=on_device)
         return on_device
 
-    def _run(self, good: list[tuple[int, list[torch.Tensor]]], on_device: bool = False) -> list[list]:
-        """Run the requests as one batch, split the outputs per request."""
-        pb_utils = self._pb
+    def _run(self, good: list[tuple[int, list[torch.Tensor]]], on_device: bool = False) -> list:
+        """Run the requests as one batch, split the outputs per request: a
+        response per request, in order."""
         sizes = [tensors[0].shape[0] for _, tensors in good]
         # per input, its row blocks in request order; the runner copies them
         # once into place (Triton's batcher keeps the rows <= max_batch_size)
@@ -372,9 +371,14 @@ class OparaModel:
         self.metrics.clock.lap("run")
         results, offset = [], 0
         for size in sizes:
-            results.append([pb_utils.Tensor.from_dlpack(spec.name, out[offset : offset + size]) for spec, out in zip(self.entry.outputs, outputs)])
+            results.append(self._response([out[offset : offset + size] for out in outputs]))
             offset += size
         return results
+
+    def _response(self, outputs: list[torch.Tensor]):
+        """A request's response from its outputs (model order), handed over through DLPack."""
+        tensors = [self._pb.Tensor.from_dlpack(spec.name, out) for spec, out in zip(self.entry.outputs, outputs)]
+        return self._pb.InferenceResponse(output_tensors=tensors)
 
 
 def input_tensor(tensor) -> torch.Tensor:

@@ -282,9 +282,14 @@ class VarLenRunners:
     On a GPU every shape's graphs are captured into one memory pool (largest
     shape first, so the smaller ones fit in the blocks it freed): sub-batches
     replay one after another on one stream, under one lock, and each one's
-    outputs are copied off (queued on that stream) before the next replays.
-    The sub-batches of one `run` are queued without waiting for each other:
-    one synchronisation per `run`. The whole-model graph's cells read their
+    outputs are copied off (queued on that stream) before the next replays:
+    one copy per output and sub-batch, its real rows up to their longest length,
+    into a pinned buffer whose views are the requests' outputs.
+    The sub-batches of one `run` are queued without waiting for each other;
+    then `run` waits for them in turn, and hands each request's outputs over
+    (`answered`) as soon as its last sub-batch has landed, while the later ones
+    still run: the adapter builds that request's response then, not after the
+    last replay. The whole-model graph's cells read their
     inputs from a pinned host buffer that the graph copies up itself
     (`engine.runtime.PackedInputs`): a sub-batch's rows are padded straight
     into it, and the replay is the first thing sent to the GPU.
@@ -426,36 +431,39 @@ class VarLenRunners:
             self._set_costs()
         return self.runners[shape]
 
-    def run(self, requests: list[VarLenRequest], queued: Callable[[], None] | None = None) -> list[list[torch.Tensor]]:
+    def run(
+        self,
+        requests: list[VarLenRequest],
+        queued: Callable[[], None] | None = None,
+        answered: Callable[[int, list[torch.Tensor]], None] | None = None,
+    ) -> list[list[torch.Tensor]]:
         """Each request's outputs (host tensors), rows at the request's own
         lengths. `queued` is called once every sub-batch is queued on the GPU,
-        before the wait for them (the adapter's stage clock)."""
+        before the wait for them (the adapter's stage clock); `answered(k,
+        outputs)` once request k's outputs are on the host, in the order the
+        sub-batches ran, while later sub-batches may still be running."""
         rows = [(k, r) for k, request in enumerate(requests) for r in range(request.rows)]
-        results: list[list[torch.Tensor]] = [[] for _ in requests]  # allocated once the first sub-batch is queued
+        results: list[list[torch.Tensor]] = [[] for _ in requests]
+        left = [request.rows for request in requests]
         with self._lock:
+            landings = []
             for name in sorted({request.scheduler for request in requests}):
                 chosen = [row for row in rows if requests[row[0]].scheduler == name]
                 for group in batching.SCHEDULERS[name]([requests[k].lengths for k, _ in chosen], self.costs):
-                    self._run_group(group, [chosen[i] for i in group.items], requests, results)
+                    landings.append(self._run_group(group, [chosen[i] for i in group.items], requests))
             if queued is not None:
                 queued()
-            if self._cuda:
-                torch.cuda.current_stream(self.device).synchronize()
+            for landing in landings:
+                for q, r, outputs in landing.rows():
+                    _place(results, requests[q], q, r, outputs)
+                    left[q] -= 1
+                    if left[q] == 0 and answered is not None:
+                        answered(q, results[q])
         return results
 
-    def _outputs_for(self, request: VarLenRequest) -> list[torch.Tensor]:
-        """The request's output tensors at its own lengths, on the host (pinned on a GPU host: copies to them are asynchronous)."""
-        outputs = []
-        for spec in self.entry.outputs:
-            shape = list(spec.shape)
-            if spec.name in self._along:
-                shape[0] = request.lengths[self._along[spec.name]]
-            outputs.append(torch.empty((request.rows, *shape), dtype=spec.dtype, pin_memory=self._cuda))
-        return outputs
-
-    def _run_group(self, group: batching.Group, members: list[tuple[int, int]], requests: list[VarLenRequest], results: list[list[torch.Tensor]]) -> None:
-        """Pad the group's rows to its cell (shape, and batch for graphs), run them,
-        queue the copy of each row's outputs, cut to its lengths, into `results`."""
+    def _run_group(self, group: batching.Group, members: list[tuple[int, int]], requests: list[VarLenRequest]) -> _Landing:
+        """Pad the group's rows to its cell (shape, and batch for graphs), run
+        them, queue the copy of their outputs to the host; what will land where."""
         runner = self.runner_for(group.shape)
         packed = self._packed.get((group.shape, group.batch))
         size = group.batch if isinstance(runner, GraphRunner) else len(members)  # eager runs the rows as they are
@@ -471,12 +479,53 @@ class VarLenRunners:
             outputs = runner.run(inputs, outputs_on_device=True)
         self.batches[f"{_label(group.shape)}x{size}"] += 1
         self.padded_rows += size - len(members)
-        for i, (q, r) in enumerate(members):
-            if not results[q]:  # after the launch: the allocation overlaps the replay
-                results[q] = self._outputs_for(requests[q])
-            for out, target in zip(outputs, results[q]):
-                # before another graph of the pool replays: its intermediates may lie where these outputs are
-                target[r].copy_(out[i][tuple(slice(0, n) for n in target.shape[1:])], non_blocking=True)
+        # before another graph of the pool replays (its intermediates may lie where these
+        # outputs are): the real rows, up to the longest of them, in one copy per output
+        hosts = []
+        for spec, out in zip(self.entry.outputs, outputs):
+            part = out[: len(members)]
+            if spec.name in self._along:
+                part = part[:, : max(requests[q].lengths[self._along[spec.name]] for q, _ in members)]
+            if self._cuda:
+                host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
+                host.copy_(part, non_blocking=True)  # a strided part goes through one gather on the GPU first
+                part = host
+            hosts.append(part)
+        done = torch.cuda.Event() if self._cuda else None
+        if done is not None:
+            done.record()
+        rows = [(q, r, [self._cut(spec, host[i], requests[q]) for spec, host in zip(self.entry.outputs, hosts)]) for i, (q, r) in enumerate(members)]
+        return _Landing(done, rows)
+
+    def _cut(self, spec: zoo.TensorSpec, row: torch.Tensor, request: VarLenRequest) -> torch.Tensor:
+        """One row's output at the request's own length (a view)."""
+        return row[: request.lengths[self._along[spec.name]]] if spec.name in self._along else row
+
+
+@dataclass(frozen=True)
+class _Landing:
+    """A sub-batch's outputs on their way to the host: each member row's
+    (request, row, outputs), readable once `done` (None: already there)."""
+
+    done: torch.cuda.Event | None
+    members: list[tuple[int, int, list[torch.Tensor]]]
+
+    def rows(self) -> list[tuple[int, int, list[torch.Tensor]]]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.members
+
+
+def _place(results: list[list[torch.Tensor]], request: VarLenRequest, q: int, r: int, row: list[torch.Tensor]) -> None:
+    """Row r of request q into `results`: a one-row request's outputs are views
+    of its sub-batch's host buffer; rows of a larger one are copied together."""
+    if request.rows == 1:
+        results[q] = [out.unsqueeze(0) for out in row]
+        return
+    if not results[q]:
+        results[q] = [torch.empty((request.rows, *out.shape), dtype=out.dtype) for out in row]
+    for target, out in zip(results[q], row):
+        target[r].copy_(out)
 
 
 def _pad_into(batch: list[torch.Tensor], members: list[tuple[int, int]], requests: list[VarLenRequest]) -> None:
@@ -520,11 +569,17 @@ class VarLenModel(OparaModel):
     def _place(self, good: list) -> bool:
         return False  # each request was brought to the host by _request; the runners copy it up
 
-    def _run(self, good: list[tuple[int, VarLenRequest]], on_device: bool = False) -> list[list]:
-        # stage: schedule, pad, queue every sub-batch (copy up, replay, copy back); run: wait for them
-        outputs = self.runner.run([request for _, request in good], queued=lambda: self.metrics.clock.lap("stage"))
-        self.metrics.clock.lap("run")
-        return [
-            [self._pb.Tensor.from_dlpack(spec.name, tensor.contiguous()) for spec, tensor in zip(self.entry.outputs, outs)]
-            for outs in outputs
-        ]
+    def _run(self, good: list[tuple[int, VarLenRequest]], on_device: bool = False) -> list:
+        # stage: schedule, pad, queue every sub-batch (copy up, replay, copy back); then, sub-batch
+        # by sub-batch, run: wait for its outputs, respond: its requests' responses, while the
+        # later sub-batches still run on the GPU
+        clock = self.metrics.clock
+        responses: list = [None] * len(good)
+
+        def answered(k: int, outputs: list[torch.Tensor]) -> None:
+            clock.lap("run")
+            responses[k] = self._response([tensor.contiguous() for tensor in outputs])
+            clock.lap("respond")
+
+        self.runner.run([request for _, request in good], queued=lambda: clock.lap("stage"), answered=answered)
+        return responses
