@@ -321,6 +321,7 @@ class VarLenRunners:
         self._modelled = {(s, b): modelled_seconds(s, b) for s in batching.grid(varlen.axes) for b in self._batches}
         self._measured: dict[tuple[tuple[int, ...], int], float] = {}
         self._packed: dict[tuple[tuple[int, ...], int], PackedInputs] = {}  # cells of the whole-model graph
+        self._events: list[torch.cuda.Event] = []  # see _landed
         # "load": every shape, largest first (the smaller ones fit in the blocks it freed);
         # "first_use": the smallest only, so that the compile happens at load, not in a request
         shapes = batching.grid(varlen.axes)
@@ -450,7 +451,7 @@ class VarLenRunners:
             for name in sorted({request.scheduler for request in requests}):
                 chosen = [row for row in rows if requests[row[0]].scheduler == name]
                 for group in batching.SCHEDULERS[name]([requests[k].lengths for k, _ in chosen], self.costs):
-                    landings.append(self._run_group(group, [chosen[i] for i in group.items], requests))
+                    landings.append(self._run_group(group, [chosen[i] for i in group.items], requests, len(landings)))
             if queued is not None:
                 queued()
             for landing in landings:
@@ -461,7 +462,7 @@ class VarLenRunners:
                         answered(q, results[q])
         return results
 
-    def _run_group(self, group: batching.Group, members: list[tuple[int, int]], requests: list[VarLenRequest]) -> _Landing:
+    def _run_group(self, group: batching.Group, members: list[tuple[int, int]], requests: list[VarLenRequest], index: int) -> _Landing:
         """Pad the group's rows to its cell (shape, and batch for graphs), run
         them, queue the copy of their outputs to the host; what will land where."""
         runner = self.runner_for(group.shape)
@@ -491,11 +492,17 @@ class VarLenRunners:
                 host.copy_(part, non_blocking=True)  # a strided part goes through one gather on the GPU first
                 part = host
             hosts.append(part)
-        done = torch.cuda.Event() if self._cuda else None
-        if done is not None:
-            done.record()
+        done = self._landed(index) if self._cuda else None
         rows = [(q, r, [self._cut(spec, host[i], requests[q]) for spec, host in zip(self.entry.outputs, hosts)]) for i, (q, r) in enumerate(members)]
         return _Landing(done, rows)
+
+    def _landed(self, index: int) -> torch.cuda.Event:
+        """The event of a run's index-th sub-batch, recorded after its copies; one set
+        serves every run (`run` waits for them all before it returns)."""
+        while len(self._events) <= index:
+            self._events.append(torch.cuda.Event())
+        self._events[index].record()
+        return self._events[index]
 
     def _cut(self, spec: zoo.TensorSpec, row: torch.Tensor, request: VarLenRequest) -> torch.Tensor:
         """One row's output at the request's own length (a view)."""
