@@ -271,15 +271,16 @@ def test_each_request_is_answered_once_with_its_rows_as_their_eager_runs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("model", "compiler"), [("bert", "inductor"), ("bert", "engine"), ("t5", "inductor"), ("bert", "aot")])
+@pytest.mark.parametrize(("model", "compiler"), [("bert", "inductor"), ("bert", "engine"), ("t5", "inductor"), ("bert", "aot"), ("bert", "saved")])
 def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(model, compiler, strict_fp32):
     """The CUDA graphs of a few shapes (a short grid, first use for T5's), mixed
     lengths through every scheduler, each row against its own eager run; with
-    the compiler "inductor" ("aot") every shape runs the whole-model Inductor
-    graph (AOTInductor package, which a second build loads instead of compiling);
+    the compiler "inductor" ("saved", "aot") every shape runs the whole-model
+    Inductor graph (saved Inductor artifact, AOTInductor package, which a second
+    build loads instead of compiling);
     every built shape's cells (also those built on first use) are timed."""
     from opara_core.engine.build import EngineSettings
-    from opara_core.engine.whole_model import WholeModelAOT, WholeModelInductor
+    from opara_core.engine.whole_model import WholeModelAOT, WholeModelInductor, WholeModelSaved
     from opara_core.serving.varlen import VarLenRunners, VarLenSettings
 
     entry = zoo.get(model)
@@ -313,9 +314,9 @@ def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(
     if compiler == "aot" and "did not load in a test process" in fallback:  # the engine's graphs answered above
         pytest.skip(f"AOTInductor cannot load its packages on this machine: {fallback}")
     built = {shape: report.runner for shape, report in runners.report.shapes.items()}
-    expected = {"inductor": WholeModelInductor.label, "aot": WholeModelAOT.label}.get(compiler)
+    expected = {"inductor": WholeModelInductor.label, "aot": WholeModelAOT.label, "saved": WholeModelSaved.label}.get(compiler)
     assert built and all(runner == expected if expected else "whole-model" not in runner for runner in built.values()), (built, runners.report.fallbacks)
-    if compiler == "aot":  # a second start finds the package and loads it
+    if compiler in ("aot", "saved"):  # a second start finds the package (artifact) and loads it
         again = VarLenRunners(module, entry, device, EngineSettings(policy="opara", buckets=(1, 2, 4)), varlen)
         assert " loaded in " in again.report.whole_model and set(again.report.choices.values()) == {expected}, again.report.summary()
 

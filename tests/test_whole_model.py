@@ -1,7 +1,8 @@
-"""engine.whole_model's AOTInductor package on the CPU: one package answers every
-size its dynamic dimensions allow as the eager module does; a later start loads
-it without compiling; other weights get a package of their own. (Capturing it
-into CUDA graphs is a GPU test in tests/test_varlen.py.)"""
+"""engine.whole_model's saved forms on the CPU, the AOTInductor package and the
+saved Inductor artifact: one answers every size its dynamic dimensions allow as
+the eager module does; a later start loads it without compiling; other weights
+get one of their own. (Capturing them into CUDA graphs is a GPU test in
+tests/test_varlen.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from conftest import load_script
 from serving import assert_close
 
 from opara_core.engine import whole_model
-from opara_core.engine.whole_model import WholeModelAOT
+from opara_core.engine.whole_model import WholeModelAOT, WholeModelSaved
 
 DIMS = ({0: ("batch", 1, 4), 1: ("tokens", 1, 16)}, {0: ("batch", 1, 4), 1: ("tokens", 1, 16)})
 
@@ -31,6 +32,10 @@ class TinyAttention(torch.nn.Module):
         return torch.softmax(scores, -1) @ x
 
 
+# each saved form and the torch function that compiles it
+KINDS = [pytest.param(WholeModelAOT, "aoti_compile_and_package", id="aot"), pytest.param(WholeModelSaved, "standalone_compile", id="saved")]
+
+
 def inputs(batch: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(batch * 100 + tokens)
     mask = torch.ones(batch, tokens, dtype=torch.int64)
@@ -38,9 +43,10 @@ def inputs(batch: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 50, (batch, tokens), generator=generator), mask
 
 
-def test_one_package_answers_every_size_as_eager_and_a_later_start_only_loads_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("kind", "compiler"), KINDS)
+def test_one_package_answers_every_size_as_eager_and_a_later_start_only_loads_it(tmp_path, monkeypatch, kind, compiler):
     module = TinyAttention().eval()
-    first = WholeModelAOT(module, inputs(3, 7), DIMS, tmp_path)
+    first = kind(module, inputs(3, 7), DIMS, tmp_path)
     assert first.compiled_now and first.path.exists()
     with torch.inference_mode():
         for batch, tokens in [(1, 1), (1, 16), (3, 7), (4, 12)]:  # sizes of 1 too: no specialisation
@@ -50,13 +56,28 @@ def test_one_package_answers_every_size_as_eager_and_a_later_start_only_loads_it
     def no_compiling(*args, **kwargs):
         raise AssertionError("a later start compiled again")
 
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
-    again = WholeModelAOT(TinyAttention().eval(), inputs(2, 5), DIMS, tmp_path)  # same weights, other example sizes
+    monkeypatch.setattr(torch._inductor, compiler, no_compiling)
+    again = kind(TinyAttention().eval(), inputs(2, 5), DIMS, tmp_path)  # same weights, other example sizes
     assert not again.compiled_now and again.path == first.path
     with torch.inference_mode():
         example = inputs(2, 9)
         assert_close(again.runner(*example).numpy(), module(*example).numpy(), 1e-5)
-    assert [p.name for p in tmp_path.iterdir()] == [first.path.name]  # no partial file left
+    assert first.path.name in {p.name for p in tmp_path.iterdir()}
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial file left
+
+
+def test_a_saved_artifact_reads_the_live_weights_and_its_key_follows_the_attention_pass(tmp_path):
+    """The artifact holds code, not weights: a module whose weights changed in
+    place after the load answers with the new ones; with and without the
+    short-attention pass are two artifacts."""
+    module = TinyAttention().eval()
+    saved = WholeModelSaved(module, inputs(3, 7), DIMS, tmp_path)
+    with torch.inference_mode():
+        module.project.weight.mul_(2)
+        example = inputs(2, 9)
+        assert_close(saved.runner(*example).numpy(), module(*example).numpy(), 1e-5)
+    plain = WholeModelSaved(TinyAttention().eval(), inputs(3, 7), DIMS, tmp_path, short_attention=False)
+    assert plain.compiled_now and plain.path != saved.path
 
 
 def test_the_key_follows_weights_and_allowed_sizes_not_example_values():
@@ -68,25 +89,28 @@ def test_the_key_follows_weights_and_allowed_sizes_not_example_values():
     assert whole_model.package_key(module, example, longer) != key
 
 
-def test_a_damaged_package_is_compiled_again(tmp_path):
+@pytest.mark.parametrize(("kind", "compiler"), KINDS)
+def test_a_damaged_package_is_compiled_again(tmp_path, kind, compiler):
     module = TinyAttention().eval()
-    path = WholeModelAOT(module, inputs(3, 7), DIMS, tmp_path).path
+    path = kind(module, inputs(3, 7), DIMS, tmp_path).path
     path.write_bytes(b"not a package")  # a disk that lost it, say
-    again = WholeModelAOT(module, inputs(3, 7), DIMS, tmp_path)
+    again = kind(module, inputs(3, 7), DIMS, tmp_path)
     assert again.compiled_now and again.path == path
     with torch.inference_mode():
         example = inputs(2, 9)
         assert_close(again.runner(*example).numpy(), module(*example).numpy(), 1e-5)
 
 
-def test_a_failed_compile_leaves_no_package(tmp_path, monkeypatch):
-    def broken(exported, package_path, **kwargs):
-        open(package_path, "wb").write(b"half")
+@pytest.mark.parametrize(("kind", "compiler"), KINDS)
+def test_a_failed_compile_leaves_no_package(tmp_path, monkeypatch, kind, compiler):
+    def broken(*args, package_path=None, **kwargs):
+        if package_path:
+            open(package_path, "wb").write(b"half")
         raise RuntimeError("compiler crashed")
 
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", broken)
+    monkeypatch.setattr(torch._inductor, compiler, broken)
     with pytest.raises(RuntimeError, match="compiler crashed"):
-        WholeModelAOT(TinyAttention().eval(), inputs(3, 7), DIMS, tmp_path)
+        kind(TinyAttention().eval(), inputs(3, 7), DIMS, tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 

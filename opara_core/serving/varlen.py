@@ -15,7 +15,9 @@ that shape's runner; each row's outputs are cut back to its own length.
 Runners: one per shape bucket, each with one CUDA graph per batch bucket, every
 shape's graphs in one memory pool (on a CPU: eager). `compiler` "inductor" (the
 default) compiles the whole model once with dynamic sizes
-(`engine.whole_model`) and captures it at every cell, on one stream; "aot"
+(`engine.whole_model`) and captures it at every cell, on one stream; "saved"
+does the same from an Inductor artifact saved in the cache directory (compiled
+once, weights not frozen; later starts load it and run no Dynamo); "aot"
 does the same from an AOTInductor package kept in the cache directory
 (compiled once, only loaded by later starts); "engine" builds each shape with
 `engine.build.build_runner` (the plan `auto` picks, ATen kernels on several
@@ -58,7 +60,7 @@ from opara_core.engine.build import BuildReport, EngineSettings, GuardError, bui
 from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, pool_mb, time_replays
 from opara_core.engine.inductor_cache import cache_root, use_inductor_cache
 from opara_core.engine.runtime import GraphRunner, PackedInputs, Runner, RunnerInfo
-from opara_core.engine.whole_model import DynamicDims, WholeModelAOT, WholeModelInductor
+from opara_core.engine.whole_model import DynamicDims, WholeModelAOT, WholeModelInductor, WholeModelSaved
 from opara_core.planning import batching
 from opara_core.planning.batching import CostTable
 from opara_core.serving.triton_backend import TRITON_DTYPES, OparaModel, RequestError, parameters, request_tensors
@@ -70,7 +72,7 @@ CAPTURE_MODES = ("load", "first_use")
 # overrides every model's `capture`: the launcher's `warm` sets it to "load", so that
 # an image's cache holds every shape and first-use builds only load what it compiled
 CAPTURE_ENV = "OPARA_CAPTURE"
-COMPILERS = ("inductor", "aot", "engine")
+COMPILERS = ("inductor", "saved", "aot", "engine")
 OWN_PARAMETERS = ("scheduler", "compiler", "capture", "length_buckets.", "max_length.")
 # the token-count model: a run costs its padded tokens, attention adding one token's
 # worth per ATTENTION_SPAN tokens of length, plus a fixed overhead worth OVERHEAD_TOKENS
@@ -219,7 +221,7 @@ class VarLenReport:
     scheduler: str = "dp"
     compiler: str = "inductor"
     compiler_fallback: str = ""  # why no shape could use the whole-model graph
-    whole_model: str = ""  # what the whole-model compile did (AOTInductor: compiled or loaded, seconds)
+    whole_model: str = ""  # what the saved whole-model compile did (artifact or AOTInductor package: compiled or loaded, seconds)
     shapes: dict[tuple[int, ...], BuildReport] = field(default_factory=dict)
     build_seconds: dict[tuple[int, ...], float] = field(default_factory=dict)
     memory_bytes: dict[tuple[int, ...], int] = field(default_factory=dict)  # device memory reserved by each shape's build
@@ -332,26 +334,27 @@ class VarLenRunners:
         self.report.runner = "+".join(sorted(kinds))
         self.info = RunnerInfo(self.report.runner, str(device), self._batches)
 
-    def _whole_model(self, module: torch.nn.Module, compiler: str) -> WholeModelInductor | WholeModelAOT | None:
-        """The model compiled once for every shape (compiler "inductor" or "aot", on a GPU)."""
+    def _whole_model(self, module: torch.nn.Module, compiler: str) -> WholeModelInductor | WholeModelSaved | WholeModelAOT | None:
+        """The model compiled once for every shape (compiler "inductor", "saved" or "aot", on a GPU)."""
         if not self._cuda or compiler == "engine":
             return None
-        label = WholeModelAOT.label if compiler == "aot" else WholeModelInductor.label
+        saved = {"saved": WholeModelSaved, "aot": WholeModelAOT}.get(compiler)
+        label = saved.label if saved else WholeModelInductor.label
         start = time.perf_counter()
         try:
             self.inductor_cache = str(use_inductor_cache(self.engine_settings.inductor_cache))
             module = module.to(self.device).eval()
             if compiler == "inductor":
                 return WholeModelInductor(module)
-            aot = WholeModelAOT(module, aot_example(self.entry, self.device), dynamic_dims(self.entry, self.max_batch), cache_root() / "aot")
+            kept = saved(module, aot_example(self.entry, self.device), dynamic_dims(self.entry, self.max_batch), cache_root() / compiler)
         except Exception as error:  # noqa: BLE001 - an unwritable cache, export and compile errors: the engine's builds still serve
             self.report.compiler_fallback = f"{label}: {type(error).__name__}: {error}"
             log.warning("%s; building every shape with the engine instead", self.report.compiler_fallback)
             return None
-        done = "compiled" if aot.compiled_now else "loaded"
-        self.report.whole_model = f"{label} {done} in {time.perf_counter() - start:.1f} s: {aot.path}"
+        done = "compiled" if kept.compiled_now else "loaded"
+        self.report.whole_model = f"{label} {done} in {time.perf_counter() - start:.1f} s: {kept.path}"
         log.info("%s", self.report.whole_model)
-        return aot
+        return kept
 
     def _build(self, shape: tuple[int, ...]) -> dict[tuple[tuple[int, ...], int], float]:
         """Build the runner of one shape; its replay timings, where it has graphs."""
@@ -377,7 +380,7 @@ class VarLenRunners:
         return timings
 
     def _whole_model_runner(self, shape: tuple[int, ...]) -> tuple[GraphRunner | None, BuildReport]:
-        """The shape's graphs captured from the whole-model graph (Inductor or AOT), largest
+        """The shape's graphs captured from the whole-model graph (Inductor, saved or AOT), largest
         batch first, each checked against the eager model; None (and the reason
         in the report's fallbacks) if a capture or a check fails."""
         entry, settings = self.entry.at(shape), self.engine_settings
