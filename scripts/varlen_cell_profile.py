@@ -12,7 +12,9 @@ is also profiled kernel by kernel (scripts/kernel_profile.py's tables):
   attention through the short-attention op), every cell captured from it, with
   cuBLAS and with cuBLASLt (`torch.backends.cuda.preferred_blas_library`);
   dynamic-no-attention: without the attention op; dynamic-plain: without
-  either op (Inductor's own graph);
+  either op (Inductor's own graph); saved: the saved Inductor artifact
+  (`engine.whole_model.WholeModelSaved`: exported, weights not frozen, the
+  attention op but no skinny GEMMs), compiled afresh;
 - static: `torch.compile` at each of the first three cells' fixed shapes, both libraries;
 - autotune: `max-autotune-no-cudagraphs` at the first cell (Inductor's Triton
   GEMM templates against the library's), if `--budget` leaves 200 s for it.
@@ -21,6 +23,7 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,11 +35,12 @@ from opara_core import zoo  # noqa: E402
 from opara_core.bench import compiled_graph, profile_replays  # noqa: E402
 from opara_core.engine.capture import capture_module, time_replays  # noqa: E402
 from opara_core.engine.compare import max_relative_error  # noqa: E402
-from opara_core.engine.whole_model import WholeModelInductor  # noqa: E402
+from opara_core.engine.whole_model import WholeModelInductor, WholeModelSaved  # noqa: E402
+from opara_core.serving.varlen import aot_example, dynamic_dims  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", default="bert", choices=("bert", "t5"))
-parser.add_argument("--parts", default="dynamic,static,autotune", help="of dynamic, dynamic-no-attention, dynamic-plain, static, autotune")
+parser.add_argument("--parts", default="dynamic,static,autotune", help="of dynamic, dynamic-no-attention, dynamic-plain, saved, static, autotune")
 parser.add_argument("--blas", default="cublas,cublaslt", help="the libraries the dynamic parts are captured with")
 parser.add_argument("--budget", type=float, default=400.0, help="seconds; later parts are skipped when too few are left")
 parser.add_argument("--json", type=Path, default=Path("out/cells.json"), help="results; kernel traces go beside it")
@@ -99,13 +103,23 @@ def blas(name):
 PARTS = args.parts.split(",")
 LIBRARIES = args.blas.split(",")
 # 1. the served graph: one dynamic whole-model compile (its GEMMs through the skinny
-# GEMM op, its attention through the short-attention op; without one or both), every
-# cell captured from it
-for part, skinny, attention in (("dynamic", True, True), ("dynamic-no-attention", True, False), ("dynamic-plain", False, False)):
+# GEMM op, its attention through the short-attention op; without one or both; or the
+# saved artifact), every cell captured from it
+WHOLE = {"dynamic": (True, True), "dynamic-no-attention": (True, False), "dynamic-plain": (False, False), "saved": None}
+
+
+def whole_model(part):
+    if part == "saved":  # compiled afresh into a directory of its own (the compile's seconds are reported)
+        return WholeModelSaved(module, aot_example(base, dev), dynamic_dims(base, 32), Path(tempfile.mkdtemp(prefix="saved_")))
+    skinny, attention = WHOLE[part]
+    return WholeModelInductor(module, skinny_gemms=skinny, short_attention=attention)
+
+
+for part in WHOLE:
     if part not in PARTS:
         continue
     start = time.perf_counter()
-    whole = WholeModelInductor(module, skinny_gemms=skinny, short_attention=attention)
+    whole = whole_model(part)
     pool = torch.cuda.graph_pool_handle()
     keep = []
     for shape, batch in SHAPES:

@@ -78,6 +78,28 @@ def test_on_the_cpu_the_op_is_a_matrix_product():
     assert torch.equal(op(x, weight, weight.t().contiguous(), bias), torch.addmm(bias, x, weight.t()))
 
 
+def test_linear_layers_swapped_share_their_parameters_and_leave_the_module_as_it_was():
+    """`with_skinny_linears`: every fp32 nn.Linear, at any depth, becomes a
+    SkinnyLinear of the same parameters (its transposed weight a buffer), a
+    float64 one and other modules stay; the original tree is untouched and
+    answers as the swapped one."""
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.GELU(), torch.nn.Linear(5, 4, bias=False))
+    module = torch.nn.ModuleDict({"block": inner, "norm": torch.nn.LayerNorm(4), "wide": torch.nn.Linear(4, 4).double()})
+    swapped = skinny_gemm.with_skinny_linears(module)
+    assert isinstance(module["block"][0], torch.nn.Linear) and isinstance(module["block"][2], torch.nn.Linear)
+    first, last = swapped["block"][0], swapped["block"][2]
+    assert isinstance(first, skinny_gemm.SkinnyLinear) and isinstance(last, skinny_gemm.SkinnyLinear)
+    assert first.weight is inner[0].weight and first.bias is inner[0].bias and last.bias is None
+    assert torch.equal(first.weight_t, inner[0].weight.t())
+    assert swapped["norm"] is module["norm"] and swapped["wide"] is module["wide"]
+    names = {name for name, _ in swapped.named_buffers()}
+    assert names == {"block.0.weight_t", "block.2.weight_t"}
+    x = torch.randn(2, 3, 6)  # leading dimensions are kept
+    with torch.inference_mode():
+        assert torch.allclose(swapped["block"](x), inner(x), atol=1e-6)
+
+
 # ---- on a GPU ------------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ from conftest import load_script
 from serving import assert_close
 
 from opara_core.engine import whole_model
+from opara_core.engine.skinny_gemm import SkinnyLinear
 from opara_core.engine.whole_model import WholeModelAOT, WholeModelSaved
 
 DIMS = ({0: ("batch", 1, 4), 1: ("tokens", 1, 16)}, {0: ("batch", 1, 4), 1: ("tokens", 1, 16)})
@@ -48,6 +49,8 @@ def test_one_package_answers_every_size_as_eager_and_a_later_start_only_loads_it
     module = TinyAttention().eval()
     first = kind(module, inputs(3, 7), DIMS, tmp_path)
     assert first.compiled_now and first.path.exists()
+    if kind is WholeModelSaved:  # its linear layer exported as the skinny GEMM op; the module itself as it was
+        assert isinstance(first.prepared.project, SkinnyLinear) and type(module.project) is torch.nn.Linear
     with torch.inference_mode():
         for batch, tokens in [(1, 1), (1, 16), (3, 7), (4, 12)]:  # sizes of 1 too: no specialisation
             example = inputs(batch, tokens)
@@ -71,12 +74,12 @@ def test_a_saved_artifact_reads_the_live_weights_and_its_key_follows_the_attenti
     place after the load answers with the new ones; with and without the
     short-attention pass are two artifacts."""
     module = TinyAttention().eval()
-    saved = WholeModelSaved(module, inputs(3, 7), DIMS, tmp_path)
+    saved = WholeModelSaved(module, inputs(3, 7), DIMS, tmp_path, skinny_gemms=False)  # (a swapped layer keeps its transpose)
     with torch.inference_mode():
         module.project.weight.mul_(2)
         example = inputs(2, 9)
         assert_close(saved.runner(*example).numpy(), module(*example).numpy(), 1e-5)
-    plain = WholeModelSaved(TinyAttention().eval(), inputs(3, 7), DIMS, tmp_path, short_attention=False)
+    plain = WholeModelSaved(TinyAttention().eval(), inputs(3, 7), DIMS, tmp_path, skinny_gemms=False, short_attention=False)
     assert plain.compiled_now and plain.path != saved.path
 
 

@@ -32,6 +32,7 @@ Inductor fuses into the next kernel (`fusion.skinny_linears`).
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -258,3 +259,35 @@ def skinny_mm_op():
     mm = flop_registry[torch.ops.aten.mm]
     flop_registry.setdefault(torch.ops.opara.skinny_mm, lambda x, weight, *args, out_val=None, **kwargs: mm(x, weight.t(), out_val=out_val))
     return torch.ops.opara.skinny_mm.default
+
+
+class SkinnyLinear(torch.nn.Module):
+    """An nn.Linear's forward through `opara::skinny_mm`, for a graph whose
+    weights are inputs rather than frozen constants (`engine.skinny_pass`
+    rewrites those; `whole_model.WholeModelSaved` cannot freeze): the same weight
+    and bias parameters, plus the weight stored transposed as a buffer. The
+    bias is added outside the op, where Inductor fuses it into the next kernel."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.register_buffer("weight_t", linear.weight.detach().t().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = skinny_mm_op()(x.reshape(-1, x.shape[-1]), self.weight, self.weight_t)
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
+        return out if self.bias is None else out + self.bias
+
+
+def with_skinny_linears(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with each fp32 nn.Linear as a SkinnyLinear of the same
+    parameters: the modules on the way to one are shallow copies, the rest
+    (and every parameter) shared; `module` itself is left as it was."""
+    if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32:
+        return SkinnyLinear(module)
+    children = {name: with_skinny_linears(child) if child is not None else None for name, child in module._modules.items()}
+    if all(children[name] is child for name, child in module._modules.items()):
+        return module
+    clone = copy.copy(module)
+    clone._modules = children
+    return clone

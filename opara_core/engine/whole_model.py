@@ -220,17 +220,32 @@ class WholeModelSaved:
     artifact holds code only (BERT: 1.2 MB). On this CPU machine (torch 2.14.1,
     2026-11-27) BERT's artifact compiled in 22 s and loaded in 2.0-2.3 s, where
     torch.compile's warm start took 22.9 s without freezing and 47.2 s with it.
-    With `short_attention` its efficient-attention calls go through
-    `opara::short_attention` (the skinny-GEMM pass needs frozen weights)."""
+    With `skinny_gemms` its fp32 linear layers are `skinny_gemm.SkinnyLinear`s
+    before the export (the op with the weight stored transposed as a buffer;
+    the post-grad pass needs frozen weights), with `short_attention` its
+    efficient-attention calls go through `opara::short_attention`. `module`
+    stays as it was (the eager oracle)."""
 
     label = "whole-model saved Inductor artifact"
 
-    def __init__(self, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dims: DynamicDims, directory: Path, short_attention: bool = True):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        example_inputs: Sequence[torch.Tensor],
+        dims: DynamicDims,
+        directory: Path,
+        skinny_gemms: bool = True,
+        short_attention: bool = True,
+    ):
         self.module = module
+        self.prepared = skinny_gemm.with_skinny_linears(module) if skinny_gemms else module  # what is exported
         self.attention_pass = ShortAttentionPass() if short_attention else None
+        # the ops are registered before the artifact's code calls them
+        if skinny_gemms:
+            skinny_gemm.skinny_mm_op()
         if short_attention:
-            short_attention_op()  # registered before the artifact's code calls it
-        key = package_key(module, example_inputs, dims) + (self.attention_pass.uuid().hex() if self.attention_pass else "")
+            short_attention_op()
+        key = package_key(self.prepared, example_inputs, dims) + (self.attention_pass.uuid().hex() if self.attention_pass else "")
         self.path = Path(directory) / f"{hashlib.sha256(key.encode()).hexdigest()}.bin"
         self.signature_path = self.path.with_suffix(".json")  # the graph's inputs in order ([kind, name]), its outputs' structure
         self.compiled_now = not self.path.exists()
@@ -249,7 +264,7 @@ class WholeModelSaved:
     def _compile(self, example_inputs: Sequence[torch.Tensor], dims: DynamicDims) -> None:
         """Export, compile and save (the signature first, the artifact last and
         whole: its presence means both are there; servers may start side by side)."""
-        exported = export_dynamic(self.module, example_inputs, dims)
+        exported = export_dynamic(self.prepared, example_inputs, dims)
         signature = {
             "inputs": [[spec.kind.name, spec.target] for spec in exported.graph_signature.input_specs],
             "outputs": pytree.treespec_dumps(exported.call_spec.out_spec),  # the module's own output structure
@@ -275,7 +290,7 @@ class WholeModelSaved:
 
     def _arguments(self, signature: list[list[str]]) -> list[torch.Tensor | None]:
         """The module's tensor for each weight input of the graph; None where a model input goes."""
-        state = {**dict(self.module.named_parameters(remove_duplicate=False)), **dict(self.module.named_buffers(remove_duplicate=False))}
+        state = {**dict(self.prepared.named_parameters(remove_duplicate=False)), **dict(self.prepared.named_buffers(remove_duplicate=False))}
         arguments = []
         for kind, name in signature:
             if kind == "USER_INPUT":
