@@ -110,24 +110,31 @@ class WholeModelAOT:
     def __init__(self, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dims: DynamicDims, directory: Path):
         self.module = module
         self.path = Path(directory) / f"{package_key(module, example_inputs, dims)}.pt2"
-        self.compiled_now = not self.path.exists()
-        if self.compiled_now:
-            compile_package(module, example_inputs, dims, self.path)
-        device = example_inputs[0].device
-        try:
-            self.runner = _load_package(self.path, device)
-        except Exception as error:  # noqa: BLE001 - a damaged package: compile it again, once
-            if self.compiled_now:
-                raise
-            log.warning("AOTInductor package %s did not load (%s: %s); compiling it again", self.path, type(error).__name__, error)
-            self.compiled_now = True
-            compile_package(module, example_inputs, dims, self.path)
-            self.runner = _load_package(self.path, device)
+        self.runner, self.compiled_now = compiled_or_loaded(
+            self.path, lambda: compile_package(module, example_inputs, dims, self.path), lambda: _load_package(self.path, example_inputs[0].device), "AOTInductor package"
+        )
 
     def capture(self, static_in: Sequence[torch.Tensor], pool: Any, prologue: Callable[[], None] | None = None) -> CapturedGraph:
         """The package's model at these inputs' shapes, as one CUDA graph in `pool`
         (`prologue`, if any, captured ahead of it)."""
         return _capture(self.runner, static_in, pool, "the whole-model AOTInductor package", prologue)
+
+
+def compiled_or_loaded(path: Path, compile: Callable[[], None], load: Callable[[], Callable], what: str) -> tuple[Callable, bool]:
+    """The runner `load()` makes of what is saved at `path`, `compile()`d first
+    where nothing is; a damaged one (it does not load) is compiled again, once.
+    Also whether it was compiled now."""
+    compiled_now = not path.exists()
+    if compiled_now:
+        compile()
+    try:
+        return load(), compiled_now
+    except Exception as error:  # noqa: BLE001 - whatever a damaged file makes the loader raise
+        if compiled_now:
+            raise
+        log.warning("%s %s did not load (%s: %s); compiling it again", what, path, type(error).__name__, error)
+        compile()
+        return load(), True
 
 
 def _after(prologue: Callable[[], None], model: Callable) -> Callable:
@@ -217,9 +224,10 @@ class WholeModelSaved:
     and AOTAutograd at every start whatever its caches hold (and with freezing
     AOTAutograd's cache refuses the graph). The weights stay graph inputs (not
     frozen: a frozen graph cannot be saved), read from the live module, so the
-    artifact holds code only (BERT: 1.2 MB). On this CPU machine (torch 2.14.1,
-    2026-11-27) BERT's artifact compiled in 22 s and loaded in 2.0-2.3 s, where
-    torch.compile's warm start took 22.9 s without freezing and 47.2 s with it.
+    artifact holds code only (BERT: 1.2 MB). On an H100 (torch 2.11, 2026-11-27,
+    docs/benchmarks.md variable lengths' run 11) BERT's artifact compiled in
+    32.3 s and a second start loaded it in 1.1 s, where torch.compile's first
+    call on a warm cache took 47.6 s with freezing and 29.9 s without.
     With `skinny_gemms` its fp32 linear layers are `skinny_gemm.SkinnyLinear`s
     before the export (the op with the weight stored transposed as a buffer;
     the post-grad pass needs frozen weights), with `short_attention` its
@@ -248,18 +256,7 @@ class WholeModelSaved:
         key = package_key(self.prepared, example_inputs, dims) + (self.attention_pass.uuid().hex() if self.attention_pass else "")
         self.path = Path(directory) / f"{hashlib.sha256(key.encode()).hexdigest()}.bin"
         self.signature_path = self.path.with_suffix(".json")  # the graph's inputs in order ([kind, name]), its outputs' structure
-        self.compiled_now = not self.path.exists()
-        if self.compiled_now:
-            self._compile(example_inputs, dims)
-        try:
-            self.runner = self._load()
-        except Exception as error:  # noqa: BLE001 - a damaged artifact or signature: compile it again, once
-            if self.compiled_now:
-                raise
-            log.warning("saved Inductor artifact %s did not load (%s: %s); compiling it again", self.path, type(error).__name__, error)
-            self.compiled_now = True
-            self._compile(example_inputs, dims)
-            self.runner = self._load()
+        self.runner, self.compiled_now = compiled_or_loaded(self.path, lambda: self._compile(example_inputs, dims), self._load, "saved Inductor artifact")
 
     def _compile(self, example_inputs: Sequence[torch.Tensor], dims: DynamicDims) -> None:
         """Export, compile and save (the signature first, the artifact last and
