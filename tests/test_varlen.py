@@ -200,7 +200,7 @@ def test_the_repository_configs_declare_variable_lengths(model):
         ("max_length.input_ids", "128", "max_length.input_ids is '128', the model's is '512'"),
         ("scheduler", "fastest", "unknown scheduler 'fastest'"),
         ("capture", "never", "unknown capture 'never'"),
-        ("compiler", "tensorrt", "unknown compiler 'tensorrt'; known: inductor, aot, engine"),
+        ("compiler", "tensorrt", "unknown compiler 'tensorrt'; known: inductor, saved, aot, engine"),
     ],
 )
 def test_bad_varlen_parameters_fail_at_load(key, value, problem):
