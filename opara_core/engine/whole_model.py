@@ -137,6 +137,12 @@ def compiled_or_loaded(path: Path, compile: Callable[[], None], load: Callable[[
         return load(), True
 
 
+def _bind(arguments: list[torch.Tensor | None], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The graph's flat inputs: the weights of `arguments`, the model inputs where it holds None."""
+    given = iter(inputs)
+    return [next(given) if argument is None else argument for argument in arguments]
+
+
 def _after(prologue: Callable[[], None], model: Callable) -> Callable:
     """`model`, with `prologue` run (and captured) ahead of it."""
 
@@ -253,7 +259,8 @@ class WholeModelSaved:
             skinny_gemm.skinny_mm_op()
         if short_attention:
             short_attention_op()
-        key = package_key(self.prepared, example_inputs, dims) + (self.attention_pass.uuid().hex() if self.attention_pass else "")
+        # the module's own weights: the swapped layers' transposed copies follow from them
+        key = package_key(module, example_inputs, dims) + f" skinny {skinny_gemms} " + (self.attention_pass.uuid().hex() if self.attention_pass else "")
         self.path = Path(directory) / f"{hashlib.sha256(key.encode()).hexdigest()}.bin"
         self.signature_path = self.path.with_suffix(".json")  # the graph's inputs in order ([kind, name]), its outputs' structure
         self.runner, self.compiled_now = compiled_or_loaded(self.path, lambda: self._compile(example_inputs, dims), self._load, "saved Inductor artifact")
@@ -266,9 +273,7 @@ class WholeModelSaved:
             "inputs": [[spec.kind.name, spec.target] for spec in exported.graph_signature.input_specs],
             "outputs": pytree.treespec_dumps(exported.call_spec.out_spec),  # the module's own output structure
         }
-        arguments = self._arguments(signature["inputs"])
-        users = iter(example_inputs)
-        flat = [next(users) if argument is None else argument for argument in arguments]
+        flat = _bind(self._arguments(signature["inputs"]), example_inputs)
         options = {"config_patches": {"post_grad_custom_post_pass": self.attention_pass}} if self.attention_pass else {}
         with torch.inference_mode():
             artifact = torch._inductor.standalone_compile(exported.graph_module, flat, dynamic_shapes="from_graph", options=options)
@@ -304,9 +309,7 @@ class WholeModelSaved:
         arguments, outputs = self._arguments(signature["inputs"]), pytree.treespec_loads(signature["outputs"])
 
         def run(*inputs):
-            users = iter(inputs)
-            flat = artifact(*[next(users) if argument is None else argument for argument in arguments])
-            return pytree.tree_unflatten(list(flat), outputs)
+            return pytree.tree_unflatten(list(artifact(*_bind(arguments, inputs))), outputs)
 
         return run
 
