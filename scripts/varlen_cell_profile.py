@@ -13,8 +13,8 @@ is also profiled kernel by kernel (scripts/kernel_profile.py's tables):
   cuBLAS and with cuBLASLt (`torch.backends.cuda.preferred_blas_library`);
   dynamic-no-attention: without the attention op; dynamic-plain: without
   either op (Inductor's own graph); saved: the saved Inductor artifact
-  (`engine.whole_model.WholeModelSaved`: exported, weights not frozen, the
-  attention op but no skinny GEMMs), compiled afresh;
+  (`engine.whole_model.WholeModelSaved`: exported, weights not frozen, its
+  linear layers swapped for the skinny GEMM op, the attention op), compiled afresh;
 - static: `torch.compile` at each of the first three cells' fixed shapes, both libraries;
 - autotune: `max-autotune-no-cudagraphs` at the first cell (Inductor's Triton
   GEMM templates against the library's), if `--budget` leaves 200 s for it.

@@ -92,6 +92,18 @@ def test_the_key_follows_weights_and_allowed_sizes_not_example_values():
     assert whole_model.package_key(module, example, longer) != key
 
 
+def test_the_artifact_key_follows_structure_and_allowed_sizes_not_weight_values():
+    """A saved artifact holds code, its weights are inputs: other values, one key."""
+    module, example = TinyAttention(), inputs(3, 7)
+    key = whole_model.artifact_key(module, example, DIMS)
+    assert whole_model.artifact_key(TinyAttention(seed=1), inputs(2, 5), DIMS) == key
+    wider = TinyAttention()
+    wider.project = torch.nn.Linear(8, 8, bias=False)
+    assert whole_model.artifact_key(wider, example, DIMS) != key
+    longer = ({0: ("batch", 1, 4), 1: ("tokens", 1, 32)}, {0: ("batch", 1, 4), 1: ("tokens", 1, 32)})
+    assert whole_model.artifact_key(module, example, longer) != key
+
+
 @pytest.mark.parametrize(("kind", "compiler"), KINDS)
 def test_a_damaged_package_is_compiled_again(tmp_path, kind, compiler):
     module = TinyAttention().eval()

@@ -267,9 +267,10 @@ def _reset_peak() -> int:
     return torch.cuda.memory_allocated()
 
 
-def time_replays(captured: CapturedGraph, seconds: float = 0.02, repeats: int = 5, warmup: int = 3) -> float:
-    """Median milliseconds per replay over `repeats` runs of ~`seconds` each,
-    timed with CUDA events (short graphs get more replays, so noise stays low)."""
+def time_replays(captured: CapturedGraph, seconds: float = 0.02, repeats: int = 5, warmup: int = 3, least: int = 3) -> float:
+    """Median milliseconds per replay over `repeats` runs of ~`seconds` each
+    (at least `least` replays each), timed with CUDA events (short graphs get
+    more replays, so noise stays low)."""
     stream = torch.cuda.current_stream()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(stream)
@@ -277,7 +278,7 @@ def time_replays(captured: CapturedGraph, seconds: float = 0.02, repeats: int = 
         captured.replay()
     end.record(stream)
     end.synchronize()
-    replays = int(min(max(seconds * 1000 * warmup / max(start.elapsed_time(end), 1e-3), 3), 1000))
+    replays = int(min(max(seconds * 1000 * warmup / max(start.elapsed_time(end), 1e-3), least), 1000))
     samples = []
     for _ in range(repeats):
         start.record(stream)

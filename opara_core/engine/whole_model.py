@@ -43,9 +43,11 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from opara_core.engine import skinny_gemm
 from opara_core.engine.capture import CapturedGraph, CaptureError, capture_module
+from opara_core.engine.exported_merge import MERGE_VERSION, merge_linears
 from opara_core.engine.segment_compiler import python_interpreter
 from opara_core.engine.short_attention import ShortAttentionPass, short_attention_op
 from opara_core.engine.skinny_pass import SkinnyGemmPass
+from opara_core.engine.trace_cache import module_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -176,21 +178,32 @@ def _capture(model: Callable, static_in: Sequence[torch.Tensor], pool: Any, what
 
 def package_key(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dims: DynamicDims) -> str:
     """sha256 of what a package depends on: torch, the device, the module's class,
-    its weights and buffers (bytes), the inputs' dtypes and ranks, and the sizes
-    each dynamic dimension may take."""
+    its weights and buffers (bytes: a package holds them frozen), the inputs'
+    dtypes and ranks, and the sizes each dynamic dimension may take."""
+    digest = hashlib.sha256(_compile_setting(module, example_inputs, dims).encode())
+    for name, tensor in module.state_dict().items():
+        digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
+        digest.update(tensor.detach().contiguous().flatten().view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def artifact_key(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dims: DynamicDims) -> str:
+    """sha256 of what a saved artifact's code depends on: as `package_key`, but
+    the module's structure (`trace_cache.module_fingerprint`: tensors' names,
+    shapes and dtypes, classes and settings) instead of its weights' bytes, which
+    are the artifact's inputs: no 440 MB to copy and hash at each BERT start."""
+    return hashlib.sha256((_compile_setting(module, example_inputs, dims) + module_fingerprint(module)).encode()).hexdigest()
+
+
+def _compile_setting(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dims: DynamicDims) -> str:
     device = example_inputs[0].device
-    digest = hashlib.sha256()
-    digest.update(json.dumps({
+    return json.dumps({
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "module": f"{type(module).__module__}.{type(module).__qualname__}",
         "inputs": [[str(x.dtype), x.dim()] for x in example_inputs],
         "dims": [{str(k): list(v) for k, v in sorted(d.items())} for d in dims],
-    }, sort_keys=True).encode())  # fmt: skip
-    for name, tensor in module.state_dict().items():
-        digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
-        digest.update(tensor.detach().contiguous().flatten().view(torch.uint8).cpu().numpy().tobytes())
-    return digest.hexdigest()
+    }, sort_keys=True)  # fmt: skip
 
 
 def compile_package(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dims: DynamicDims, path: Path) -> None:
@@ -225,7 +238,7 @@ def export_dynamic(module: torch.nn.Module, example_inputs: Sequence[torch.Tenso
 class WholeModelSaved:
     """The model exported with dynamic sizes and compiled by Inductor into one
     saved artifact (`torch._inductor.standalone_compile`) under `directory`,
-    keyed as packages are (`package_key`): a later start loads it and runs no
+    keyed by what its code depends on (`artifact_key`): a later start loads it and runs no
     Dynamo, AOTAutograd or Inductor at all, where `torch.compile` reruns Dynamo
     and AOTAutograd at every start whatever its caches hold (and with freezing
     AOTAutograd's cache refuses the graph). The weights stay graph inputs (not
@@ -236,7 +249,9 @@ class WholeModelSaved:
     call on a warm cache took 47.6 s with freezing and 29.9 s without.
     With `skinny_gemms` its fp32 linear layers are `skinny_gemm.SkinnyLinear`s
     before the export (the op with the weight stored transposed as a buffer;
-    the post-grad pass needs frozen weights), with `short_attention` its
+    the post-grad pass needs frozen weights), and those that read one tensor
+    are merged into one in the exported graph (`exported_merge`: BERT's query,
+    key and value, as freezing merges them), with `short_attention` its
     efficient-attention calls go through `opara::short_attention`. `module`
     stays as it was (the eager oracle)."""
 
@@ -251,7 +266,7 @@ class WholeModelSaved:
         skinny_gemms: bool = True,
         short_attention: bool = True,
     ):
-        self.module = module
+        self.module, self.skinny_gemms = module, skinny_gemms
         self.prepared = skinny_gemm.with_skinny_linears(module) if skinny_gemms else module  # what is exported
         self.attention_pass = ShortAttentionPass() if short_attention else None
         # the ops are registered before the artifact's code calls them
@@ -259,8 +274,8 @@ class WholeModelSaved:
             skinny_gemm.skinny_mm_op()
         if short_attention:
             short_attention_op()
-        # the module's own weights: the swapped layers' transposed copies follow from them
-        key = package_key(module, example_inputs, dims) + f" skinny {skinny_gemms} " + (self.attention_pass.uuid().hex() if self.attention_pass else "")
+        passes = f"skinny {skinny_gemms} merge {MERGE_VERSION if skinny_gemms else 0} " + (self.attention_pass.uuid().hex() if self.attention_pass else "")
+        key = artifact_key(module, example_inputs, dims) + passes
         self.path = Path(directory) / f"{hashlib.sha256(key.encode()).hexdigest()}.bin"
         self.signature_path = self.path.with_suffix(".json")  # the graph's inputs in order ([kind, name]), its outputs' structure
         self.runner, self.compiled_now = compiled_or_loaded(self.path, lambda: self._compile(example_inputs, dims), self._load, "saved Inductor artifact")
@@ -269,8 +284,10 @@ class WholeModelSaved:
         """Export, compile and save (the signature first, the artifact last and
         whole: its presence means both are there; servers may start side by side)."""
         exported = export_dynamic(self.prepared, example_inputs, dims)
-        signature = {
-            "inputs": [[spec.kind.name, spec.target] for spec in exported.graph_signature.input_specs],
+        inputs = {spec.arg.name: [spec.kind.name, spec.target] for spec in exported.graph_signature.input_specs}
+        merged = merge_linears(exported.graph_module) if self.skinny_gemms else []
+        signature = {  # the merged weights: graph inputs after the others, made from the module's tensors
+            "inputs": list(inputs.values()) + [["MERGED", {"cat": [inputs[part][1] for part in m.parts], "dim": m.dim}] for m in merged],
             "outputs": pytree.treespec_dumps(exported.call_spec.out_spec),  # the module's own output structure
         }
         flat = _bind(self._arguments(signature["inputs"]), example_inputs)
@@ -290,13 +307,17 @@ class WholeModelSaved:
             partial.unlink(missing_ok=True)
         log.info("saved Inductor artifact compiled: %s", self.path)
 
-    def _arguments(self, signature: list[list[str]]) -> list[torch.Tensor | None]:
-        """The module's tensor for each weight input of the graph; None where a model input goes."""
+    def _arguments(self, signature: list[list]) -> list[torch.Tensor | None]:
+        """The module's tensor for each weight input of the graph (a merged one made
+        from its parts: a copy, so weights changed in place later are not seen there);
+        None where a model input goes."""
         state = {**dict(self.prepared.named_parameters(remove_duplicate=False)), **dict(self.prepared.named_buffers(remove_duplicate=False))}
         arguments = []
         for kind, name in signature:
             if kind == "USER_INPUT":
                 arguments.append(None)
+            elif kind == "MERGED" and all(part in state for part in name["cat"]):
+                arguments.append(torch.cat([state[part].detach() for part in name["cat"]], name["dim"]))
             elif kind in ("PARAMETER", "BUFFER") and name in state:
                 arguments.append(state[name])
             else:

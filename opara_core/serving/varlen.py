@@ -78,6 +78,10 @@ OWN_PARAMETERS = ("scheduler", "compiler", "capture", "length_buckets.", "max_le
 # worth per ATTENTION_SPAN tokens of length, plus a fixed overhead worth OVERHEAD_TOKENS
 ATTENTION_SPAN = 512
 OVERHEAD_TOKENS = 64
+# the cost table's replay timings: about 5 ms of replays three times a cell, at least one;
+# time_replays' defaults (20 ms and 3 replays, five times) took about 0.1 s a cell, 3.6 s of
+# BERT's warm start and 14 of T5's (H100, 2026-11-27), where 10 s is the budget of it all
+COST_TIMING = {"seconds": 0.005, "repeats": 3, "warmup": 1, "least": 1}
 
 
 @dataclass(frozen=True)
@@ -372,7 +376,7 @@ class VarLenRunners:
             torch.cuda.empty_cache()  # the pools of the candidates auto timed and dropped
             self.report.memory_bytes[shape] = torch.cuda.memory_reserved(self.device) - reserved
         if isinstance(runner, GraphRunner):
-            timings = {(shape, b): time_replays(graph) * 1e-3 for b, graph in runner.graphs.items()}
+            timings = {(shape, b): time_replays(graph, **COST_TIMING) * 1e-3 for b, graph in runner.graphs.items()}
             self.report.measured.add(shape)
             self.report.graph_bytes.update({(shape, b): graph.peak_bytes for b, graph in runner.graphs.items()})
             self.report.pool_bytes = round(pool_mb(self.pool.handle) * 2**20)
