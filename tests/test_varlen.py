@@ -189,7 +189,7 @@ def test_the_repository_configs_declare_variable_lengths(model):
     assert all(t.get("allow_ragged_batch") for t in config["input"])
     settings = varlen_settings(zoo.get(model), config)
     assert settings.axes[0] == (16, 32, 64, 128, 256, 512)
-    assert settings.compiler == "inductor"
+    assert settings.compiler == "saved"
 
 
 @pytest.mark.parametrize(
@@ -271,7 +271,7 @@ def test_each_request_is_answered_once_with_its_rows_as_their_eager_runs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("model", "compiler"), [("bert", "inductor"), ("bert", "engine"), ("t5", "inductor"), ("bert", "aot"), ("bert", "saved")])
+@pytest.mark.parametrize(("model", "compiler"), [("bert", "inductor"), ("bert", "engine"), ("t5", "inductor"), ("bert", "aot"), ("bert", "saved"), ("t5", "saved")])
 def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(model, compiler, strict_fp32):
     """The CUDA graphs of a few shapes (a short grid, first use for T5's), mixed
     lengths through every scheduler, each row against its own eager run; with
