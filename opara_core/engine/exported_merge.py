@@ -73,6 +73,8 @@ def merge_linears(gm: GraphModule) -> list[MergedInput]:
             groups[_source(member.mm.args[0])].append(member)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fake = detect_fake_mode([n.meta.get("val") for n in placeholders])
+    if fake is None:  # not an exported graph (no fake values to derive the new nodes' from)
+        return []
     added: list[MergedInput] = []
     last = placeholders[-1]
     for members in groups.values():
