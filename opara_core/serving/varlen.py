@@ -82,8 +82,9 @@ OWN_PARAMETERS = ("scheduler", "compiler", "capture", "length_buckets.", "max_le
 ATTENTION_SPAN = 512
 OVERHEAD_TOKENS = 64
 # the cost table's replay timings: about 5 ms of replays three times a cell, at least one;
-# time_replays' defaults (20 ms and 3 replays, five times) took about 0.1 s a cell, 3.6 s of
-# BERT's warm start and 14 of T5's (H100, 2026-11-27), where 10 s is the budget of it all
+# with time_replays' defaults (20 ms and 3 replays, five times) what followed the captures of a
+# warm start took 4.0 s for BERT's 36 cells and 18.4 s for T5's 144, with these 1.7 and 3.3 s
+# (H100, 2026-11-27, docs/benchmarks.md variable lengths run 12), where 10 s is the budget of it all
 COST_TIMING = {"seconds": 0.005, "repeats": 3, "warmup": 1, "least": 1}
 
 
