@@ -166,10 +166,12 @@ def _device_index(device: torch.device) -> int:
     return -1 if device.index is None else device.index
 
 
-def _capture(model: Callable, static_in: Sequence[torch.Tensor], pool: Any, what: str, prologue: Callable[[], None] | None = None) -> CapturedGraph:
+def _capture(
+    model: Callable, static_in: Sequence[torch.Tensor], pool: Any, what: str, prologue: Callable[[], None] | None = None, warmup: int = 3
+) -> CapturedGraph:
     try:
         with torch.inference_mode():
-            return capture_module(model if prologue is None else _after(prologue, model), static_in, pool)
+            return capture_module(model if prologue is None else _after(prologue, model), static_in, pool, warmup=warmup)
     except CaptureError:
         raise
     except Exception as error:  # noqa: BLE001 - Dynamo and Inductor raise many kinds
@@ -336,8 +338,12 @@ class WholeModelSaved:
 
     def capture(self, static_in: Sequence[torch.Tensor], pool: Any, prologue: Callable[[], None] | None = None) -> CapturedGraph:
         """The artifact's model at these inputs' shapes, as one CUDA graph in `pool`
-        (`prologue`, if any, captured ahead of it)."""
-        return _capture(self.runner, static_in, pool, "the whole-model saved Inductor artifact", prologue)
+        (`prologue`, if any, captured ahead of it). One warm-up run: nothing in the
+        loaded code compiles on a new shape, and the one run loads its kernels and
+        lets the skinny GEMM op time a row count it has not met (torch.compile's graph
+        keeps three: a new shape may compile there; each run at BERT's 512 x 32 is
+        about 70 ms of a start)."""
+        return _capture(self.runner, static_in, pool, "the whole-model saved Inductor artifact", prologue, warmup=1)
 
 
 class PackageLoadError(RuntimeError):
