@@ -26,7 +26,7 @@ def test_overrides_instances_and_queue_delay_reach_a_config_that_loads(tmp_path)
         config = config_of(model, repository)
         check_config(zoo.get(model), config)
         settings = varlen_settings(zoo.get(model), config)
-        assert (settings.scheduler, settings.compiler) == (("greedy", "engine") if model == "bert" else ("dp", "inductor"))
+        assert (settings.scheduler, settings.compiler) == (("greedy", "engine") if model == "bert" else ("dp", "saved"))
     assert config_of("bert", repository)["parameters"]["policy"] == {"string_value": "sequential"}
 
 
