@@ -70,3 +70,28 @@ def test_bad_settings_are_refused_with_the_reason(bad, message):
     with pytest.raises(ValueError, match=message):
         EngineSettings(**bad)
 
+
+
+class WrongAtOneBucket:
+    """An eager runner whose answers at one batch size are off by 1%."""
+
+    def __init__(self, runner, wrong: int):
+        self.runner, self.wrong, self.device = runner, wrong, runner.device
+
+    def run(self, inputs):
+        outputs = self.runner.run(inputs)
+        return [out * 1.01 for out in outputs] if inputs[0].shape[0] == self.wrong else outputs
+
+
+def test_rows_checked_against_one_eager_run_of_the_largest_bucket():
+    """Every bucket is compared with the leading rows of one eager run: a
+    runner right at every bucket passes, one wrong at a single bucket is named."""
+    from opara_core.engine.build import GuardError, check_rows_against_eager
+    from opara_core.engine.runtime import EagerRunner
+
+    entry = zoo.get("deepfm")
+    module = entry.build().eval()
+    runner = EagerRunner(module, entry.inputs, entry.outputs, CPU, 8)
+    check_rows_against_eager(runner, module, [1, 2, 8], entry, 1e-5)
+    with pytest.raises(GuardError, match="bucket 2: replay differs from eager"):
+        check_rows_against_eager(WrongAtOneBucket(runner, 2), module, [1, 2, 8], entry, 1e-5)

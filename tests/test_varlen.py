@@ -8,6 +8,7 @@ Short lengths and few requests: BERT on this CPU takes about a second per batch.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -319,6 +320,11 @@ def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(
     if compiler in ("aot", "saved"):  # a second start finds the package (artifact) and loads it
         again = VarLenRunners(module, entry, device, EngineSettings(policy="opara", buckets=(1, 2, 4)), varlen)
         assert " loaded in " in again.report.whole_model and set(again.report.choices.values()) == {expected}, again.report.summary()
+    if capture == "load" and compiler == "saved":  # a first-use start plans with the last full start's timings
+        later = VarLenRunners(module, entry, device, EngineSettings(policy="opara", buckets=(1, 2, 4)), dataclasses.replace(varlen, capture="first_use"))
+        unbuilt = set(batching.grid(axes)[1:])
+        assert later.report.stored == unbuilt and later.report.measured == {batching.grid(axes)[0]}
+        assert {c: t for c, t in later.costs.seconds.items() if c[0] in unbuilt} == {c: t for c, t in again._measured.items() if c[0] in unbuilt}
 
 
 def test_an_untimed_shape_never_looks_cheaper_than_a_timed_one_it_holds():
@@ -342,3 +348,31 @@ def test_an_untimed_shape_never_looks_cheaper_than_a_timed_one_it_holds():
     with torch.inference_mode():
         runners.run([request])
     assert dict(runners.batches) == {"16x1": 1} and list(runners.runners) == [(16,)]
+
+
+def test_a_first_use_start_plans_with_the_timings_an_earlier_start_kept(tmp_path, monkeypatch):
+    """Shapes not built yet are costed by the stored table of an earlier start
+    that timed every cell (here written by the test: on a CPU nothing is timed),
+    not by the token-count model; the report marks them."""
+    from opara_core.engine.build import EngineSettings
+    from opara_core.serving import varlen_costs
+    from opara_core.serving.varlen import VarLenRunners, VarLenSettings
+
+    monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
+    entry = zoo.get("bert")
+    module = entry.build()
+    axes, batches, cpu = ((16, 32, 512),), (1, 2), torch.device("cpu")
+    # the 32-token cells cheaper than the 16-token ones: the model would never say so
+    kept = {((16,), 1): 2e-3, ((16,), 2): 3e-3, ((32,), 1): 1e-3, ((32,), 2): 1.5e-3, ((512,), 1): 9e-3, ((512,), 2): 17e-3}
+    varlen_costs.store(varlen_costs.costs_key("bert", module, "saved", axes, batches, cpu), kept)
+    runners = VarLenRunners(module, entry, cpu, EngineSettings(buckets=batches), VarLenSettings(axes, capture="first_use"))
+    assert dict(runners.costs.seconds) == kept
+    assert runners.report.stored == {(16,), (32,), (512,)} and runners.report.measured == set()
+    assert " 16 s    2.000    3.000" in runners.report.summary()
+    request = check_request(entry, dict(zip((s.name for s in entry.inputs), entry.at((10,)).example_inputs(1, seed=4))), "dp")
+    with torch.inference_mode():
+        runners.run([request])
+    assert dict(runners.batches) == {"32x1": 1}  # the cheaper cell, built on first use
+    # another grid is another key: the model's costs again
+    other = VarLenRunners(module, entry, cpu, EngineSettings(buckets=batches), VarLenSettings(((16, 512),), capture="first_use"))
+    assert other.report.stored == set() and other.costs.seconds[((16,), 1)] < other.costs.seconds[((512,), 1)]

@@ -30,10 +30,11 @@ when the model loads; "first_use" builds the smallest shape at load (the
 compile) and any other the first time a sub-batch needs it (the environment
 variable OPARA_CAPTURE overrides it for every model: `launcher warm` builds
 every shape). The cost table comes from replay timings of the captured graphs
-(a shape built on first use replaces its cells with its timings); for eager
-runners, and for shapes not built yet, from a token-count model
-(`modelled_seconds`) in the timed cells' units, never below a timed cell
-that the shape holds.
+(a shape built on first use replaces its cells with its timings); for shapes
+not built yet, from the timings an earlier start that built every shape kept
+(`serving.varlen_costs`: `launcher warm` fills them); else, and for eager
+runners, from a token-count model (`modelled_seconds`) in the timed cells'
+units, never below a timed cell that the shape holds.
 
 Config parameters (besides the engine's): `scheduler` (dp, greedy, padded,
 single; a request may choose another with its own parameter `scheduler`, which
@@ -59,13 +60,14 @@ from dataclasses import dataclass, field
 import torch
 
 from opara_core import zoo
-from opara_core.engine.build import BuildReport, EngineSettings, GuardError, build_runner, check_against_eager, static_inputs
+from opara_core.engine.build import BuildReport, EngineSettings, GuardError, build_runner, check_rows_against_eager, static_inputs
 from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, pool_mb, time_replays
 from opara_core.engine.inductor_cache import cache_root, use_inductor_cache
 from opara_core.engine.runtime import GraphRunner, PackedInputs, Runner, RunnerInfo
 from opara_core.engine.whole_model import DynamicDims, WholeModelAOT, WholeModelInductor, WholeModelSaved
 from opara_core.planning import batching
 from opara_core.planning.batching import CostTable
+from opara_core.serving import varlen_costs
 from opara_core.serving.triton_backend import TRITON_DTYPES, OparaModel, RequestError, parameters, request_tensors
 
 log = logging.getLogger(__name__)
@@ -237,6 +239,7 @@ class VarLenReport:
     graph_bytes: dict[tuple[tuple[int, ...], int], int] = field(default_factory=dict)  # (shape, batch) -> its capture's own peak
     costs: CostTable | None = None
     measured: set[tuple[int, ...]] = field(default_factory=set)  # shapes whose costs are replay timings
+    stored: set[tuple[int, ...]] = field(default_factory=set)  # shapes not built yet, costed by an earlier start's timings
 
     @property
     def choices(self) -> dict[tuple[int, ...], str]:
@@ -270,10 +273,13 @@ class VarLenReport:
                 f"pool / largest {self.pool_bytes / max(self.graph_bytes[largest], 1):.2f}"
             )
         if self.costs is not None:
-            lines.append("cost table, ms per run (m: measured replays, c: token-count model; a run takes the cheapest cell that holds it):")
+            lines.append(
+                "cost table, ms per run (m: measured replays, s: an earlier start's replays, c: token-count model; "
+                "a run takes the cheapest cell that holds it):"
+            )
             lines.append("shape \\ batch " + " ".join(f"{b:>8}" for b in self.costs.batches))
             for shape in self.costs.shapes():
-                tag = "m" if shape in self.measured else "c"
+                tag = "m" if shape in self.measured else "s" if shape in self.stored else "c"
                 cells = " ".join(f"{self.costs.seconds[(shape, b)] * 1e3:8.3f}" for b in self.costs.batches)
                 lines.append(f"{_label(shape):>11} {tag} {cells}")
         return "\n".join(lines)
@@ -330,6 +336,9 @@ class VarLenRunners:
         self._axes, self._batches = varlen.axes, tuple(sorted(settings.buckets))
         self._modelled = {(s, b): modelled_seconds(s, b) for s in batching.grid(varlen.axes) for b in self._batches}
         self._measured: dict[tuple[tuple[int, ...], int], float] = {}
+        # timings of every cell from an earlier start that built every shape (serving.varlen_costs)
+        self._costs_key = varlen_costs.costs_key(entry.name, module, varlen.compiler, varlen.axes, self._batches, device)
+        self._stored = varlen_costs.load(self._costs_key)
         self._packed: dict[tuple[tuple[int, ...], int], PackedInputs] = {}  # cells of the whole-model graph
         self._events: list[torch.cuda.Event] = []  # see _landed
         # "load": every shape, largest first (the smaller ones fit in the blocks it freed);
@@ -400,7 +409,7 @@ class VarLenRunners:
             graphs = {b: self._capture(entry, b, packed.get(b)) for b in sorted(settings.buckets, reverse=True)}
             runner = GraphRunner(graphs, entry.inputs, entry.outputs, self.device, self.max_batch)
             if settings.guard:
-                check_against_eager(runner, dict.fromkeys(graphs, self.whole_model.module), entry, settings.fused_tolerance)
+                check_rows_against_eager(runner, self.whole_model.module, sorted(graphs), entry, settings.fused_tolerance)
         except (CaptureError, GuardError, RuntimeError) as error:
             report.fallbacks.append(f"{label}: {error}")
             log.warning("shape %s: %s failed, building it with the engine instead: %s", _label(shape), label, error)
@@ -422,19 +431,29 @@ class VarLenRunners:
 
     def _set_costs(self) -> None:
         """The cost table: replay timings where a shape has graphs; elsewhere (not
-        built yet, or a fallback to eager) the token-count model, in the measured
-        cells' units."""
+        built yet, or a fallback to eager) an earlier start's timings where one
+        stored them, else the token-count model, in the timed cells' units. A
+        start that timed every cell stores them."""
         seconds = self._modelled
-        if self._measured:
-            scale = statistics.median(ms / seconds[cell] for cell, ms in self._measured.items())
-            seconds = {cell: self._measured.get(cell, modelled * scale) for cell, modelled in seconds.items()}
+        known = {cell: self._stored[cell] for cell in seconds if cell in self._stored and cell not in self._measured}
+        self.report.stored = {shape for shape, _ in known} - self.report.measured
+        known.update(self._measured)
+        if known:
+            scale = statistics.median(ms / seconds[cell] for cell, ms in known.items())
+            seconds = {cell: known.get(cell, modelled * scale) for cell, modelled in seconds.items()}
             # a cell not timed yet costs at least what a timed cell it holds costs at that batch: the
             # scaled model made BERT's unbuilt (32, 1) cheaper than its timed (16, 1) on an H100, so a
             # lone 16-token request built shape 32 on first use and ran there
             for (shape, batch), cost in list(seconds.items()):
-                if (shape, batch) not in self._measured:
-                    held = [ms for (s, b), ms in self._measured.items() if b == batch and all(x <= y for x, y in zip(s, shape))]
+                if (shape, batch) not in known:
+                    held = [ms for (s, b), ms in known.items() if b == batch and all(x <= y for x, y in zip(s, shape))]
                     seconds[(shape, batch)] = max([cost, *held])
+        if self._measured.keys() == self._modelled.keys() and self._measured != self._stored:
+            try:
+                varlen_costs.store(self._costs_key, self._measured)
+            except OSError as error:  # an unwritable cache: this start serves all the same
+                log.warning("could not keep the cost table: %s", error)
+            self._stored = dict(self._measured)
         self.costs = self.report.costs = CostTable(self._axes, self._batches, seconds)
 
     def runner_for(self, shape: tuple[int, ...]) -> Runner:
