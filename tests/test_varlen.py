@@ -373,6 +373,7 @@ def test_a_first_use_start_plans_with_the_timings_an_earlier_start_kept(tmp_path
     with torch.inference_mode():
         runners.run([request])
     assert dict(runners.batches) == {"32x1": 1}  # the cheaper cell, built on first use
+    assert list(runners.runners) == [(16,), (512,), (32,)]  # after the largest, as at load (the pool's blocks)
     # another grid is another key: the model's costs again
     other = VarLenRunners(module, entry, cpu, EngineSettings(buckets=batches), VarLenSettings(((16, 512),), capture="first_use"))
     assert other.report.stored == set() and other.costs.seconds[((16,), 1)] < other.costs.seconds[((512,), 1)]
