@@ -26,8 +26,9 @@ does the same from an AOTInductor package kept in the cache directory
 `engine.build.build_runner` (the plan `auto` picks, ATen kernels on several
 lanes). A shape whose whole-model graph fails to capture or disagrees with
 eager falls back to the engine's build. `capture` "load" builds every shape
-when the model loads; "first_use" builds the smallest shape at load (the
-compile) and any other the first time a sub-batch needs it (the environment
+when the model loads, largest first; "first_use" builds the smallest shape at
+load (the compile) and any other the first time a sub-batch needs it, after
+the largest, so that the graph pool fills as at load (the environment
 variable OPARA_CAPTURE overrides it for every model: `launcher warm` builds
 every shape). The cost table comes from replay timings of the captured graphs
 (a shape built on first use replaces its cells with its timings); for shapes
