@@ -11,9 +11,12 @@ free block only for an allocation on the same stream) into bytes in use
 Free bytes on a stream no later shape allocates on are memory the pool keeps
 for nothing. With several `--policies` the model is built once per policy (a
 fresh pool each time), so the split by stream can be compared with a plan
-that never leaves one stream; `inductor` builds with the whole-model Inductor
-graph (`engine.whole_model`, the server's default compiler) instead of the
-engine's per-shape plans. A policy suffixed `/one-priority` (an
+that never leaves one stream; `inductor` and `saved` build with the whole-model
+Inductor graph (`engine.whole_model`: `torch.compile`'s, or the saved artifact,
+the server's default compiler) instead of the engine's per-shape plans.
+`--order` builds the shapes as `capture` "first_use" would when requests
+first need them in that order (`random`, seeded; `ascending`, fewest tokens
+first) instead of as "load" does (largest first). A policy suffixed `/one-priority` (an
 experiment) creates every lane's stream at normal priority, so that lane L is
 the same stream in every shape's plan whatever priorities the plans ask for.
 
@@ -23,8 +26,11 @@ Prints a table per policy and writes JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
+import math
+import random
 import time
 from collections import defaultdict
 
@@ -34,7 +40,6 @@ from opara_core import zoo
 from opara_core.engine.build import EngineSettings, build_runner, static_inputs
 from opara_core.engine.capture import GraphPool, LanePool, pool_mb
 from opara_core.planning import batching
-from opara_core.engine.whole_model import WholeModelInductor
 from opara_core.serving.varlen import DEFAULT_LENGTH_BUCKETS, VarLenRunners, VarLenSettings, axis_buckets
 
 MIB = 2**20
@@ -95,13 +100,13 @@ def one_priority_lanes(self, priorities):
 ORIGINAL_LANES = LanePool.lanes
 
 
-def largest_alone(module, entry, device, policy: str, cell) -> float:
+def largest_alone(runners: VarLenRunners, module, entry, device, policy: str, cell) -> float:
     """MiB of the pool the largest cell's graph holds when it is captured alone
     (the issue's "largest single graph's pool": its own fragmentation included)."""
     shape, batch = cell
     pool = GraphPool.new(device)
-    if policy == "inductor":
-        graph = WholeModelInductor(module).capture(static_inputs(entry.at(shape), batch, device), pool.handle)
+    if runners.whole_model is not None:
+        graph = runners.whole_model.capture(static_inputs(entry.at(shape), batch, device), pool.handle)
     else:
         graph, _ = build_runner(module, entry.at(shape), device, batch, EngineSettings(policy=policy, buckets=(batch,)), pool)
     mib = pool_mb(pool.handle)
@@ -109,7 +114,19 @@ def largest_alone(module, entry, device, policy: str, cell) -> float:
     return mib
 
 
-def measure(model: str, variant: str, buckets: tuple[int, ...], lengths: tuple[int, ...]) -> dict:
+ORDERS = ("random", "ascending")
+
+
+def build_order(grid: list[tuple[int, ...]], order: str) -> list[tuple[int, ...]]:
+    """The shapes a first-use start builds after the smallest (`grid[0]`), in `order`."""
+    if order == "random":
+        return random.Random(1).sample(grid[1:], len(grid) - 1)
+    if order == "ascending":
+        return sorted(grid[1:], key=lambda shape: (math.prod(shape), shape))
+    raise ValueError(f"unknown order {order!r}; known: {', '.join(ORDERS)}")
+
+
+def measure(model: str, variant: str, buckets: tuple[int, ...], lengths: tuple[int, ...], order: str = "load") -> dict:
     policy, _, experiment = variant.partition("/")
     if experiment not in ("", "one-priority"):
         raise SystemExit(f"unknown experiment {experiment!r} in {variant!r}; known: one-priority")
@@ -119,16 +136,21 @@ def measure(model: str, variant: str, buckets: tuple[int, ...], lengths: tuple[i
     module = entry.build().to(device).eval()
     axes = tuple(axis_buckets(axis, lengths) for axis in entry.lengths)
     start = time.perf_counter()
-    compiler = "inductor" if policy == "inductor" else "engine"
-    settings = EngineSettings(policy="auto" if policy == "inductor" else policy, buckets=buckets)
-    runners = ObservedRunners(module, entry, device, settings, VarLenSettings(axes, compiler=compiler))
+    whole_model = policy in ("inductor", "saved")
+    compiler = policy if whole_model else "engine"
+    settings = EngineSettings(policy="auto" if whole_model else policy, buckets=buckets)
+    capture = "load" if order == "load" else "first_use"
+    runners = ObservedRunners(module, entry, device, settings, VarLenSettings(axes, capture=capture, compiler=compiler))
+    for shape in [] if order == "load" else build_order(batching.grid(axes), order):
+        runners.runner_for(shape)
     seconds = time.perf_counter() - start
     peaks = runners.report.graph_bytes
     largest = max(peaks.values())
-    own_pool = largest_alone(module, entry, device, policy, max(peaks, key=peaks.get))
+    own_pool = largest_alone(runners, module, entry, device, policy, max(peaks, key=peaks.get))
     result = {
         "model": model,
         "policy": variant,
+        "order": order,
         "build_seconds": round(seconds, 1),
         "shapes": runners.observed,
         "pool_mib": round(runners.report.pool_bytes / MIB, 1),
@@ -147,7 +169,7 @@ def measure(model: str, variant: str, buckets: tuple[int, ...], lengths: tuple[i
 
 
 def print_table(result: dict) -> None:
-    print(f"\n## {result['model']}, policy {result['policy']}: pool {result['pool_mib']} MiB, largest graph {result['largest_graph_mib']} MiB "
+    print(f"\n## {result['model']}, policy {result['policy']}, order {result['order']}: pool {result['pool_mib']} MiB, largest graph {result['largest_graph_mib']} MiB "
           f"(pool / largest {result['pool_over_largest']}; alone in a pool {result['largest_alone_pool_mib']} MiB, "
           f"pool / that {result['pool_over_largest_alone']}), peaks sum {result['sum_of_peaks_mib']} MiB, outputs {result['outputs_mib']} MiB, "
           f"build {result['build_seconds']} s\n")
@@ -162,7 +184,8 @@ def print_table(result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="bert", help="variable-length zoo models (default bert)")
-    parser.add_argument("--policies", default="inductor,auto,sequential", help="engine policies to build with, or inductor, one pool each; suffix /one-priority for the experiment (default inductor,auto,sequential)")
+    parser.add_argument("--policies", default="inductor,auto,sequential", help="engine policies to build with, or inductor or saved, one pool each; suffix /one-priority for the experiment (default inductor,auto,sequential)")
+    parser.add_argument("--order", default="load", help="load (largest first), or the order first uses build in: random (seed 1), ascending (fewest tokens first); comma-separated for several")
     parser.add_argument("--buckets", default="1,2,4,8,16,32", help="batch buckets (default the served config's)")
     parser.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTH_BUCKETS)), help="sequence buckets below each axis's limit")
     parser.add_argument("--json", help="write the results here")
@@ -174,12 +197,15 @@ def main() -> None:
     for model in models:
         if not zoo.get(model).lengths:
             parser.error(f"{model} has no variable-length axis")
+    unknown = sorted(set(args.order.split(",")) - {"load", *ORDERS})
+    if unknown:
+        parser.error(f"unknown --order {unknown[0]!r}; known: load, {', '.join(ORDERS)}")
     buckets = tuple(int(b) for b in args.buckets.split(","))
     lengths = tuple(int(b) for b in args.lengths.split(","))
     results = []
     for model in models:
-        for policy in args.policies.split(","):
-            results.append(measure(model, policy, buckets, lengths))
+        for policy, order in itertools.product(args.policies.split(","), args.order.split(",")):
+            results.append(measure(model, policy, buckets, lengths, order))
             print_table(results[-1])
             if args.json:
                 with open(args.json, "w") as f:
