@@ -71,7 +71,6 @@ def test_bad_settings_are_refused_with_the_reason(bad, message):
         EngineSettings(**bad)
 
 
-
 class WrongAtOneBucket:
     """An eager runner whose answers at one batch size are off by 1%."""
 
