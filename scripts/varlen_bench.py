@@ -126,7 +126,7 @@ def cost_table(report: str) -> dict[str, float]:
     costs = {}
     for line in lines[header + 1 :]:
         fields = line.split()
-        if len(fields) != len(batches) + 2 or fields[1] not in ("m", "c"):
+        if len(fields) != len(batches) + 2 or fields[1] not in ("m", "s", "c"):  # the report's tags
             break
         costs.update({f"{fields[0]}x{b}": float(ms) for b, ms in zip(batches, fields[2:])})
     return costs
