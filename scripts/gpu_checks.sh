@@ -3,7 +3,10 @@
 # machine's 10-minute calls: `bash scripts/gpu_checks.sh STEP[:SECONDS] [...]`
 # (SECONDS: the step's time limit, default 560; e.g. `csan:150 racecheck:420`).
 #
-#   tests      every test marked gpu (engine, fallback metric)
+#   tests      every test marked gpu (engine, fallback metric; 89 tests, the first 12 took 175 s on an
+#              H200); $TESTS narrows it (pytest arguments, e.g. "tests/test_capture.py tests/test_runtime.py"
+#              on one GPU, the rest on another); test_deploy.py and test_dockerfile.py are left out: they
+#              hold no GPU test and import CI-only packages the GPU machine lacks
 #   servertests tests/test_models.py and tests/test_faults.py with the server on the GPU (every
 #              model over HTTP and gRPC against the eager oracle, faults); ~400 s on an H100
 #   launcher   the launcher on a GPU host: GPU metrics on (nv_gpu_* on /metrics), the device-node
@@ -213,7 +216,8 @@ for spec in "$@"; do
     limit=560
     [[ $spec == *:* ]] && limit=${spec#*:}
     case $name in
-    tests) step tests "$limit" python3 -m pytest -p no:cacheprovider -m gpu -q --durations=10 tests ;;
+    tests) step tests "$limit" python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --durations=10 \
+        --ignore=tests/test_deploy.py --ignore=tests/test_dockerfile.py ${TESTS:-tests} ;;
     servertests) step servertests "$limit" python3 -m pytest -p no:cacheprovider -m "gpu or server" -q -rfE --durations=10 \
         tests/test_models.py tests/test_faults.py ;;
     launcher) step launcher "$limit" python3 -m pytest -p no:cacheprovider -q -rfE --durations=5 tests/test_launcher.py \
