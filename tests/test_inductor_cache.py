@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from opara_core.engine.inductor_cache import INDUCTOR_ENV, cache_root, inductor_cache_dir, use_inductor_cache
+from opara_core.engine.inductor_cache import INDUCTOR_ENV, cache_root, inductor_cache_dir, use_inductor_cache, write_json_atomically
 
 def test_the_parameter_wins_then_torchs_variable_then_the_projects_cache(tmp_path):
     env = {INDUCTOR_ENV: "/from/torch", "OPARA_CACHE_DIR": "/from/opara"}
@@ -41,3 +41,12 @@ def test_a_directory_that_cannot_be_made_is_named(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="a-file/inductor"):
         use_inductor_cache(str(blocker / "inductor"))
     assert INDUCTOR_ENV not in os.environ
+
+
+def test_a_json_write_replaces_the_file_whole_and_a_failed_one_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "new" / "table.json"
+    assert write_json_atomically(path, {"a": [1, 2]}, indent=1) == path
+    assert path.read_text() == '{\n "a": [\n  1,\n  2\n ]\n}'
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        write_json_atomically(path, {"a": object()})
+    assert path.read_text().startswith('{\n "a"') and [p.name for p in path.parent.iterdir()] == ["table.json"]

@@ -14,14 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 
-from opara_core.engine.inductor_cache import cache_root
+from opara_core.engine.inductor_cache import cache_root, write_json_atomically
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +65,11 @@ def load(key: str, directory: Path | None = None) -> tuple[dict[int, str], dict[
 
 def store(key: str, choices: Mapping[int, object], timings_ms: Mapping[int, Mapping[object, float]], directory: Path | None = None) -> Path:
     """Remember a build's choices (atomically: a reader never sees half a file)."""
-    directory = directory or cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     data = {
         "choices": {str(b): str(c) for b, c in choices.items()},
         "timings_ms": {str(b): {str(c): t for c, t in times.items()} for b, times in timings_ms.items()},
     }
-    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as tmp:
-        json.dump(data, tmp, indent=1, sort_keys=True)
-    path = directory / f"{key}.json"
-    os.replace(tmp.name, path)
-    return path
+    return write_json_atomically((directory or cache_dir()) / f"{key}.json", data, indent=1, sort_keys=True)
 
 
 def forget(key: str, directory: Path | None = None) -> None:

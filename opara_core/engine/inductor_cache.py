@@ -12,8 +12,10 @@ The compiled segments themselves are saved in its `segments` subdirectory
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -25,6 +27,22 @@ def cache_root(env: dict[str, str] | os._Environ = os.environ) -> Path:
     """The project's cache directory: $OPARA_CACHE_DIR, else ~/.cache/opara."""
     root = env.get("OPARA_CACHE_DIR")
     return Path(root) if root else Path.home() / ".cache" / "opara"
+
+
+def write_json_atomically(path: Path, data: object, **dump_options) -> Path:
+    """`json.dump` to a temporary file beside `path`, then renamed over it: a
+    reader of the cache sees the old file or the whole new one, never half, and
+    a failed write leaves nothing behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
+        try:
+            json.dump(data, tmp, **dump_options)
+        except BaseException:
+            tmp.close()
+            os.unlink(tmp.name)
+            raise
+    os.replace(tmp.name, path)
+    return path
 
 
 def inductor_cache_dir(configured: str = "", env: dict[str, str] | os._Environ = os.environ) -> Path:

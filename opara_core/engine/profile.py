@@ -24,7 +24,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import statistics
 import tempfile
 from collections import defaultdict
@@ -38,7 +37,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from opara_core.planning.dag import Dag
-from opara_core.engine.inductor_cache import cache_root
+from opara_core.engine.inductor_cache import cache_root, write_json_atomically
 from opara_core.engine.trace import OpGraph
 
 log = logging.getLogger(__name__)
@@ -331,13 +330,7 @@ def load(key: str, directory: Path | None = None) -> Profile | None:
 
 def store(profile: Profile, directory: Path | None = None) -> Path:
     """Write `profile` under its key atomically (a rename), so readers never see half a file."""
-    directory = directory or cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{profile.key}.json"
-    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as tmp:
-        json.dump(profile.to_json(), tmp, indent=1, sort_keys=True)
-    os.replace(tmp.name, path)
-    return path
+    return write_json_atomically((directory or cache_dir()) / f"{profile.key}.json", profile.to_json(), indent=1, sort_keys=True)
 
 
 def profile_graph(

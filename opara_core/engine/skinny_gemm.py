@@ -37,8 +37,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -46,7 +44,7 @@ from typing import Callable
 import torch
 
 from opara_core.engine.capture import capture_module, time_replays
-from opara_core.engine.inductor_cache import cache_root
+from opara_core.engine.inductor_cache import cache_root, write_json_atomically
 
 log = logging.getLogger(__name__)
 
@@ -188,11 +186,8 @@ class Choices:
     def _write(self) -> None:
         """Merge with what other processes wrote and replace the file whole."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             merged = {**self._read(), **self.known}
-            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
-                json.dump({shape: asdict(c) if c else None for shape, c in merged.items()}, f)
-            os.replace(f.name, self.path)
+            write_json_atomically(self.path, {shape: asdict(c) if c else None for shape, c in merged.items()})
         except OSError as error:
             log.warning("skinny GEMM choices not saved to %s: %s", self.path, error)
 

@@ -16,14 +16,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from opara_core.engine.inductor_cache import cache_root
+from opara_core.engine.inductor_cache import cache_root, write_json_atomically
 from opara_core.engine.trace_cache import module_fingerprint
 
 log = logging.getLogger(__name__)
@@ -71,13 +69,7 @@ def load(key: str, directory: Path | None = None) -> dict[Cell, float]:
 
 def store(key: str, seconds: Mapping[Cell, float], directory: Path | None = None) -> Path:
     """Keep a table (atomically: a reader never sees half a file)."""
-    directory = directory or costs_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     cells: dict[str, dict[str, float]] = {}
     for (shape, batch), value in sorted(seconds.items()):
         cells.setdefault(",".join(map(str, shape)), {})[str(batch)] = value
-    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as tmp:
-        json.dump({"seconds": cells}, tmp, indent=1)
-    path = directory / f"{key}.json"
-    os.replace(tmp.name, path)
-    return path
+    return write_json_atomically((directory or costs_dir()) / f"{key}.json", {"seconds": cells}, indent=1)
