@@ -350,23 +350,35 @@ def test_an_untimed_shape_never_looks_cheaper_than_a_timed_one_it_holds():
     assert dict(runners.batches) == {"16x1": 1} and list(runners.runners) == [(16,)]
 
 
-def test_a_first_use_start_plans_with_the_timings_an_earlier_start_kept(tmp_path, monkeypatch):
-    """Shapes not built yet are costed by the stored table of an earlier start
-    that timed every cell (here written by the test: on a CPU nothing is timed),
-    not by the token-count model; the report marks them."""
+# an earlier start's timings of BERT's cells (sequence buckets 16, 32, 512; batches 1, 2), the
+# 32-token cells cheaper than the 16-token ones: the token-count model would never say so
+KEPT = {((16,), 1): 2e-3, ((16,), 2): 3e-3, ((32,), 1): 1e-3, ((32,), 2): 1.5e-3, ((512,), 1): 9e-3, ((512,), 2): 17e-3}
+
+
+def first_use_runners_with_kept_table(cache, monkeypatch):
+    """(module, runners): BERT's runners on the CPU, `capture` first_use, after a start
+    that kept KEPT in the cache directory `cache` (written here: on a CPU nothing is timed)."""
     from opara_core.engine.build import EngineSettings
     from opara_core.serving import varlen_costs
     from opara_core.serving.varlen import VarLenRunners, VarLenSettings
 
-    monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("OPARA_CACHE_DIR", str(cache))
     entry = zoo.get("bert")
     module = entry.build()
     axes, batches, cpu = ((16, 32, 512),), (1, 2), torch.device("cpu")
-    # the 32-token cells cheaper than the 16-token ones: the model would never say so
-    kept = {((16,), 1): 2e-3, ((16,), 2): 3e-3, ((32,), 1): 1e-3, ((32,), 2): 1.5e-3, ((512,), 1): 9e-3, ((512,), 2): 17e-3}
-    varlen_costs.store(varlen_costs.costs_key("bert", module, "saved", axes, batches, cpu), kept)
-    runners = VarLenRunners(module, entry, cpu, EngineSettings(buckets=batches), VarLenSettings(axes, capture="first_use"))
-    assert dict(runners.costs.seconds) == kept
+    varlen_costs.store(varlen_costs.costs_key("bert", module, "saved", axes, batches, cpu), KEPT)
+    return module, VarLenRunners(module, entry, cpu, EngineSettings(buckets=batches), VarLenSettings(axes, capture="first_use"))
+
+
+def test_a_first_use_start_plans_with_the_timings_an_earlier_start_kept(tmp_path, monkeypatch):
+    """Shapes not built yet are costed by the stored table of an earlier start
+    that timed every cell, not by the token-count model; the report marks them."""
+    from opara_core.engine.build import EngineSettings
+    from opara_core.serving.varlen import VarLenRunners, VarLenSettings
+
+    module, runners = first_use_runners_with_kept_table(tmp_path, monkeypatch)
+    entry, batches, cpu = zoo.get("bert"), (1, 2), torch.device("cpu")
+    assert dict(runners.costs.seconds) == KEPT
     assert runners.report.stored == {(16,), (32,), (512,)} and runners.report.measured == set()
     assert " 16 s    2.000    3.000" in runners.report.summary()
     request = check_request(entry, dict(zip((s.name for s in entry.inputs), entry.at((10,)).example_inputs(1, seed=4))), "dp")

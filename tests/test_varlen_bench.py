@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 from conftest import load_script
 from test_triton_backend import config_of
+from test_varlen import KEPT, first_use_runners_with_kept_table
 
 from opara_core import zoo
 from opara_core.serving.varlen import check_config, varlen_settings
@@ -39,16 +39,6 @@ def test_a_bad_override_is_refused_by_name(tmp_path):
 def test_the_cost_table_is_read_back_from_a_first_use_report_with_kept_timings(tmp_path, monkeypatch):
     """A first-use start's report marks the cells an earlier start timed (s); the
     prediction must read those rows too, not stop at the first of them."""
-    from opara_core.engine.build import EngineSettings
-    from opara_core.serving import varlen_costs
-    from opara_core.serving.varlen import VarLenRunners, VarLenSettings
-
-    monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
-    entry = zoo.get("bert")
-    module = entry.build()
-    axes, batches, cpu = ((16, 32, 512),), (1, 2), torch.device("cpu")
-    kept = {((16,), 1): 2e-3, ((16,), 2): 3e-3, ((32,), 1): 1e-3, ((32,), 2): 1.5e-3, ((512,), 1): 9e-3, ((512,), 2): 17e-3}
-    varlen_costs.store(varlen_costs.costs_key("bert", module, "saved", axes, batches, cpu), kept)
-    runners = VarLenRunners(module, entry, cpu, EngineSettings(buckets=batches), VarLenSettings(axes, capture="first_use"))
+    _, runners = first_use_runners_with_kept_table(tmp_path, monkeypatch)
     read = varlen_bench.cost_table(runners.report.summary())
-    assert read == pytest.approx({f"{shape[0]}x{batch}": seconds * 1e3 for (shape, batch), seconds in kept.items()})
+    assert read == pytest.approx({f"{shape[0]}x{batch}": seconds * 1e3 for (shape, batch), seconds in KEPT.items()})
