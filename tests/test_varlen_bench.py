@@ -31,6 +31,15 @@ def test_overrides_instances_and_queue_delay_reach_a_config_that_loads(tmp_path)
     assert config_of("bert", repository)["parameters"]["policy"] == {"string_value": "sequential"}
 
 
+def test_every_shape_is_built_at_load_unless_an_override_says_otherwise(tmp_path):
+    """The shipped T5 captures on first use; the benchmark's levels must not pay its builds."""
+    assert config_of("t5")["parameters"]["capture"] == {"string_value": "first_use"}
+    repository = varlen_bench.make_repository(["bert", "t5"], tmp_path / "a", {}, None)
+    assert {config_of(m, repository)["parameters"]["capture"]["string_value"] for m in ("bert", "t5")} == {"load"}
+    repository = varlen_bench.make_repository(["t5"], tmp_path / "b", {"t5": {"capture": "first_use"}}, None)
+    assert config_of("t5", repository)["parameters"]["capture"] == {"string_value": "first_use"}
+
+
 def test_a_bad_override_is_refused_by_name(tmp_path):
     with pytest.raises(SystemExit, match="parameter sched uler"):
         varlen_bench.make_repository(["bert"], tmp_path, {"bert": {"sched uler": "dp"}}, None)
