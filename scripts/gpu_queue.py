@@ -1,0 +1,177 @@
+"""Jobs for the GPU machine's 10-minute calls: one queue, every GPU of the
+machine taking the next job when its last one ends, until a deadline. A job the
+deadline cuts runs again in the next call and does only what is left, so a
+table too large for one call (seven models at three batch sizes) fills up over
+several.
+
+    python3 scripts/gpu_queue.py --limit 565 --done done/ JOB [JOB ...]
+
+JOB is one of
+  bench:MODEL[:BATCHES[:COLUMNS]]  `python -m opara_core.bench` for those batches (default
+                                   1,8,32) that no JSON under --done, or of this call, holds a
+                                   row of yet; --no-plan-capture and --cache-dir CACHE/MODEL, so a
+                                   later job of the model reuses its trace, fusion and profile;
+                                   COLUMNS as --columns takes them (quote the job: they hold spaces)
+  profile:MODELS:BATCHES           scripts/kernel_profile.py (compile's replay against auto's)
+  tests:PATH[,PATH...]             the tests marked gpu in those files
+  run:NAME=COMMAND                 a shell command; "{out}" in it is this call's output folder
+
+A job other than bench that exits 0 leaves NAME.done in the output folder, and
+one whose NAME.done lies under --done is skipped. Each job logs to
+OUT/NAME.log and runs with CUDA_VISIBLE_DEVICES set to its GPU. At the end
+everything under OUT is packed into OUT/queue.tgz as well (a device call
+returns only a few files), and a summary is printed: job, GPU, exit status
+("cut" at the deadline), seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+FULL_ROW = ("eager", "compile", "auto")  # a bench row with all its columns has these
+
+
+@dataclass(frozen=True)
+class Job:
+    spec: str
+    name: str  # file-name safe: its log, its marker
+    command: str | None  # None: nothing left to do
+
+
+def bench_rows(folders: list[Path]) -> dict[tuple[str, int], set[str]]:
+    """(model, batch) -> the columns measured, over every bench JSON in the folders."""
+    rows: dict[tuple[str, int], set[str]] = {}
+    for folder in folders:
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                found = json.loads(path.read_text())["rows"]
+                for row in found:
+                    rows.setdefault((row["model"], int(row["batch"])), set()).update(row["timings"])
+            except (ValueError, KeyError, TypeError):
+                continue  # not a bench JSON
+    return rows
+
+
+def job_for(spec: str, out: Path, done: Path, cache: Path) -> Job:
+    """The command that does what is left of `spec` (see the module docstring)."""
+    kind, _, rest = spec.partition(":")
+    name = re.sub(r"[^\w.-]+", "_", spec)[:80]
+    if kind == "bench":
+        model, batches, columns = (rest.split(":", 2) + ["", ""])[:3]
+        if not re.fullmatch(r"\w+", model) or not re.fullmatch(r"(\d+,)*\d+|", batches):
+            raise ValueError(f"job {spec!r}: bench:MODEL[:BATCHES[:COLUMNS]], BATCHES like 1,8,32")
+        wanted = set(columns.split(",")) if columns else set(FULL_ROW)
+        have = bench_rows([done, out])
+        left = [b for b in (batches or "1,8,32").split(",") if not wanted <= have.get((model, int(b)), set())]
+        if not left:
+            return Job(spec, name, None)
+        command = (f"python3 -m opara_core.bench --models {model} --batch {','.join(left)} --no-plan-capture "
+                   f"--cache-dir {cache / model} --json {out / name}_b{'-'.join(left)}.json")
+        return Job(spec, name, command + (f" --columns {shlex.quote(columns)}" if columns else ""))
+    if kind == "run":
+        name, _, command = rest.partition("=")
+        if not name or not command or re.search(r"[^\w.-]", name):
+            raise ValueError(f"job {spec!r}: run:NAME=COMMAND, NAME of letters, digits, '_', '.', '-'")
+        command = command.replace("{out}", str(out))
+    elif kind == "profile":
+        models, _, batches = rest.partition(":")
+        command = f"python3 scripts/kernel_profile.py --models {models} --batch {batches or 1} --json {out / name}.json --traces {out / 'traces'}"
+    elif kind == "tests":
+        command = f"python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --durations=10 {' '.join(map(shlex.quote, rest.split(',')))}"
+    else:
+        raise ValueError(f"job {spec!r}: bench:, profile:, tests: or run:")
+    return Job(spec, name, None if (done / f"{name}.done").exists() else command)
+
+
+def run_queue(specs: list[str], gpus: int, limit: float, out: Path, done: Path, cache: Path) -> list[tuple[str, int, str, float]]:
+    """Run the jobs, each GPU one at a time, until `limit` seconds have passed."""
+    out.mkdir(parents=True, exist_ok=True)
+    for spec in specs:
+        job_for(spec, out, done, cache)  # a malformed job stops the call before anything runs
+    deadline = time.monotonic() + limit
+    queue, lock, summary = list(specs), threading.Lock(), []
+
+    def worker(gpu: int) -> None:
+        while True:
+            with lock:
+                if not queue or time.monotonic() >= deadline:
+                    return
+                job = job_for(queue.pop(0), out, done, cache)  # now: an earlier job may have done part of it
+            if job.command is None:
+                summary.append((job.spec, gpu, "done before", 0.0))
+                continue
+            print(f"== {time.strftime('%H:%M:%S')} GPU {gpu}: {job.spec}: {job.command}", flush=True)
+            start = time.monotonic()
+            with open(out / f"{job.name}.log", "a") as log:
+                process = subprocess.Popen(job.command, shell=True, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                           env={**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)})
+                try:
+                    status = str(process.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGTERM)
+                    try:
+                        process.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(process.pid, signal.SIGKILL)
+                        process.wait()
+                    status = "cut"
+            if status == "0" and not job.spec.startswith("bench:"):
+                (out / f"{job.name}.done").touch()
+            summary.append((job.spec, gpu, status, round(time.monotonic() - start, 1)))
+            print(f"== {time.strftime('%H:%M:%S')} GPU {gpu}: {job.spec}: exit {status}", flush=True)
+
+    threads = [threading.Thread(target=worker, args=(gpu,)) for gpu in range(gpus)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    summary += [(spec, -1, "not started", 0.0) for spec in queue]
+    with tarfile.open(out / "queue.tgz", "w:gz") as tar:
+        for path in sorted(out.rglob("*")):
+            if path.is_file() and path.name != "queue.tgz":
+                tar.add(path, arcname=str(path.relative_to(out)))
+    return summary
+
+
+def gpu_count() -> int:
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as error:
+        raise SystemExit(f"error: cannot list the GPUs with nvidia-smi ({error}); say how many with --gpus") from None
+    return len([line for line in listed.splitlines() if line.startswith("GPU ")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("jobs", nargs="+", metavar="JOB")
+    parser.add_argument("--limit", type=float, default=565, help="seconds until the jobs still running are cut (default 565)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")), help="output folder (default $OUT)")
+    parser.add_argument("--done", type=Path, default=Path("done"), help="outputs of earlier calls: their bench rows and .done markers")
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/benchcache"), help="bench build caches, one folder per model")
+    parser.add_argument("--gpus", type=int, help="how many GPUs (default: as nvidia-smi lists them)")
+    args = parser.parse_args(argv)
+    try:
+        summary = run_queue(args.jobs, args.gpus or gpu_count(), args.limit, args.out, args.done, args.cache)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print("| job | GPU | exit | s |\n|---|---:|---|---:|")
+    for spec, gpu, status, seconds in summary:
+        print(f"| {spec} | {gpu if gpu >= 0 else '-'} | {status} | {seconds} |")
+    return 0 if all(status in ("0", "done before") for _, _, status, _ in summary) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""scripts/gpu_queue.py: jobs spread over the GPUs until a deadline, and a later
+call doing only what an earlier one left (real subprocesses; no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+import time
+
+import pytest
+from conftest import load_script
+
+gpu_queue = load_script("gpu_queue")
+
+
+def bench_json(path, *rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": {}, "rows": [{"model": m, "batch": b, "timings": {c: {"median_ms": 1.0} for c in cols}} for m, b, cols in rows]}))
+
+
+def test_a_bench_job_measures_only_the_batches_no_earlier_json_holds(tmp_path):
+    done, out, cache = tmp_path / "done", tmp_path / "out", tmp_path / "cache"
+    full = ("eager", "compile", "sequential", "fused sequential", "auto")
+    bench_json(done / "call1.json", ("bert", 1, full), ("bert", 8, ("eager", "compile")), ("t5", 1, full))  # batch 8 was cut mid-row
+    job = gpu_queue.job_for("bench:bert", out, done, cache)
+    assert f"--models bert --batch 8,32 --no-plan-capture --cache-dir {cache / 'bert'} " in job.command
+    bench_json(out / "this_call.json", ("bert", 8, full), ("bert", 32, full))
+    assert gpu_queue.job_for("bench:bert", out, done, cache).command is None
+    assert gpu_queue.job_for("bench:t5:1", out, done, cache).command is None
+    # a job of some columns is done when its rows hold those columns
+    job = gpu_queue.job_for("bench:t5:1,8:fused sequential,auto", out, done, cache)
+    assert "--batch 8 " in job.command and job.command.endswith("--columns 'fused sequential,auto'")
+
+
+def test_malformed_jobs_are_refused_before_anything_runs(tmp_path):
+    for spec in ("bench", "bench:nasnet:8x", "nasnet:8", "run:=echo", "run:a b=echo"):
+        with pytest.raises(ValueError, match="job"):
+            gpu_queue.run_queue(["run:first=touch {out}/ran", spec], 1, 10, tmp_path, tmp_path / "done", tmp_path)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_jobs_share_the_gpus_and_the_deadline_cuts_what_is_still_running(tmp_path):
+    out = tmp_path / "out"
+    jobs = ["run:slow=sleep 60", "run:a=echo $CUDA_VISIBLE_DEVICES > {out}/a.txt", "run:b=echo $CUDA_VISIBLE_DEVICES > {out}/b.txt"]
+    started = time.monotonic()
+    summary = gpu_queue.run_queue(jobs, 2, 3, out, tmp_path / "done", tmp_path)
+    assert time.monotonic() - started < 20
+    status = {spec: (gpu, exit_status) for spec, gpu, exit_status, _ in summary}
+    assert status["run:slow=sleep 60"] == (0, "cut")
+    assert status[jobs[1]] == (1, "0") and status[jobs[2]] == (1, "0")  # GPU 0 was busy with the slow one
+    assert (out / "a.txt").read_text() == "1\n" and (out / "a.done").exists() and not (out / "slow.done").exists()
+    with tarfile.open(out / "queue.tgz") as tar:
+        assert {"a.txt", "a.log", "a.done", "slow.log"} <= set(tar.getnames())
+
+
+def test_a_later_call_skips_the_jobs_an_earlier_one_finished(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    gpu_queue.run_queue(["run:once=echo x >> {out}/count"], 1, 10, first, tmp_path / "none", tmp_path)
+    summary = gpu_queue.run_queue(["run:once=echo x >> {out}/count", "run:other=true"], 1, 10, second, first, tmp_path)
+    assert [(spec, exit_status) for spec, _, exit_status, _ in summary] == [("run:once=echo x >> {out}/count", "done before"), ("run:other=true", "0")]
+    assert not (second / "count").exists()
