@@ -12,7 +12,8 @@ JOB is one of
                                    row of yet; --no-plan-capture and --cache-dir CACHE/MODEL, so a
                                    later job of the model reuses its trace, fusion and profile;
                                    COLUMNS as --columns takes them (quote the job: they hold spaces)
-  profile:MODELS:BATCHES           scripts/kernel_profile.py (compile's replay against auto's)
+  profile:MODELS:BATCHES           scripts/kernel_profile.py (compile's replay against auto's; its chrome
+                                   traces stay in /tmp/gpu_queue_traces: too large to return)
   tests:PATH[,PATH...]             the tests marked gpu in those files
   run:NAME=COMMAND                 a shell command; "{out}" in it is this call's output folder
 
@@ -87,7 +88,7 @@ def job_for(spec: str, out: Path, done: Path, cache: Path) -> Job:
         command = command.replace("{out}", str(out))
     elif kind == "profile":
         models, _, batches = rest.partition(":")
-        command = f"python3 scripts/kernel_profile.py --models {models} --batch {batches or 1} --json {out / name}.json --traces {out / 'traces'}"
+        command = f"python3 scripts/kernel_profile.py --models {models} --batch {batches or 1} --json {out / name}.json --traces /tmp/gpu_queue_traces"
     elif kind == "tests":
         command = f"python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --durations=10 {' '.join(map(shlex.quote, rest.split(',')))}"
     else:
