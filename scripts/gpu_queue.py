@@ -14,7 +14,9 @@ JOB is one of
                                    COLUMNS as --columns takes them (quote the job: they hold spaces)
   profile:MODELS:BATCHES           scripts/kernel_profile.py (compile's replay against auto's; its chrome
                                    traces stay in /tmp/gpu_queue_traces: too large to return)
-  tests:PATH[,PATH...]             the tests marked gpu in those files
+  tests:ARG[,ARG...]               pytest over those arguments (files, node ids, `--deselect`
+                                   NODE: a heavy test can run as a job of its own), the tests
+                                   marked gpu among them
   run:NAME=COMMAND                 a shell command; "{out}" in it is this call's output folder
 
 A job other than bench that exits 0 leaves NAME.done in the output folder, and

@@ -32,6 +32,12 @@ def test_a_bench_job_measures_only_the_batches_no_earlier_json_holds(tmp_path):
     assert "--batch 8 " in job.command and job.command.endswith("--columns 'fused sequential,auto'")
 
 
+def test_a_tests_job_passes_its_arguments_to_pytest_one_by_one(tmp_path):
+    node = "tests/test_fused_lanes.py::test_fused_lanes_replays_equal_the_single_lane_graph_of_the_same_segments[nasnet]"
+    job = gpu_queue.job_for(f"tests:tests/test_fused_lanes.py,--deselect,{node}", tmp_path, tmp_path, tmp_path)
+    assert job.command.endswith(f"-m gpu -q -rfE --durations=10 tests/test_fused_lanes.py --deselect '{node}'")
+
+
 def test_malformed_jobs_are_refused_before_anything_runs(tmp_path):
     for spec in ("bench", "bench:nasnet:8x", "nasnet:8", "run:=echo", "run:a b=echo"):
         with pytest.raises(ValueError, match="job"):
