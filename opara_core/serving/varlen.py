@@ -461,8 +461,8 @@ class VarLenRunners:
     def runner_for(self, shape: tuple[int, ...]) -> Runner:
         if shape not in self.runners:  # capture "first_use": from now on the scheduler plans with its timings
             # the largest shape first, as "load" builds them: every later shape's graphs then fit in the
-            # blocks its captures freed (T5's 144 graphs built in traffic order held a pool 1.79-1.86x
-            # their largest, largest first 1.52x: H100, docs/benchmarks.md variable lengths run 13)
+            # blocks its captures freed (T5's 144 graphs built in traffic order held 1,492-1,544 MiB, run 13;
+            # with the largest first 1,288 MiB, as at load: docs/benchmarks.md variable lengths run 14)
             for needed in dict.fromkeys((self._largest, shape)):
                 if needed not in self.runners:
                     self._measured.update(self._build(needed))
