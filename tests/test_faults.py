@@ -131,7 +131,9 @@ def test_a_killed_backend_process_fails_fast_then_the_server_restarts(supervised
     assert answered is not None, errors[-5:]
     assert_close(answered, eager("deepfm", arrays))
     new = server.stubs()["deepfm_0_0"]
-    assert new != old and server.returncode is None and supervised.serving.is_set()
+    # the new server may answer before the supervisor's readiness poll has seen it ready
+    wait_for(supervised.serving.is_set, 30, "the supervisor to mark the restarted server serving", server)
+    assert new != old and server.returncode is None
     for message in errors:  # the HTTP guard answers 503 while tritonserver restarts
         assert message.startswith(("connection: ", "the inference server is unavailable")) or message == "Stub process 'deepfm_0_0' is not healthy.", message
     assert any("deepfm_0_0 died" in r.getMessage() and "restarts" in r.getMessage() for r in caplog.records), caplog.text
