@@ -22,9 +22,10 @@ JOB is one of
 A job other than bench that exits 0 leaves NAME.done in the output folder, and
 one whose NAME.done lies under --done is skipped. Each job logs to
 OUT/NAME.log and runs with CUDA_VISIBLE_DEVICES set to its GPU. At the end
-everything under OUT is packed into OUT/queue.tgz as well (a device call
-returns only a few files), and a summary is printed: job, GPU, exit status
-("cut" at the deadline), seconds.
+everything under OUT is moved into OUT/queue.tgz, which is then the folder's
+only file (a device call returns only its first 8 files), and a summary is
+printed: job, GPU, exit status ("cut" at the deadline), seconds. Unpack each
+call's queue.tgz into the folder the next call gets as --done.
 """
 
 from __future__ import annotations
@@ -141,11 +142,23 @@ def run_queue(specs: list[str], gpus: int, limit: float, out: Path, done: Path, 
     for thread in threads:
         thread.join()
     summary += [(spec, -1, "not started", 0.0) for spec in queue]
-    with tarfile.open(out / "queue.tgz", "w:gz") as tar:
-        for path in sorted(out.rglob("*")):
-            if path.is_file() and path.name != "queue.tgz":
-                tar.add(path, arcname=str(path.relative_to(out)))
+    pack(out)
     return summary
+
+
+def pack(out: Path) -> None:
+    """Move everything under `out` into out/queue.tgz: a device call returns the
+    first 8 files of its output folder in name order, so the tarball must be alone
+    there (run 17 lost a profile's JSON when 12 files came before it)."""
+    packed = [path for path in sorted(out.rglob("*")) if path.is_file() and path.name != "queue.tgz"]
+    with tarfile.open(out / "queue.tgz", "w:gz") as tar:
+        for path in packed:
+            tar.add(path, arcname=str(path.relative_to(out)))
+    for path in packed:
+        path.unlink()
+    for folder in sorted((p for p in out.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        if not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def gpu_count() -> int:

@@ -55,14 +55,20 @@ def test_jobs_share_the_gpus_and_the_deadline_cuts_what_is_still_running(tmp_pat
     slow_gpu, cut = status["run:slow=sleep 60"]
     other = 1 - slow_gpu  # either thread may take the first job; the other GPU then runs both quick ones
     assert cut == "cut" and status[jobs[1]] == (other, "0") and status[jobs[2]] == (other, "0")
-    assert (out / "a.txt").read_text() == f"{other}\n" and (out / "a.done").exists() and not (out / "slow.done").exists()
+    # everything went into the tarball, alone in the folder (a device call returns 8 files)
+    assert [path.name for path in out.iterdir()] == ["queue.tgz"]
     with tarfile.open(out / "queue.tgz") as tar:
-        assert {"a.txt", "a.log", "a.done", "slow.log"} <= set(tar.getnames())
+        assert {"a.txt", "a.log", "a.done", "slow.log", "b.done"} <= set(tar.getnames()) and "slow.done" not in tar.getnames()
+        assert tar.extractfile("a.txt").read().decode() == f"{other}\n"
 
 
 def test_a_later_call_skips_the_jobs_an_earlier_one_finished(tmp_path):
-    first, second = tmp_path / "first", tmp_path / "second"
-    gpu_queue.run_queue(["run:once=echo x >> {out}/count"], 1, 10, first, tmp_path / "none", tmp_path)
-    summary = gpu_queue.run_queue(["run:once=echo x >> {out}/count", "run:other=true"], 1, 10, second, first, tmp_path)
+    first, done, second = tmp_path / "first", tmp_path / "done", tmp_path / "second"
+    gpu_queue.run_queue(["run:once=echo x >> {out}/count", "run:nested=mkdir -p {out}/a/b && touch {out}/a/b/c"], 1, 10, first, tmp_path / "none", tmp_path)
+    assert [path.name for path in first.iterdir()] == ["queue.tgz"]
+    with tarfile.open(first / "queue.tgz") as tar:
+        tar.extractall(done, filter="data")  # as between two device calls
+    assert (done / "a" / "b" / "c").exists()
+    summary = gpu_queue.run_queue(["run:once=echo x >> {out}/count", "run:other=true"], 1, 10, second, done, tmp_path)
     assert [(spec, exit_status) for spec, _, exit_status, _ in summary] == [("run:once=echo x >> {out}/count", "done before"), ("run:other=true", "0")]
     assert not (second / "count").exists()

@@ -169,6 +169,9 @@ def test_the_served_whole_model_graph_takes_the_kernel_and_answers_as_eager(tmp_
     from opara_core.engine.whole_model import WholeModelInductor
 
     monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
+    # a fresh Inductor cache: code compiled by an earlier run would load without the pass
+    # running (`rewritten` 0), as it did on a device machine that had run this test before
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setattr(skinny_gemm, "_choices", {})
     torch._dynamo.reset()
     module = tiny_bert().cuda()
