@@ -58,15 +58,7 @@
 #   bench      python -m opara_core.bench for $BENCH_MODELS (default googlenet,bert) at $BENCH_BATCH
 #              (default 1,8,32): every column incl. torch.compile with freezing and fused lanes, the
 #              serving build cold and warm; $OUT/bench.json (rows saved after each model), $OUT/bench.log
-#   benchgrid  several bench runs at once, one per GPU of the machine (a model too slow for one call,
-#              NASNet, split by batch and columns): $BENCH_JOBS is "MODEL|BATCH|COLUMNS[|MORE ARGS]"
-#              jobs separated by ";" (COLUMNS as --columns takes them, empty for all), e.g.
-#              BENCH_JOBS="nasnet|1|eager,compile;nasnet|1|fused sequential,fused opara,auto"; job k runs
-#              on GPU k (more jobs than GPUs wait for a free one) with --no-plan-capture;
-#              $OUT/bench_<k>.json and bench_<k>.log, merged later by `python -m opara_core.bench --report`;
-#              $BENCH_JOB_LIMIT: seconds each job may run (default none: the step's limit), e.g. 600 for
-#              the issue's "max-autotune within 10 minutes per model"; add "--cache-dir DIR" to a job's
-#              MORE ARGS to trace, fuse and profile a model once for several jobs (and calls on one machine)
+#   (several bench runs at once, one per GPU, over several calls: scripts/gpu_queue.py)
 #   generation scripts/generation_bench.py at the model's defaults, 64 slots, log-normal outputs (mean 64, cap 384):
 #              both schedulings at 64 req/s (the same load), iteration-level at 352 and 416, request-level at 72
 #              and 80 (their limits on the H200, generation's sixth run), 1,000 requests each;
@@ -181,34 +173,7 @@ transportexp() {
     return $rc
 }
 
-benchgrid() {
-    local gpus k=0 g gpu job model batch columns more
-    local -a pids=()
-    gpus=$(nvidia-smi --list-gpus | wc -l)
-    # the step's time limit ends the jobs too, not only this shell
-    trap 'for p in "${pids[@]}"; do pkill -TERM -P "$p"; kill "$p"; done 2>/dev/null; exit 124' TERM
-    IFS=';' read -ra jobs <<<"${BENCH_JOBS:?set BENCH_JOBS}"
-    for job in "${jobs[@]}"; do
-        IFS='|' read -r model batch columns more <<<"$job"
-        gpu=""
-        while [ -z "$gpu" ]; do  # the first GPU whose job has ended
-            for ((g = 0; g < gpus; g++)); do
-                if [ -z "${pids[g]:-}" ] || ! kill -0 "${pids[g]}" 2>/dev/null; then gpu=$g; break; fi
-            done
-            [ -z "$gpu" ] && sleep 5
-        done
-        echo "== job $k on GPU $gpu: $model batch $batch columns '${columns:-all}' $more"
-        ( CUDA_VISIBLE_DEVICES=$gpu timeout "${BENCH_JOB_LIMIT:-0}" python3 -m opara_core.bench --models "$model" --batch "$batch" \
-              ${columns:+--columns "$columns"} --no-plan-capture --json "$out/bench_$k.json" $more >"$out/bench_$k.log" 2>&1
-          echo $? >"$out/bench_$k.rc" ) &
-        pids[gpu]=$!
-        k=$((k + 1))
-    done
-    wait
-    ! grep -qv '^0$' "$out"/bench_*.rc
-}
-
-export -f soak instances twogpu warmbuild transportexp benchgrid
+export -f soak instances twogpu warmbuild transportexp
 export out
 
 for spec in "$@"; do
@@ -243,7 +208,6 @@ for spec in "$@"; do
         tests/test_fused_lanes.py tests/test_choices.py tests/test_build.py tests/test_capture.py tests/test_profile.py ;;
     bench) step bench "$limit" python3 -m opara_core.bench --models "${BENCH_MODELS:-googlenet,bert}" \
         --batch "${BENCH_BATCH:-1,8,32}" --json "$out/bench.json" ${BENCH_ARGS:-} ;;
-    benchgrid) step benchgrid "$limit" bash -c benchgrid ;;
     varlentests) step varlentests "$limit" python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --durations=5 \
         tests/test_capture.py tests/test_varlen.py -k "one_pool or on_a_gpu" ;;
     generation) step generation "$limit" python3 scripts/generation_bench.py --requests 1000 --tpot-bound-ms 20 \
@@ -251,6 +215,6 @@ for spec in "$@"; do
         --request-rates 64,72,80 --json "$out/generation.json" --log "$out/generation_server.log" ;;
     varlen) step varlen "$limit" python3 scripts/varlen_bench.py --models "${VARLEN_MODELS:-bert}" --concurrency 1,16,64 \
         --json "$out/varlen_bench.json" --log "$out/varlen_server.log" ${VARLEN_ARGS:-} ;;
-    *) echo "unknown step $name (tests, fusedtests, bench, benchgrid, servertests, launcher, csan, racecheck, transporttests, transport, transportexp, serving, instances, twogpu, soak, warmbuild, generation, varlen, varlentests)" >&2; exit 2 ;;
+    *) echo "unknown step $name (tests, fusedtests, bench, servertests, launcher, csan, racecheck, transporttests, transport, transportexp, serving, instances, twogpu, soak, warmbuild, generation, varlen, varlentests)" >&2; exit 2 ;;
     esac
 done

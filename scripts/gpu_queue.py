@@ -2,16 +2,20 @@
 machine taking the next job when its last one ends, until a deadline. A job the
 deadline cuts runs again in the next call and does only what is left, so a
 table too large for one call (seven models at three batch sizes) fills up over
-several.
+several. (Engine runs 12-15 in docs/benchmarks.md used the `benchgrid` step
+of scripts/gpu_checks.sh, which this replaced.)
 
     python3 scripts/gpu_queue.py --limit 565 --done done/ JOB [JOB ...]
 
 JOB is one of
-  bench:MODEL[:BATCHES[:COLUMNS]]  `python -m opara_core.bench` for those batches (default
+  bench:MODEL[:BATCHES[:COLUMNS[:ARGS]]]
+                                   `python -m opara_core.bench` for those batches (default
                                    1,8,32) that no JSON under --done, or of this call, holds a
                                    row of yet; --no-plan-capture and --cache-dir CACHE/MODEL, so a
                                    later job of the model reuses its trace, fusion and profile;
-                                   COLUMNS as --columns takes them (quote the job: they hold spaces)
+                                   COLUMNS as --columns takes them (quote the job: they hold spaces),
+                                   ARGS more bench arguments, e.g.
+                                   'bench:resnet50:1:compile max-autotune:--compile-autotune resnet50'
   profile:MODELS:BATCHES           scripts/kernel_profile.py (compile's replay against auto's; its chrome
                                    traces stay in /tmp/gpu_queue_traces: too large to return)
   tests:ARG[,ARG...]               pytest over those arguments (files, node ids, `--deselect`
@@ -73,9 +77,9 @@ def job_for(spec: str, out: Path, done: Path, cache: Path) -> Job:
     kind, _, rest = spec.partition(":")
     name = re.sub(r"[^\w.-]+", "_", spec)[:80]
     if kind == "bench":
-        model, batches, columns = (rest.split(":", 2) + ["", ""])[:3]
+        model, batches, columns, more = (rest.split(":", 3) + ["", "", ""])[:4]
         if not re.fullmatch(r"\w+", model) or not re.fullmatch(r"(\d+,)*\d+|", batches):
-            raise ValueError(f"job {spec!r}: bench:MODEL[:BATCHES[:COLUMNS]], BATCHES like 1,8,32")
+            raise ValueError(f"job {spec!r}: bench:MODEL[:BATCHES[:COLUMNS[:ARGS]]], BATCHES like 1,8,32")
         wanted = set(columns.split(",")) if columns else set(FULL_ROW)
         have = bench_rows([done, out])
         left = [b for b in (batches or "1,8,32").split(",") if not wanted <= have.get((model, int(b)), set())]
@@ -83,7 +87,8 @@ def job_for(spec: str, out: Path, done: Path, cache: Path) -> Job:
             return Job(spec, name, None)
         command = (f"python3 -m opara_core.bench --models {model} --batch {','.join(left)} --no-plan-capture "
                    f"--cache-dir {cache / model} --json {out / name}_b{'-'.join(left)}.json")
-        return Job(spec, name, command + (f" --columns {shlex.quote(columns)}" if columns else ""))
+        command += f" --columns {shlex.quote(columns)}" if columns else ""
+        return Job(spec, name, command + "".join(f" {shlex.quote(arg)}" for arg in shlex.split(more)))
     if kind == "run":
         name, _, command = rest.partition("=")
         if not name or not command or re.search(r"[^\w.-]", name):

@@ -30,6 +30,9 @@ def test_a_bench_job_measures_only_the_batches_no_earlier_json_holds(tmp_path):
     # a job of some columns is done when its rows hold those columns
     job = gpu_queue.job_for("bench:t5:1,8:fused sequential,auto", out, done, cache)
     assert "--batch 8 " in job.command and job.command.endswith("--columns 'fused sequential,auto'")
+    # more bench arguments after the columns, each quoted on its own
+    job = gpu_queue.job_for("bench:t5:32:compile max-autotune:--compile-autotune t5 --cache-dir '/tmp/a b'", out, done, cache)
+    assert job.command.endswith("--columns 'compile max-autotune' --compile-autotune t5 --cache-dir '/tmp/a b'")
 
 
 def test_a_tests_job_passes_its_arguments_to_pytest_one_by_one(tmp_path):
