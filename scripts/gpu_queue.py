@@ -80,6 +80,10 @@ def job_for(spec: str, out: Path, done: Path, cache: Path) -> Job:
         model, batches, columns, more = (rest.split(":", 3) + ["", "", ""])[:4]
         if not re.fullmatch(r"\w+", model) or not re.fullmatch(r"(\d+,)*\d+|", batches):
             raise ValueError(f"job {spec!r}: bench:MODEL[:BATCHES[:COLUMNS[:ARGS]]], BATCHES like 1,8,32")
+        try:
+            extra = shlex.split(more)
+        except ValueError as error:
+            raise ValueError(f"job {spec!r}: its bench arguments: {error}") from None
         wanted = set(columns.split(",")) if columns else set(FULL_ROW)
         have = bench_rows([done, out])
         left = [b for b in (batches or "1,8,32").split(",") if not wanted <= have.get((model, int(b)), set())]
@@ -88,7 +92,7 @@ def job_for(spec: str, out: Path, done: Path, cache: Path) -> Job:
         command = (f"python3 -m opara_core.bench --models {model} --batch {','.join(left)} --no-plan-capture "
                    f"--cache-dir {cache / model} --json {out / name}_b{'-'.join(left)}.json")
         command += f" --columns {shlex.quote(columns)}" if columns else ""
-        return Job(spec, name, command + "".join(f" {shlex.quote(arg)}" for arg in shlex.split(more)))
+        return Job(spec, name, command + "".join(f" {shlex.quote(arg)}" for arg in extra))
     if kind == "run":
         name, _, command = rest.partition("=")
         if not name or not command or re.search(r"[^\w.-]", name):

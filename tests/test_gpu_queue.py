@@ -42,7 +42,7 @@ def test_a_tests_job_passes_its_arguments_to_pytest_one_by_one(tmp_path):
 
 
 def test_malformed_jobs_are_refused_before_anything_runs(tmp_path):
-    for spec in ("bench", "bench:nasnet:8x", "nasnet:8", "run:=echo", "run:a b=echo"):
+    for spec in ("bench", "bench:nasnet:8x", "bench:t5:1::--x 'unclosed", "nasnet:8", "run:=echo", "run:a b=echo"):
         with pytest.raises(ValueError, match="job"):
             gpu_queue.run_queue(["run:first=touch {out}/ran", spec], 1, 10, tmp_path, tmp_path / "done", tmp_path)
     assert not (tmp_path / "ran").exists()
