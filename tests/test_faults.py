@@ -136,7 +136,12 @@ def test_a_killed_backend_process_fails_fast_then_the_server_restarts(supervised
     assert new != old and server.returncode is None
     for message in errors:  # the HTTP guard answers 503 while tritonserver restarts
         assert message.startswith(("connection: ", "the inference server is unavailable")) or message == "Stub process 'deepfm_0_0' is not healthy.", message
-    assert any("deepfm_0_0 died" in r.getMessage() and "restarts" in r.getMessage() for r in caplog.records), caplog.text
+    # the supervisor restarted the server because it saw the stub dead, or because tritonserver itself
+    # aborted first (a stub killed while holding a shared-memory lock: boost's lock_exception; a race)
+    assert any(
+        ("deepfm_0_0 died" in r.getMessage() or r.getMessage().startswith("tritonserver ")) and "the server restarts" in r.getMessage()
+        for r in caplog.records
+    ), caplog.text
     with grpcclient.InferenceServerClient(server.grpc_url) as grpc_client:
         x = example("googlenet", 1, seed=4)[0]
         assert_close(infer(grpc_client, "googlenet", [x]), eager("googlenet", [x]))
