@@ -94,7 +94,7 @@ def sweep(m: int, k: int, n: int, quick: bool) -> dict:
         }
     chooser = time_shape(m, k, n, x.device)
     chosen = best_of(chooser)
-    row["chooser"] = {"config": asdict(chosen) if chosen else None, "ms": chooser[chosen or "cublas"], "cublas_ms": chooser["cublas"]}
+    row["chooser"] = {"config": asdict(chosen) if isinstance(chosen, SkinnyConfig) else chosen, "ms": chooser[chosen], "cublas_ms": chooser["cublas"]}
     return row
 
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         row = sweep(m, k, n, args.quick)
         result["shapes"].append(row)
         kn, best, pick = row["kn"], row["kn"]["best"], row["chooser"]["config"]
-        label = "cuBLAS" if pick is None else f"n{pick['block_n']} s{pick['split_k']} w{pick['num_warps']}"
+        label = pick if isinstance(pick, str) else f"n{pick['block_n']} s{pick['split_k']} w{pick['num_warps']}"
         print(f"{m:4} {k:5} {n:5} {row['cublas_addmm_ms'] * 1e3:8.2f} {row['cublas_mm_ms'] * 1e3:7.2f} {kn['ms'] * 1e3:7.2f} {row['nk']['ms'] * 1e3:7.2f} "
               f"{row['cublas_mm_ms'] / kn['ms']:6.2f} {row['chooser']['ms'] * 1e3:9.2f}  n{best['block_n']} k{best['block_k']} s{best['split_k']} "
               f"w{best['num_warps']} st{best['num_stages']}  {label:17}  {row['error_cublas']:.1e} / {kn['error']:.1e}", flush=True)

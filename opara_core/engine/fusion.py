@@ -585,8 +585,9 @@ def skinny_linears(gm: GraphModule) -> int:
     `torch.mm`, so it only costs there).
 
     The op runs the split-K kernel where its first call at that number of rows
-    measured it faster than cuBLAS, and cuBLAS's `mm` (what the graph ran)
-    elsewhere; the bias add is what Inductor makes of an `addmm` whose result
+    measured it faster than cuBLAS, and elsewhere cuBLAS's `mm` on whichever
+    weight layout measured faster there (the weight as stored, what the graph
+    ran, or the transposed copy); the bias add is what Inductor makes of an `addmm` whose result
     feeds pointwise work anyway, and it fuses into the next generated kernel.
     Measured on an H100 (fused sequential graphs, 2026-11-26, one machine):
     BERT 1.411 -> 1.328 ms at batch 1 and 17.440 -> 17.742 at batch 32 (no

@@ -21,8 +21,12 @@ graph capture cannot time: an unknown shape there runs cuBLAS (builds warm up
 before they capture, so in practice every shape is known by then).
 
 The op takes the weight both ways, as nn.Linear stores it and transposed, so
-that where cuBLAS wins it runs exactly what the graph ran before,
-`torch.mm(x, w.t())` (the price: the layer's weight twice in memory), and
+that where cuBLAS wins it runs the faster of `torch.mm(x, w.t())` (what the
+graph ran before: cuBLAS's `tn` kernels) and `torch.mm(x, w_t)` on the stored
+transpose (its `nn` kernels, which torch.compile's frozen weights get), timed
+at every row count, above MAX_ROWS too (BERT's feed-forward down-projection at
+4,096 rows: `tn` 4,569 against `nn` 4,147 us per replay on an H200,
+docs/benchmarks.md run 17; the price: the layer's weight twice in memory), and
 optionally a bias: `engine.skinny_pass` passes the bias of the GEMMs Inductor
 kept as `addmm` (no pointwise work follows them that could take the add), and
 the kernel adds it as it writes, or cuBLAS's `addmm` runs as before; the
@@ -48,8 +52,9 @@ from opara_core.engine.inductor_cache import cache_root, write_json_atomically
 
 log = logging.getLogger(__name__)
 
-KERNEL_VERSION = 3  # bump when the kernels change: the choices on disk are then timed again
-MAX_ROWS = 128  # more rows: cuBLAS (its tiles fill the GPU; measured ties or losses at 128 on an H100)
+KERNEL_VERSION = 4  # bump when the kernels or the choices change: the choices on disk are then timed again
+MAX_ROWS = 128  # more rows: cuBLAS only (its tiles fill the GPU; measured ties or losses at 128 on an H100)
+CUBLAS, CUBLAS_NN = "cublas", "cublas_nn"  # torch.mm(x, w.t()); torch.mm(x, w_t) on the stored transpose
 MIN_GAIN = 0.95  # the kernel must take at most this fraction of cuBLAS's time to be chosen
 SUM_BLOCK = 1024
 L2_MISS_BYTES = 128 * 2**20  # weight copies per timing: together at least this (an H100's L2 holds 50 MB)
@@ -139,32 +144,40 @@ def weight_copies(n: int, k: int, device: torch.device) -> list[torch.Tensor]:
 
 
 def time_shape(m: int, k: int, n: int, device: torch.device, candidates: tuple[SkinnyConfig, ...] = CANDIDATES) -> dict:
-    """cuBLAS's and every candidate's ms per call at this shape."""
+    """ms per call at this shape of cuBLAS on either weight layout and, up to
+    MAX_ROWS rows, of every kernel candidate."""
     x = torch.randn(m, k, device=device)
     weights = weight_copies(n, k, device)
-    timings = {"cublas": per_call_ms([lambda w=w: torch.mm(x, w.t()) for w in weights])}
     stored_t = [w.t().contiguous() for w in weights]
-    for config in candidates:
+    timings = {
+        CUBLAS: per_call_ms([lambda w=w: torch.mm(x, w.t()) for w in weights]),
+        CUBLAS_NN: per_call_ms([lambda w=w: torch.mm(x, w) for w in stored_t]),
+    }
+    for config in candidates if m <= MAX_ROWS else ():
         timings[config] = per_call_ms([lambda w=w, c=config: skinny_mm(x, w, c) for w in stored_t])
     return timings
 
 
-def best_of(timings: dict) -> SkinnyConfig | None:
-    """The fastest candidate if it beats cuBLAS by MIN_GAIN, else None (cuBLAS)."""
-    configs = [c for c in timings if c != "cublas"]
-    best = min(configs, key=timings.get, default=None)
-    return best if best is not None and timings[best] <= MIN_GAIN * timings["cublas"] else None
+Choice = SkinnyConfig | str  # a kernel configuration, CUBLAS or CUBLAS_NN
+
+
+def best_of(timings: dict) -> Choice:
+    """The fastest kernel candidate if it beats the faster cuBLAS layout by
+    MIN_GAIN, else that layout (CUBLAS where only it was timed)."""
+    library = min((c for c in (CUBLAS, CUBLAS_NN) if c in timings), key=timings.get)
+    best = min((c for c in timings if isinstance(c, SkinnyConfig)), key=timings.get, default=None)
+    return best if best is not None and timings[best] <= MIN_GAIN * timings[library] else library
 
 
 # ---- choices: per process and on disk ----------------------------------------------------
 
 
 class Choices:
-    """The kernel configuration (or cuBLAS: None) per (M, K, N) on this GPU."""
+    """The kernel configuration or cuBLAS layout per (M, K, N) on this GPU."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.known: dict[str, SkinnyConfig | None] = {}
+        self.known: dict[str, Choice] = {}
         self.lock = threading.Lock()
         self.path = cache_root() / "skinny" / f"{self._key()}.json"
         self.known.update(self._read())
@@ -176,22 +189,24 @@ class Choices:
         text = json.dumps([torch.cuda.get_device_name(self.device), torch.__version__, triton.__version__, KERNEL_VERSION, MIN_GAIN, [asdict(c) for c in CANDIDATES]])
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
-    def _read(self) -> dict[str, SkinnyConfig | None]:
+    def _read(self) -> dict[str, Choice]:
         try:
             saved = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+            return {shape: SkinnyConfig(**c) if isinstance(c, dict) else str(c) for shape, c in saved.items()}
+        except (OSError, ValueError, TypeError, AttributeError) as error:
+            if not isinstance(error, FileNotFoundError):
+                log.warning("skinny GEMM choices in %s not read (%s): timed again", self.path, error)
             return {}
-        return {shape: SkinnyConfig(**c) if c else None for shape, c in saved.items()}
 
     def _write(self) -> None:
         """Merge with what other processes wrote and replace the file whole."""
         try:
             merged = {**self._read(), **self.known}
-            write_json_atomically(self.path, {shape: asdict(c) if c else None for shape, c in merged.items()})
+            write_json_atomically(self.path, {shape: asdict(c) if isinstance(c, SkinnyConfig) else c for shape, c in merged.items()})
         except OSError as error:
             log.warning("skinny GEMM choices not saved to %s: %s", self.path, error)
 
-    def choose(self, m: int, k: int, n: int) -> SkinnyConfig | None:
+    def choose(self, m: int, k: int, n: int) -> Choice:
         shape = f"{m},{k},{n}"
         with self.lock:
             if shape in self.known:
@@ -200,11 +215,11 @@ class Choices:
                 if not self.warned:
                     log.warning("skinny GEMM %s first seen inside a CUDA graph capture: cuBLAS (shapes are timed on their first call outside one)", shape)
                     self.warned = True
-                return None
+                return CUBLAS
             timings = time_shape(m, k, n, self.device)
             chosen = self.known[shape] = best_of(timings)
-            log.info("skinny GEMM %sx%sx%s: %s (%.1f us; cuBLAS %.1f us)", m, k, n, chosen or "cuBLAS",
-                     timings[chosen or "cublas"] * 1e3, timings["cublas"] * 1e3)  # fmt: skip
+            log.info("skinny GEMM %sx%sx%s: %s (%.1f us; cuBLAS %.1f us, on the stored transpose %.1f us)", m, k, n, chosen,
+                     timings[chosen] * 1e3, timings[CUBLAS] * 1e3, timings[CUBLAS_NN] * 1e3)  # fmt: skip
             self._write()
             return chosen
 
@@ -222,16 +237,19 @@ def choices_for(device: torch.device) -> Choices:
 def linear_mm(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T` (+ `bias`; `weight_t` is `weight.t()` stored contiguous):
     the kernel where it was measured faster (adding a bias of one value per
-    column as it writes); else cuBLAS, `torch.addmm` with a bias (its epilogue
-    adds it, as the graph ran)."""
+    column as it writes); else cuBLAS on the layout measured faster,
+    `torch.addmm` with a bias (its epilogue adds it, as the graph ran)."""
     m, n = x.shape[0], weight.shape[0]
-    if x.is_cuda and x.dtype == weight_t.dtype == torch.float32 and 0 < m <= MAX_ROWS:
-        config = choices_for(x.device).choose(m, x.shape[1], n)
-        if config is not None:
+    right = weight.t()
+    if x.is_cuda and x.dtype == weight_t.dtype == torch.float32 and m > 0:
+        choice = choices_for(x.device).choose(m, x.shape[1], n)
+        if isinstance(choice, SkinnyConfig):
             if bias is None or (bias.shape == (n,) and bias.is_contiguous() and bias.dtype == torch.float32):
-                return skinny_mm(x, weight_t, config, bias)
-            return skinny_mm(x, weight_t, config) + bias
-    return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+                return skinny_mm(x, weight_t, choice, bias)
+            return skinny_mm(x, weight_t, choice) + bias
+        if choice == CUBLAS_NN:
+            right = weight_t
+    return torch.mm(x, right) if bias is None else torch.addmm(bias, x, right)
 
 
 @functools.cache
