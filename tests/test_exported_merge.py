@@ -52,6 +52,12 @@ def test_layers_that_read_one_tensor_become_one_gemm_and_answer_as_eager():
     merged = merge_linears(gm)
     assert skinny_calls(gm) == 3  # query+key+value, cross key+value, out
     assert [len(m.parts) for m in merged] == [3, 3, 3, 2, 2]  # weights, transposes, biases; weights, transposes
+    # the members' own weights are graph inputs no more (13 of them); the unmerged layer's stay
+    left = [node.name for node in gm.graph.nodes if node.op == "placeholder"]
+    parts = {part for m in merged for part in m.parts}
+    assert len(parts) == 13 and not parts & set(left)
+    assert {name for name in names if name in by_name} - parts <= set(left)
+    names = [name for name in names if name in left]
     for x in (torch.randn(1, 1, 8), torch.randn(4, 16, 8), torch.randn(3, 7, 8)):
         flat = [x if name not in by_name or by_name[name] is None else by_name[name] for name in names]
         flat += [torch.cat([by_name[part] for part in m.parts], m.dim) for m in merged]
@@ -66,6 +72,9 @@ def test_a_saved_artifact_takes_the_merged_weights_from_the_module(tmp_path):
     inputs = json.loads(saved.signature_path.read_text())["inputs"]
     merged = [name for kind, name in inputs if kind == "MERGED"]
     assert [part.rsplit(".", 1)[0] for part in merged[0]["cat"]] == ["query", "key", "value"]
+    # the artifact takes the merged weights, not its members' (their transposed copies are not kept)
+    taken = {name for kind, name in inputs if kind != "MERGED"}
+    assert "out.weight_t" in taken and not taken & {part for m in merged for part in m["cat"]}
     with torch.inference_mode():
         for x in (torch.randn(1, 1, 8), torch.randn(4, 16, 8)):
             assert_close(saved.runner(x).numpy(), module(x).numpy(), 1e-5)

@@ -6,13 +6,14 @@ tests/test_varlen.py.)"""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import load_script
 from serving import assert_close
 
 from opara_core.engine import whole_model
-from opara_core.engine.skinny_gemm import SkinnyLinear
 from opara_core.engine.whole_model import WholeModelAOT, WholeModelSaved
 
 DIMS = ({0: ("batch", 1, 4), 1: ("tokens", 1, 16)}, {0: ("batch", 1, 4), 1: ("tokens", 1, 16)})
@@ -49,8 +50,9 @@ def test_one_package_answers_every_size_as_eager_and_a_later_start_only_loads_it
     module = TinyAttention().eval()
     first = kind(module, inputs(3, 7), DIMS, tmp_path)
     assert first.compiled_now and first.path.exists()
-    if kind is WholeModelSaved:  # its linear layer exported as the skinny GEMM op; the module itself as it was
-        assert isinstance(first.prepared.project, SkinnyLinear) and type(module.project) is torch.nn.Linear
+    if kind is WholeModelSaved:  # its linear layer exported as the skinny GEMM op (with its transposed weight); the module itself as it was
+        assert ["BUFFER", "project.weight_t"] in json.loads(first.signature_path.read_text())["inputs"]
+        assert type(module.project) is torch.nn.Linear and not hasattr(module.project, "weight_t")
     with torch.inference_mode():
         for batch, tokens in [(1, 1), (1, 16), (3, 7), (4, 12)]:  # sizes of 1 too: no specialisation
             example = inputs(batch, tokens)

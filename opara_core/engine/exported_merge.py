@@ -30,7 +30,7 @@ from opara_core.engine import skinny_gemm
 
 aten = torch.ops.aten
 RESHAPES = (aten.reshape.default, aten.view.default)
-MERGE_VERSION = 1  # part of a saved artifact's key: bump when what the merge makes changes
+MERGE_VERSION = 2  # part of a saved artifact's key: bump when what the merge makes changes
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,8 @@ class _Member:
 
 def merge_linears(gm: GraphModule) -> list[MergedInput]:
     """Merge, in place, the linear layers of `gm` that read one tensor; the
-    graph inputs added (after the existing ones, in this order)."""
+    graph inputs added (after the existing ones, in this order). The members'
+    own weight inputs that nothing reads any more are removed from the graph."""
     groups: dict[tuple, list[_Member]] = defaultdict(list)
     for node in gm.graph.nodes:
         member = _member(node)
@@ -106,6 +107,9 @@ def merge_linears(gm: GraphModule) -> list[MergedInput]:
             if reshaped is not first.mm.args[0] and reshaped.op == "call_function" and not reshaped.users:
                 gm.graph.erase_node(reshaped)
             start += width
+        for part in (p for parts in parts_of for p in parts):
+            if not part.users:  # a member's own weight, read by nothing now: no longer a graph input
+                gm.graph.erase_node(part)
     if added:
         gm.graph.lint()
         gm.recompile()
