@@ -283,7 +283,7 @@ def test_deepfm_keeps_its_one_output_layers_out_of_the_default_passes():
     assert report.note == "" and report.rewrites["single_column_linears"] == 2
 
 
-def test_linear_layers_run_through_the_skinny_gemm_op_with_the_bias_added_after():
+def test_linear_layers_run_through_the_skinny_gemm_op_with_the_bias_where_inductor_puts_it():
     module = Projections().eval()
     graph = trace(module, projections_inputs(2), ({0: torch.export.Dim("batch", min=1, max=8)}, {0: torch.export.Dim("batch", min=1, max=8)}))
     gm, report = fused_copy(graph, "cse", "merge_linears", "skinny_linears")  # called on a CPU graph: CUDA-only in `fuse`
@@ -294,18 +294,52 @@ def test_linear_layers_run_through_the_skinny_gemm_op_with_the_bias_added_after(
     op = torch.ops.opara.skinny_mm.default
     assert rewritten == count_gemms == count(gm, op) == 3  # q/k/v merged, `other`, the bias-free pair merged
     assert count(gm, aten.addmm.default) == count(gm, aten.mm.default) == 0
-    biased = [n for n in gm.graph.nodes if n.target is op and any(u.target is aten.add.Tensor for u in n.users)]
-    assert len(biased) == 2  # the bias-free pair has no add
+    added = [n for n in gm.graph.nodes if n.target is op and any(u.target is aten.add.Tensor for u in n.users)]
+    inside = [n for n in gm.graph.nodes if n.target is op and len(n.args) == 4]
+    assert len(added) == 1  # q/k/v: `v * 2` reads it, a kernel the add joins; the bias-free pair has no bias
+    assert [n.args[0].args[0].name for n in inside] == ["y"]  # `other(y)`, an output as it is: the op adds it
     rebuilt = from_graph_module(gm)  # the static cost model counts the op's FLOPs as mm's
     flops = [n.meta["opara_flops"] for n in rebuilt.module.graph.nodes if n.target is op]
     assert len(flops) == 3 and all(f > 0 for f in flops)
     for node in (n for n in gm.graph.nodes if n.target is op):  # the weight and its transposed copy
-        weight, transposed = (fusion._constant(gm, a) for a in node.args[1:])
+        weight, transposed = (fusion._constant(gm, a) for a in node.args[1:3])
         assert torch.equal(transposed, weight.t()) and transposed.is_contiguous()
     for batch in (1, 2, 3):
         inputs = projections_inputs(batch)
         with torch.no_grad():
             assert max_relative_error(gm(*inputs), module(*inputs)) <= TOLERANCE
+
+
+class ScoresAndFeedForward(nn.Module):
+    """Attention scores of two projections of `x` (views into a batched product:
+    nothing pointwise reads them) and a projection of `y` into a GELU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.up = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 32)
+
+    def forward(self, x, y):
+        return torch.bmm(self.q(x), self.k(x).transpose(1, 2)), torch.nn.functional.gelu(self.up(y))
+
+
+def test_the_op_adds_the_bias_of_a_linear_layer_that_only_views_and_products_read():
+    module = ScoresAndFeedForward().eval()
+
+    def make(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(batch)
+        return torch.randn(batch, 5, 16, generator=generator), torch.randn(batch, 3, 16, generator=generator)
+
+    dims = {0: torch.export.Dim("batch", min=1, max=8)}
+    gm, _ = fused_copy(trace(module, make(2), (dims, dims)), "cse", "merge_linears")
+    assert fusion.skinny_linears(gm) == 2
+    gm.recompile()
+    ops = [n for n in gm.graph.nodes if n.target is torch.ops.opara.skinny_mm.default]
+    merged, up = sorted(ops, key=lambda n: n.args[0].target is aten.view.default and n.args[0].args[0].name == "y")
+    assert {u.target for u in merged.users} == {aten.slice.Tensor} and len(merged.args) == 4  # q and k: the op adds the bias
+    assert [u.target for u in up.users] == [aten.add.Tensor] and len(up.args) == 3  # an add the GELU's kernel takes
+    for batch in (1, 2, 3):
+        with torch.no_grad():
+            assert max_relative_error(gm(*make(batch)), module(*make(batch))) <= TOLERANCE
 
 
 def test_the_cudnn_passes_leave_cpu_graphs_alone(patterns):
@@ -557,3 +591,23 @@ def test_build_runner_fuses_and_passes_the_guard(strict_fp32):
     _, report = build_runner(module, zoo.get("googlenet"), device, 8, EngineSettings(buckets=(1, 8)))
     assert report.fusion.note == "" and report.fusion.rewrites["conv_relu"] > 0, report.summary()
     assert report.runner == "multi-stream graph" and not report.fallbacks, report.summary()
+
+
+@pytest.mark.gpu
+def test_cuda_bert_attention_projections_take_their_bias_in_the_gemm(strict_fp32):
+    # on the GPU the trace keeps attention as one op, which reads q, k and v
+    # through views: an add after the GEMM would copy each of them per layer
+    from opara_core.engine.build import INDUCTOR_PASSES
+
+    device = torch.device("cuda")
+    module, graph = _cuda_graph("bert")
+    fused, report = fusion.fuse_graph(graph, device, passes=INDUCTOR_PASSES)
+    assert report.note == "", report.note
+    ops = [n for n in fused.module.graph.nodes if n.target is torch.ops.opara.skinny_mm.default]
+    qkv = [n for n in ops if n.meta["val"].shape[-1] == 3 * 768]
+    assert len(qkv) == 12 and all(len(n.args) == 4 for n in qkv)
+    assert not any(u.target is aten.add.Tensor for n in qkv for u in n.users)
+    with torch.inference_mode():
+        for batch in (1, 4):
+            inputs = tuple(x.to(device) for x in zoo.get("bert").example_inputs(batch, seed=batch))
+            assert max_relative_error(fused.module(*inputs), module(*inputs)) <= TOLERANCE

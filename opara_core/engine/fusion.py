@@ -469,6 +469,8 @@ VIEW_OPS = frozenset({
     VIEW, PERMUTE, SLICE, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
     aten.select.int, aten.transpose.int, aten.t.default, aten.alias.default, aten._unsafe_view.default,
 })
+# ops that return views of their input's parts (read through operator.getitem)
+SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int})
 
 
 def _restrided(node: Node, val: torch.Tensor, mode: FakeTensorMode) -> dict[Node, torch.Tensor] | None:
@@ -571,9 +573,9 @@ def single_column_linears(gm: GraphModule) -> int:
     or the one that reads the result. Returns the number of layers rewritten.
     """
 
-    def row_sum(node: Node, weight: torch.Tensor) -> Node:
+    def row_sum(node: Node, weight: torch.Tensor, bias: Node | None) -> Node:
         product = _call(gm, aten.mul.Tensor, (node.args[-2], node.args[-1].args[0]), like=node)
-        return _call(gm, aten.sum.dim_IntList, (product, [1], True), like=node)
+        return _plus(gm, _call(gm, aten.sum.dim_IntList, (product, [1], True), like=node), bias, node)
 
     return _rewrite_linears(gm, lambda weight: weight.shape[0] == 1, row_sum)
 
@@ -581,30 +583,39 @@ def single_column_linears(gm: GraphModule) -> int:
 def skinny_linears(gm: GraphModule) -> int:
     """Run fp32 linear layers through `opara::skinny_mm` (engine.skinny_gemm):
     `x @ w.t()` as the op, given `w` and a transposed copy (the kernel's
-    layout), the bias as an add after it. For CUDA graphs (on a CPU the op is
-    `torch.mm`, so it only costs there).
+    layout). For CUDA graphs (on a CPU the op is `torch.mm`, so it only costs
+    there).
 
     The op runs the split-K kernel where its first call at that number of rows
     measured it faster than cuBLAS, and elsewhere cuBLAS's `mm` on whichever
     weight layout measured faster there (the weight as stored, what the graph
-    ran, or the transposed copy); the bias add is what Inductor makes of an `addmm` whose result
-    feeds pointwise work anyway, and it fuses into the next generated kernel.
-    Measured on an H100 (fused sequential graphs, 2026-11-26, one machine):
-    BERT 1.411 -> 1.328 ms at batch 1 and 17.440 -> 17.742 at batch 32 (no
-    kernel there: the add costs), T5 1.137 -> 0.995 at batch 1. Returns the
-    number of layers rewritten.
+    ran, or the transposed copy). The bias goes where Inductor would put it
+    (`addmm` or `mm` plus an add): an add after the op where pointwise work
+    reads the result anyway, so that the add fuses into that generated kernel;
+    else into the op, which adds it as it writes. An add after the op there
+    costs a kernel of its own: BERT's query/key/value GEMM feeds attention
+    through views only, and its add made a copy of each of q, k and v per layer
+    (36 kernels at batch 8, H200 2026-11-27, where torch.compile's addmm feeds
+    attention strided views). Measured on an H100 (fused sequential graphs,
+    2026-11-26, one machine, the bias always after the op): BERT 1.411 -> 1.328
+    ms at batch 1 and 17.440 -> 17.742 at batch 32, T5 1.137 -> 0.995 at batch
+    1. Returns the number of layers rewritten.
     """
 
-    def through_the_op(node: Node, weight: torch.Tensor) -> Node:
+    def through_the_op(node: Node, weight: torch.Tensor, bias: Node | None) -> Node:
         transposed = _add_constant(gm, weight.t().contiguous(), "transposed_linear_weight")
-        return _call(gm, skinny_gemm.skinny_mm_op(), (node.args[-2], node.args[-1].args[0], transposed), like=node)
+        operands = (node.args[-2], node.args[-1].args[0], transposed)
+        if bias is None or _feeds_pointwise(node):
+            return _plus(gm, _call(gm, skinny_gemm.skinny_mm_op(), operands, like=node), bias, node)
+        return _call(gm, skinny_gemm.skinny_mm_op(), (*operands, bias), like=node)
 
     return _rewrite_linears(gm, lambda weight: weight.dtype == torch.float32, through_the_op)
 
 
-def _rewrite_linears(gm: GraphModule, wanted: Callable[[torch.Tensor], bool], product: Callable[[Node, torch.Tensor], Node]) -> int:
+def _rewrite_linears(gm: GraphModule, wanted: Callable[[torch.Tensor], bool], product: Callable[[Node, torch.Tensor, Node | None], Node]) -> int:
     """Replace each linear layer (`_linear_weight`) whose weight is `wanted` by
-    `product(node, weight)` (the new nodes for `x @ w.t()`) plus its bias as an add."""
+    `product(node, weight, bias)`: the new nodes for `x @ w.t()` plus `bias`
+    (the addmm's bias, None for an mm)."""
     count = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in (ADDMM, MM):
@@ -613,14 +624,32 @@ def _rewrite_linears(gm: GraphModule, wanted: Callable[[torch.Tensor], bool], pr
         if weight is None or not wanted(weight):
             continue
         with gm.graph.inserting_before(node), torch.no_grad():
-            result = product(node, weight)
-            if node.target is ADDMM:
-                result = _call(gm, ADD, (result, node.args[0]), like=node)
+            result = product(node, weight, node.args[0] if node.target is ADDMM else None)
         node.replace_all_uses_with(result)
         gm.graph.erase_node(node)
         count += 1
     _eliminate_dead_code(gm)
     return count
+
+
+def _plus(gm: GraphModule, result: Node, bias: Node | None, like: Node) -> Node:
+    return result if bias is None else _call(gm, ADD, (result, bias), like=like)
+
+
+def _feeds_pointwise(node: Node) -> bool:
+    """Whether a pointwise op reads `node`'s result, directly or through views
+    of it (a kernel that Inductor can fuse an add into)."""
+    todo, seen = [node], set()
+    while todo:
+        for user in todo.pop().users:
+            if user in seen or user.op != "call_function":
+                continue
+            seen.add(user)
+            if user.target in VIEW_OPS or user.target in SPLITS or user.target is operator.getitem:
+                todo.append(user)
+            elif isinstance(user.target, torch._ops.OpOverload) and torch.Tag.pointwise in user.target.tags:
+                return True
+    return False
 
 
 # ---- cuDNN fused convolutions (CUDA only) --------------------------------------------
