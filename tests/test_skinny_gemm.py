@@ -76,6 +76,11 @@ def test_the_kernel_is_chosen_only_where_it_beats_the_faster_cublas_layout_by_th
     assert skinny_gemm.best_of({cublas: 10.0, nn: 9.9}) == nn
     assert skinny_gemm.best_of({cublas: 10.0, nn: 10.1}) == cublas
     assert skinny_gemm.best_of({cublas: 10.0}) == cublas
+    # with a bias: addmm on either layout, or mm then an add
+    plus, nn_plus = skinny_gemm.CUBLAS_ADD, skinny_gemm.CUBLAS_NN_ADD
+    assert skinny_gemm.best_of({cublas: 31.0, nn: 37.0, plus: 22.0, nn_plus: 21.6, fast: 20.6}) == nn_plus
+    assert skinny_gemm.best_of({cublas: 31.0, nn: 37.0, plus: 22.0, nn_plus: 21.6, fast: 20.0}) == fast
+    assert skinny_gemm.best_of({cublas: 10.0, nn: 9.0, plus: 9.0, nn_plus: 9.5}) == nn  # a tie: the fewer kernels
 
 
 def test_on_the_cpu_the_op_is_a_matrix_product():
@@ -142,18 +147,20 @@ def test_choices_are_timed_once_and_kept_on_disk(cache):
     chosen = choices.choose(16, 768, 768)
     above = choices.choose(4096, 3072, 768)  # BERT's feed-forward down-projection at batch 32: cuBLAS, one layout
     assert above in (skinny_gemm.CUBLAS, skinny_gemm.CUBLAS_NN)
+    biased = choices.choose(4096, 768, 2304, bias=True)  # BERT's q/k/v at batch 32: timed with its bias
+    assert biased in skinny_gemm.LIBRARY
     assert choices.path.is_file() and choices.path.is_relative_to(cache)
     again = skinny_gemm.Choices(device)  # another process: reads the file, times nothing
-    assert again.known == {"16,768,768": chosen, "4096,3072,768": above}
+    assert again.known == {"16,768,768": chosen, "4096,3072,768": above, "4096,768,2304+bias": biased}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("choice", ["cublas", "cublas_nn"])
+@pytest.mark.parametrize("choice", skinny_gemm.LIBRARY)
 @pytest.mark.parametrize("bias", [False, True])
-def test_either_cublas_layout_answers_as_the_linear_layer(cache, choice, bias):
+def test_every_cublas_way_answers_as_the_linear_layer(cache, choice, bias):
     layer = torch.nn.Linear(3072, 768, bias=bias).cuda()
     x = torch.randn(300, 3072, device="cuda")
-    skinny_gemm.choices_for(x.device).known["300,3072,768"] = choice  # as if timed so
+    skinny_gemm.choices_for(x.device).known["300,3072,768" + ("+bias" if bias else "")] = choice  # as if timed so
     got = skinny_gemm.linear_mm(x, layer.weight, layer.weight.t().contiguous(), layer.bias)
     torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-5)
 

@@ -27,11 +27,11 @@ transpose (its `nn` kernels, which torch.compile's frozen weights get), timed
 at every row count, above MAX_ROWS too (BERT's feed-forward down-projection at
 4,096 rows: `tn` 4,569 against `nn` 4,147 us per replay on an H200,
 docs/benchmarks.md run 17; the price: the layer's weight twice in memory), and
-optionally a bias: `engine.skinny_pass` passes the bias of the GEMMs Inductor
-kept as `addmm` (no pointwise work follows them that could take the add), and
-the kernel adds it as it writes, or cuBLAS's `addmm` runs as before; the
-engine's own pass leaves a linear layer's bias as a separate add that
-Inductor fuses into the next kernel (`fusion.skinny_linears`).
+optionally a bias, where no pointwise work follows that could take the add
+(`engine.skinny_pass`: the GEMMs Inductor kept as `addmm`; `fusion.skinny_linears`
+by the same rule): the kernel adds it as it writes, or cuBLAS runs `addmm` or
+`mm` then an add, whichever was measured faster at that shape with a bias
+(cuBLASLt's fp32 `addmm` lost at 128 and 1,024 rows, won at 4,096).
 """
 
 from __future__ import annotations
@@ -52,9 +52,14 @@ from opara_core.engine.inductor_cache import cache_root, write_json_atomically
 
 log = logging.getLogger(__name__)
 
-KERNEL_VERSION = 4  # bump when the kernels or the choices change: the choices on disk are then timed again
+KERNEL_VERSION = 5  # bump when the kernels or the choices change: the choices on disk are then timed again
 MAX_ROWS = 128  # more rows: cuBLAS only (its tiles fill the GPU; measured ties or losses at 128 on an H100)
 CUBLAS, CUBLAS_NN = "cublas", "cublas_nn"  # torch.mm(x, w.t()); torch.mm(x, w_t) on the stored transpose
+# with a bias, those two are `torch.addmm` (cuBLASLt adds it in its epilogue), and
+# these `torch.mm` then an add in place: cuBLASLt's fp32 kernels with a bias are
+# slower at few rows (128 x 768 x 2304 on an H200: 31-37 us against 19 us, 2026-11-27)
+CUBLAS_ADD, CUBLAS_NN_ADD = "cublas+add", "cublas_nn+add"
+LIBRARY = (CUBLAS, CUBLAS_NN, CUBLAS_ADD, CUBLAS_NN_ADD)
 MIN_GAIN = 0.95  # the kernel must take at most this fraction of cuBLAS's time to be chosen
 SUM_BLOCK = 1024
 L2_MISS_BYTES = 128 * 2**20  # weight copies per timing: together at least this (an H100's L2 holds 50 MB)
@@ -143,28 +148,36 @@ def weight_copies(n: int, k: int, device: torch.device) -> list[torch.Tensor]:
     return [torch.randn(n, k, device=device) / k**0.5 for _ in range(count)]
 
 
-def time_shape(m: int, k: int, n: int, device: torch.device, candidates: tuple[SkinnyConfig, ...] = CANDIDATES) -> dict:
-    """ms per call at this shape of cuBLAS on either weight layout and, up to
-    MAX_ROWS rows, of every kernel candidate."""
+def time_shape(m: int, k: int, n: int, device: torch.device, candidates: tuple[SkinnyConfig, ...] = CANDIDATES, bias: bool = False) -> dict:
+    """ms per call at this shape of cuBLAS on either weight layout (with
+    `bias`, each as `addmm` and as `mm` then an add) and, up to MAX_ROWS rows,
+    of every kernel candidate."""
     x = torch.randn(m, k, device=device)
+    b = torch.randn(n, device=device) if bias else None
     weights = weight_copies(n, k, device)
-    stored_t = [w.t().contiguous() for w in weights]
-    timings = {
-        CUBLAS: per_call_ms([lambda w=w: torch.mm(x, w.t()) for w in weights]),
-        CUBLAS_NN: per_call_ms([lambda w=w: torch.mm(x, w) for w in stored_t]),
-    }
+    layouts = {CUBLAS: [w.t() for w in weights], CUBLAS_NN: [w.t().contiguous() for w in weights]}
+    timings = {}
+    for choice in LIBRARY if bias else (CUBLAS, CUBLAS_NN):
+        timings[choice] = per_call_ms([lambda r=r, c=choice: library_mm(x, r, c, b) for r in layouts[choice.removesuffix("+add")]])
     for config in candidates if m <= MAX_ROWS else ():
-        timings[config] = per_call_ms([lambda w=w, c=config: skinny_mm(x, w, c) for w in stored_t])
+        timings[config] = per_call_ms([lambda w=w, c=config: skinny_mm(x, w, c, b) for w in layouts[CUBLAS_NN]])
     return timings
 
 
-Choice = SkinnyConfig | str  # a kernel configuration, CUBLAS or CUBLAS_NN
+def library_mm(x: torch.Tensor, right: torch.Tensor, choice: str, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ right` (+ `bias`) by cuBLAS: `addmm`, or for the `+add` choices `mm` then an add."""
+    if bias is None:
+        return torch.mm(x, right)
+    return torch.mm(x, right).add_(bias) if choice.endswith("+add") else torch.addmm(bias, x, right)
+
+
+Choice = SkinnyConfig | str  # a kernel configuration or one of LIBRARY
 
 
 def best_of(timings: dict) -> Choice:
-    """The fastest kernel candidate if it beats the faster cuBLAS layout by
-    MIN_GAIN, else that layout (CUBLAS where only it was timed)."""
-    library = min((c for c in (CUBLAS, CUBLAS_NN) if c in timings), key=timings.get)
+    """The fastest kernel candidate if it beats the fastest cuBLAS way by
+    MIN_GAIN, else that way (in LIBRARY's order on a tie)."""
+    library = min((c for c in LIBRARY if c in timings), key=timings.get)
     best = min((c for c in timings if isinstance(c, SkinnyConfig)), key=timings.get, default=None)
     return best if best is not None and timings[best] <= MIN_GAIN * timings[library] else library
 
@@ -206,8 +219,8 @@ class Choices:
         except OSError as error:
             log.warning("skinny GEMM choices not saved to %s: %s", self.path, error)
 
-    def choose(self, m: int, k: int, n: int) -> Choice:
-        shape = f"{m},{k},{n}"
+    def choose(self, m: int, k: int, n: int, bias: bool = False) -> Choice:
+        shape = f"{m},{k},{n}" + ("+bias" if bias else "")
         with self.lock:
             if shape in self.known:
                 return self.known[shape]
@@ -216,9 +229,9 @@ class Choices:
                     log.warning("skinny GEMM %s first seen inside a CUDA graph capture: cuBLAS (shapes are timed on their first call outside one)", shape)
                     self.warned = True
                 return CUBLAS
-            timings = time_shape(m, k, n, self.device)
+            timings = time_shape(m, k, n, self.device, bias=bias)
             chosen = self.known[shape] = best_of(timings)
-            log.info("skinny GEMM %sx%sx%s: %s (%.1f us; cuBLAS %.1f us, on the stored transpose %.1f us)", m, k, n, chosen,
+            log.info("skinny GEMM %s: %s (%.1f us; cuBLAS %.1f us, on the stored transpose %.1f us)", shape, chosen,
                      timings[chosen] * 1e3, timings[CUBLAS] * 1e3, timings[CUBLAS_NN] * 1e3)  # fmt: skip
             self._write()
             return chosen
@@ -237,19 +250,18 @@ def choices_for(device: torch.device) -> Choices:
 def linear_mm(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T` (+ `bias`; `weight_t` is `weight.t()` stored contiguous):
     the kernel where it was measured faster (adding a bias of one value per
-    column as it writes); else cuBLAS on the layout measured faster,
-    `torch.addmm` with a bias (its epilogue adds it, as the graph ran)."""
+    column as it writes); else cuBLAS on the layout measured faster and, with a
+    bias, the faster of `addmm` and `mm` then an add in place (timed apart from
+    the bias-free shape)."""
     m, n = x.shape[0], weight.shape[0]
-    right = weight.t()
-    if x.is_cuda and x.dtype == weight_t.dtype == torch.float32 and m > 0:
-        choice = choices_for(x.device).choose(m, x.shape[1], n)
-        if isinstance(choice, SkinnyConfig):
-            if bias is None or (bias.shape == (n,) and bias.is_contiguous() and bias.dtype == torch.float32):
-                return skinny_mm(x, weight_t, choice, bias)
-            return skinny_mm(x, weight_t, choice) + bias
-        if choice == CUBLAS_NN:
-            right = weight_t
-    return torch.mm(x, right) if bias is None else torch.addmm(bias, x, right)
+    if not (x.is_cuda and x.dtype == weight_t.dtype == torch.float32 and m > 0):
+        return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+    if bias is not None and not (bias.shape == (n,) and bias.is_contiguous() and bias.dtype == torch.float32):
+        return linear_mm(x, weight, weight_t) + bias  # a bias the kernels do not take (broadcast, another dtype)
+    choice = choices_for(x.device).choose(m, x.shape[1], n, bias is not None)
+    if isinstance(choice, SkinnyConfig):
+        return skinny_mm(x, weight_t, choice, bias)
+    return library_mm(x, weight_t if choice.startswith(CUBLAS_NN) else weight.t(), choice, bias)
 
 
 @functools.cache
