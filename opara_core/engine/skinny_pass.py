@@ -10,8 +10,9 @@ that share an input (BERT's q, k and v: one GEMM of N 2304). Each `mm` or
 `addmm` whose right operand is such an fp32 CUDA constant becomes the op,
 given the bias of an `addmm` (Inductor keeps `addmm` only where no pointwise
 work follows that could take the add: the kernel adds it as it writes, cuBLAS
-in its epilogue as before; a separate add there cost BERT's 512 x 8 cell 2.3%,
-19.33 against 18.89 ms on an H100, 2026-11-26). The op
+in `addmm`'s epilogue or as an add after `mm`, whichever was timed faster with
+the bias at that shape; a separate generated add there cost BERT's 512 x 8 cell
+2.3%, 19.33 against 18.89 ms on an H100, 2026-11-26). The op
 picks the kernel or cuBLAS per row count when it runs, so one graph with
 dynamic sizes serves every cell: the kernel where the cell's rows are few and
 it measured faster, elsewhere cuBLAS's `mm` on the weight layout measured
