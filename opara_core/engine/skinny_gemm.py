@@ -31,7 +31,8 @@ optionally a bias, where no pointwise work follows that could take the add
 (`engine.skinny_pass`: the GEMMs Inductor kept as `addmm`; `fusion.skinny_linears`
 by the same rule): the kernel adds it as it writes, or cuBLAS runs `addmm` or
 `mm` then an add, whichever was measured faster at that shape with a bias
-(cuBLASLt's fp32 `addmm` lost at 128 and 1,024 rows, won at 4,096).
+(cuBLASLt's fp32 `addmm` lost at 128 and 1,024 rows; at 4,096 it tied for
+BERT's q/k/v and lost for its down-projection: H200, docs/benchmarks.md run 18).
 """
 
 from __future__ import annotations
