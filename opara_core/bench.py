@@ -128,13 +128,17 @@ def bench_model(
     on_row: Callable[[Row], None] | None = None,
     columns: Collection[str] = (),
     cache_dir: Path | None = None,
+    cudnn_benchmark: bool = True,
 ) -> list[Row]:
     """Every variant of one model at each batch size (see the module docstring);
     `on_row` gets each row as soon as it is measured (a cut run keeps its rows);
     `columns`: only these of COLUMNS (default all), so that a model too slow for
     one call (NASNet) can be measured in several and merged by `--report`;
     `cache_dir`: a build cache to reuse (traces, profiles, compiled segments of
-    an earlier run) instead of a fresh one; the build timing needs a fresh one.
+    an earlier run) instead of a fresh one; the build timing needs a fresh one;
+    `cudnn_benchmark`: cuDNN times its convolution algorithms per shape (on,
+    every column) or takes its heuristics' pick (off, every column: the engine's
+    `autotune` setting off, torch.compile with the flag off).
 
     Policy columns use the NCHW graph (NHWC with --layout nhwc); `auto` chooses
     among the layouts `--layout` allows, as serving does.
@@ -142,7 +146,7 @@ def bench_model(
     device = torch.device("cuda")
     entry = zoo.get(name)
     wanted = set(columns or COLUMNS)
-    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.benchmark = cudnn_benchmark
     # the serving build first, cold (an empty cache directory of its own, and
     # cuDNN's autotune cache holds none of this model's shapes), then warm, in
     # a new process as a server restart would; the columns below load the
@@ -151,7 +155,7 @@ def bench_model(
         _fresh_cache(name)
     else:
         _use_cache(cache_dir)
-    build = _build_seconds(entry, device, max_streams, fusion, layout) if time_build else None
+    build = _build_seconds(entry, device, max_streams, fusion, layout, cudnn_benchmark) if time_build else None
     module = entry.build().to(device).eval()  # eager and torch.compile
     # the engine's graphs only for the engine's columns (NASNet's trace, fusion and profile take a minute)
     unfused = trace_zoo(entry, module, device) if "sequential (unfused)" in wanted else None
@@ -207,7 +211,7 @@ def bench_model(
                 progress.update()
             if "auto" in wanted:  # exactly as the serving build chooses, for this one bucket
                 auto_report = BuildReport()
-                settings = EngineSettings(max_streams=max_streams, fused_lanes=True, layout=layout)
+                settings = EngineSettings(max_streams=max_streams, fused_lanes=True, layout=layout, autotune=cudnn_benchmark)
                 captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool) for c, plan in candidates(graphs, settings).items()}
                 captured = capture_fastest(captures, entry, device, [batch], auto_report)[batch]
                 row.timings["auto"] = time_calls(graph_call(captured, inputs))
@@ -281,15 +285,16 @@ def _use_cache(directory: Path) -> Path:
     return directory
 
 
-def _build_seconds(entry: zoo.ZooModel, device: torch.device, max_streams: int, fusion: bool, layout: str) -> tuple[float, float | None, str]:
+def _build_seconds(entry: zoo.ZooModel, device: torch.device, max_streams: int, fusion: bool, layout: str, autotune: bool) -> tuple[float, float | None, str]:
     """The serving build of all default buckets with `auto` and fused lanes,
     cold (this process, an empty cache) and warm (a new process, the same
     cache): seconds of each (tracing excluded, fusion and profiling included)
     and where the time went."""
-    cold = _build_report(entry.name, device, max_streams, fusion, layout)
+    cold = _build_report(entry.name, device, max_streams, fusion, layout, autotune)
     warm_run = subprocess.run(
         [sys.executable, "-m", "opara_core.bench", "--build-only", entry.name, "--max-streams", str(max_streams), "--layout", layout]
-        + (["--no-fusion"] if not fusion else []),
+        + (["--no-fusion"] if not fusion else [])
+        + (["--no-cudnn-benchmark"] if not autotune else []),
         capture_output=True,
         text=True,
         timeout=900,
@@ -302,10 +307,10 @@ def _build_seconds(entry: zoo.ZooModel, device: torch.device, max_streams: int, 
     return _build_total(cold), _build_total(warm) if warm else None, "; ".join(notes)
 
 
-def _build_report(name: str, device: torch.device, max_streams: int, fusion: bool, layout: str) -> dict[str, Any]:
+def _build_report(name: str, device: torch.device, max_streams: int, fusion: bool, layout: str, autotune: bool = True) -> dict[str, Any]:
     entry = zoo.get(name)
     # the guard on, as in serving: its check of every bucket against eager is part of the build
-    settings = EngineSettings(max_streams=max_streams, fusion=fusion, layout=layout, fused_lanes=True)
+    settings = EngineSettings(max_streams=max_streams, fusion=fusion, layout=layout, fused_lanes=True, autotune=autotune)
     _, report = build_runner(entry.build(), entry, device, max(settings.buckets), settings)
     return {"seconds": report.seconds, "inductor": report.inductor, "remembered": report.remembered, "runner": report.runner}
 
@@ -438,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--columns", default="", help=f"only these columns, comma-separated (default all: {', '.join(COLUMNS)}); --report merges a model's rows from several files")
     parser.add_argument("--no-plan-capture", action="store_true", help="skip timing the serving build of all buckets")
     parser.add_argument("--cache-dir", type=Path, help="reuse this build cache (traces, profiles, compiled segments) across runs instead of a fresh one; needs --no-plan-capture")
+    parser.add_argument("--no-cudnn-benchmark", action="store_true", help="cuDNN's heuristic convolution algorithms in every column (the engine's autotune setting off) instead of timing them per shape")
     parser.add_argument("--layout", choices=("auto", "nchw", "nhwc"), default="auto", help="layouts auto may choose (policy columns: NCHW unless nhwc)")
     parser.add_argument("--plot", type=Path, help="PNG of speedups over the sequential graph")
     parser.add_argument("--timeline", type=Path, help="PNG of the first model's stream timeline at batch 1")
@@ -446,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.build_only:
-        report = _build_report(args.build_only, torch.device("cuda"), args.max_streams, not args.no_fusion, args.layout)
+        report = _build_report(args.build_only, torch.device("cuda"), args.max_streams, not args.no_fusion, args.layout, not args.no_cudnn_benchmark)
         print(json.dumps(report))
         return 0
     if args.report:
@@ -483,9 +489,9 @@ def main(argv: list[str] | None = None) -> int:
             progress.set_postfix_str(name)
             compile_ = args.compile_models is None or name in args.compile_models.split(",")
             autotune = name in args.compile_autotune.split(",")
-            bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns, args.cache_dir)
+            bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns, args.cache_dir, not args.no_cudnn_benchmark)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
-          f"fp32 (cuDNN TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'}), times in ms: median (p99)")
+          f"fp32 (cuDNN TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'}, cuDNN benchmark {'on' if torch.backends.cudnn.benchmark else 'off'}), times in ms: median (p99)")
     print(table(rows))
     for row in rows:
         for note in row.notes:
@@ -546,6 +552,7 @@ def _write_json(path: Path, rows: Sequence[Row]) -> None:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version(),
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(sys.argv),
     }
