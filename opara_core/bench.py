@@ -285,16 +285,16 @@ def _use_cache(directory: Path) -> Path:
     return directory
 
 
-def _build_seconds(entry: zoo.ZooModel, device: torch.device, max_streams: int, fusion: bool, layout: str, autotune: bool) -> tuple[float, float | None, str]:
+def _build_seconds(entry: zoo.ZooModel, device: torch.device, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool) -> tuple[float, float | None, str]:
     """The serving build of all default buckets with `auto` and fused lanes,
     cold (this process, an empty cache) and warm (a new process, the same
     cache): seconds of each (tracing excluded, fusion and profiling included)
     and where the time went."""
-    cold = _build_report(entry.name, device, max_streams, fusion, layout, autotune)
+    cold = _build_report(entry.name, device, max_streams, fusion, layout, cudnn_benchmark)
     warm_run = subprocess.run(
         [sys.executable, "-m", "opara_core.bench", "--build-only", entry.name, "--max-streams", str(max_streams), "--layout", layout]
         + (["--no-fusion"] if not fusion else [])
-        + (["--no-cudnn-benchmark"] if not autotune else []),
+        + (["--no-cudnn-benchmark"] if not cudnn_benchmark else []),
         capture_output=True,
         text=True,
         timeout=900,
@@ -307,10 +307,10 @@ def _build_seconds(entry: zoo.ZooModel, device: torch.device, max_streams: int, 
     return _build_total(cold), _build_total(warm) if warm else None, "; ".join(notes)
 
 
-def _build_report(name: str, device: torch.device, max_streams: int, fusion: bool, layout: str, autotune: bool = True) -> dict[str, Any]:
+def _build_report(name: str, device: torch.device, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool = True) -> dict[str, Any]:
     entry = zoo.get(name)
     # the guard on, as in serving: its check of every bucket against eager is part of the build
-    settings = EngineSettings(max_streams=max_streams, fusion=fusion, layout=layout, fused_lanes=True, autotune=autotune)
+    settings = EngineSettings(max_streams=max_streams, fusion=fusion, layout=layout, fused_lanes=True, autotune=cudnn_benchmark)
     _, report = build_runner(entry.build(), entry, device, max(settings.buckets), settings)
     return {"seconds": report.seconds, "inductor": report.inductor, "remembered": report.remembered, "runner": report.runner}
 
