@@ -249,3 +249,58 @@ def test_code_from_a_compile_worker_that_fails_its_check_is_compiled_again_here(
     assert again.compiled == 0 and again.loaded == count.distinct, again
     with torch.inference_mode():
         assert torch.allclose(run_plan(fused, plan, x), module(x), rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_meta_round_trips_through_json_and_gives_the_layout_of_its_tensor():
+    base = torch.arange(60, dtype=torch.float32).reshape(3, 4, 5)
+    tensors = [base, base.transpose(0, 2), base[1:, ::2], torch.ones(2, 3, dtype=torch.int64), torch.zeros(4, dtype=torch.bool)]
+    metas = [TensorMeta.of(t) for t in tensors]
+    assert [TensorMeta.from_json(json.loads(json.dumps(m.to_json()))) for m in metas] == metas
+    assert tuple(m.layout for m in metas) == segment_compiler.layout(tensors)
+
+
+def _refuse_to_run(*args, **kwargs):
+    raise AssertionError("the module ran: its record was not read")
+
+
+def test_a_later_build_reads_its_segments_inputs_instead_of_running_the_module(tmp_path, monkeypatch):
+    monkeypatch.setattr(segment_compiler, "_loaded", {})
+    torch.manual_seed(7)
+    module = Twins().eval()
+    x = torch.randn(4, 16)
+    fused, plan = _fused(module, torch.randn(2, 16))
+    cold = prepare([(fused.module, [x])], tmp_path, workers=1)
+    assert cold.records_read == 0 and cold.compiled == cold.distinct > 0, cold
+    monkeypatch.setattr(segment_compiler, "_loaded", {})  # a later build, in a fresh process
+    monkeypatch.setattr(segment_compiler._Recorder, "run", _refuse_to_run)
+    fused, plan = _fused(module, torch.randn(2, 16))
+    warm = prepare([(fused.module, [x])], tmp_path, workers=1)
+    assert warm.records_read == 1 and warm.compiled == 0 and warm.loaded == cold.distinct, warm
+    assert warm.segments == cold.segments, (cold, warm)
+    with torch.inference_mode():
+        assert torch.allclose(run_plan(fused, plan, x), module(x), rtol=1e-5, atol=1e-6)
+    assert all(m.eager_calls == 0 for m in fused.module.children() if isinstance(m, CompiledSegment))
+    # inputs of another shape were never recorded: the module has to run
+    monkeypatch.undo()
+    monkeypatch.setattr(segment_compiler, "_loaded", {})
+    other = prepare([(fused.module, [x[:3]])], tmp_path, workers=1)
+    assert other.records_read == 0 and other.compiled > 0, other
+
+
+def test_a_record_is_not_read_while_a_segment_still_needs_its_check(tmp_path, monkeypatch):
+    monkeypatch.setattr(segment_compiler, "_loaded", {})
+    torch.manual_seed(8)
+    module = Twins().eval()
+    x = torch.randn(4, 16)
+    fused, _ = _fused(module, torch.randn(2, 16))
+    cold = prepare([(fused.module, [x])], tmp_path, workers=1)
+    passed = sorted(tmp_path.glob("*.passed"))
+    assert len(passed) == cold.distinct and list((tmp_path / "records").glob("*.json")), cold
+    passed[0].unlink()  # as if this code had been saved but never checked
+    monkeypatch.setattr(segment_compiler, "_loaded", {})
+    fused, plan = _fused(module, torch.randn(2, 16))
+    warm = prepare([(fused.module, [x])], tmp_path, workers=1)
+    assert warm.records_read == 0 and warm.loaded == cold.distinct and warm.compiled == 0, warm
+    assert passed[0].exists()  # checked against the inputs the run found
+    with torch.inference_mode():
+        assert torch.allclose(run_plan(fused, plan, x), module(x), rtol=1e-5, atol=1e-6)

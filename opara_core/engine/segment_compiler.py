@@ -14,7 +14,9 @@ every name made canonical) with `torch._inductor.standalone_compile`:
 - each compilation is saved under that key in the cache directory; a later
   build loads it (`CompiledArtifact.load`) without tracing or compiling;
 - what is missing compiles in parallel worker processes, one segment each:
-  Inductor's own compile is mostly single-threaded Python.
+  Inductor's own compile is mostly single-threaded Python;
+- which segments a plan calls with which input layouts is found by running it
+  once, and kept, so that a warm build runs nothing before its captures.
 
 Inductor converts a convolution weight that is an input to channels-last at
 every call unless it already is (its convolution lowering), so fused lanes
@@ -68,6 +70,19 @@ class TensorMeta:
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorMeta:
         return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype, str(tensor.device))
+
+    @property
+    def layout(self) -> tuple:
+        """This input's entry of `layout`."""
+        return (self.shape, self.stride, self.offset, self.dtype)
+
+    def to_json(self) -> list:
+        return [list(self.shape), list(self.stride), self.offset, str(self.dtype).removeprefix("torch."), self.device]
+
+    @classmethod
+    def from_json(cls, data: list) -> TensorMeta:
+        shape, stride, offset, dtype, device = data
+        return cls(tuple(shape), tuple(stride), offset, getattr(torch, dtype), device)
 
     def empty(self) -> torch.Tensor:
         """An uninitialised tensor with exactly this layout (compiling reads no values)."""
@@ -151,6 +166,7 @@ class CompileCount:
     compile_s: float = 0.0  # the compile workers (and compiling unsaved segments here)
     load_s: float = 0.0  # CompiledArtifact.load
     check_s: float = 0.0  # each new code's check against its ATen operators
+    records_read: int = 0  # runs whose segments' inputs came from the cache directory, not a run
 
     def __add__(self, other: CompileCount) -> CompileCount:
         return CompileCount(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -158,7 +174,8 @@ class CompileCount:
     def __str__(self) -> str:
         unsaved = f" ({self.unsaved} not saved: Inductor bypassed its cache)" if self.unsaved else ""
         seconds = f"; seconds: record {self.record_s:.1f}, compile {self.compile_s:.1f}, load {self.load_s:.1f}, check {self.check_s:.1f}"
-        return f"{self.segments} segment calls, {self.distinct} distinct: {self.loaded} loaded, {self.compiled} compiled{unsaved}{seconds}"
+        read = f"; {self.records_read} recorded runs read from the cache" if self.records_read else ""
+        return f"{self.segments} segment calls, {self.distinct} distinct: {self.loaded} loaded, {self.compiled} compiled{unsaved}{seconds}{read}"
 
 
 class _Recorder(Interpreter):
@@ -178,27 +195,36 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
     inputs' shapes, for every (module, inputs) of `runs` at once: run each
     module once (segments not compiled for these shapes run eagerly) to find
     each segment's inputs, then load what the cache directory holds and
-    compile the rest, all of it in one pool of workers."""
+    compile the rest, all of it in one pool of workers. What a run found is
+    kept in the cache directory too, and a later build reads it instead of
+    running the module where every segment's code is saved and has passed its
+    check (NASNet's warm build spent 31 of its 52 s running them: ATen
+    operators at six batch sizes, docs/benchmarks.md run 19)."""
     wanted: dict[str, list[tuple[CompiledSegment, tuple]]] = {}
     jobs: dict[str, tuple[GraphModule, list[TensorMeta]]] = {}
     samples: dict[str, tuple] = {}  # one call's inputs per key
-    calls = 0
+    calls = read = 0
     seconds = dict.fromkeys(("record", "compile", "load", "check"), 0.0)
     start = time.perf_counter()
     for top, inputs in runs:
-        recorder = _Recorder(top)
-        with torch.inference_mode(), no_cudnn_autotuning():
-            recorder.run(*inputs)
-        for target, args in recorder.calls:
+        record = _record_path(cache_dir, top, inputs)
+        found = _read_record(record, top, cache_dir)
+        read += found is not None
+        if found is None:
+            found = _record(top, inputs)
+            _write_record(record, found)
+        for target, arg_metas, args in found:
             segment = top.get_submodule(target)
-            if not isinstance(segment, CompiledSegment) or layout(args) in segment.compiled:
+            shapes = tuple(m.layout for m in arg_metas)
+            if shapes in segment.compiled:
                 continue
             calls += 1
-            metas = [TensorMeta.of(x) for x in (*args, *segment.weights)]
+            metas = [*arg_metas, *map(TensorMeta.of, segment.weights)]
             key = segment_key(segment.code.code, metas)
-            wanted.setdefault(key, []).append((segment, layout(args)))
-            samples.setdefault(key, args)
+            wanted.setdefault(key, []).append((segment, shapes))
             jobs[key] = (segment.code, metas)
+            if args is not None:
+                samples.setdefault(key, args)
     seconds["record"] = time.perf_counter() - start
     # code in memory counts only for the directory it came from, so that each
     # cache directory ends up holding all of its builds' segments
@@ -228,7 +254,7 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
             seconds["load"] += time.perf_counter() - start
         start = time.perf_counter()
         fresh = key in missing and key not in unsaved  # compiled by a worker just now: one more try here if wrong
-        loaded[key] = _checked(segment, code, samples[key], cache_dir, key, saved=key not in unsaved, retry=fresh)
+        loaded[key] = _checked(segment, code, samples.get(key), cache_dir, key, saved=key not in unsaved, retry=fresh)
         seconds["check"] += time.perf_counter() - start
         if loaded[key] is segment.code and fresh:
             start = time.perf_counter()
@@ -241,11 +267,69 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
         for segment in top.modules():
             if isinstance(segment, CompiledSegment):
                 segment.eager_calls = 0  # the recording runs' do not count
-    return CompileCount(calls, len(wanted), len(on_disk), len(missing), len(unsaved), *(seconds[k] for k in ("record", "compile", "load", "check")))
+    return CompileCount(calls, len(wanted), len(on_disk), len(missing), len(unsaved), *(seconds[k] for k in ("record", "compile", "load", "check")), read)
+
+
+# A segment's inputs: (its submodule's name, their metas, the tensors themselves or None where read from a record).
+Call = tuple[str, list[TensorMeta], "tuple | None"]
+
+
+def _record(top: GraphModule, inputs: Sequence[torch.Tensor]) -> list[Call]:
+    """Run `top` once (segments not compiled for these shapes run eagerly) and
+    keep each segment's inputs."""
+    recorder = _Recorder(top)
+    with torch.inference_mode(), no_cudnn_autotuning():
+        recorder.run(*inputs)
+    return [(target, [TensorMeta.of(x) for x in args], args) for target, args in recorder.calls if isinstance(top.get_submodule(target), CompiledSegment)]
+
+
+def _record_path(cache_dir: Path, top: GraphModule, inputs: Sequence[torch.Tensor]) -> Path:
+    """Where the segments' inputs of one run of `top` on inputs like these are
+    kept: keyed by everything they depend on (the top graph's code, every
+    segment's code and the layouts of its weights and of the inputs)."""
+    segments = {name: m.code.code for name, m in top.named_modules() if isinstance(m, CompiledSegment)}
+    text = json.dumps(
+        {
+            "top": top.code,
+            "segments": segments,
+            "tensors": {name: TensorMeta.of(t).to_json() for name, t in top.state_dict(keep_vars=True).items()},
+            "inputs": [TensorMeta.of(x).to_json() for x in inputs],
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(inputs[0].device) if inputs and inputs[0].is_cuda else "",
+            "format": FORMAT,
+        },
+        sort_keys=True,
+    )
+    return cache_dir / "records" / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
+
+
+def _write_record(path: Path, calls: list[Call]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps([[target, [m.to_json() for m in metas]] for target, metas, _ in calls]))
+    os.replace(partial, path)
+
+
+def _read_record(path: Path, top: GraphModule, cache_dir: Path) -> list[Call] | None:
+    """A warm build's segments' inputs without running `top`: only where every
+    segment's code is ready without a sample to check or compile it against
+    (in memory, found wrong, or saved and checked once), else None."""
+    try:
+        calls = [(target, [TensorMeta.from_json(m) for m in metas], None) for target, metas in json.loads(path.read_text())]
+        segments = [top.get_submodule(target) for target, _, _ in calls]
+    except (OSError, ValueError, TypeError, AttributeError):  # none yet, or unreadable: run it
+        return None
+    loaded = _loaded.get(str(cache_dir), {})
+    for segment, (_, metas, _) in zip(segments, calls):
+        key = segment_key(segment.code.code, [*metas, *map(TensorMeta.of, segment.weights)])
+        saved = _path(cache_dir, key).exists() and _passed_marker(cache_dir, key).exists()
+        if key not in loaded and not _wrong_marker(cache_dir, key).exists() and not saved:
+            return None
+    return calls
 
 
 def _checked(
-    segment: CompiledSegment, compiled: Callable[..., Any], sample: tuple, cache_dir: Path, key: str, saved: bool = True, retry: bool = False
+    segment: CompiledSegment, compiled: Callable[..., Any], sample: tuple | None, cache_dir: Path, key: str, saved: bool = True, retry: bool = False
 ) -> Callable[..., Any]:
     """Inductor's code for a segment, used only if it computes what the segment
     does on `sample`: torch 2.11's runtime wrapper fails on some segments, with
@@ -258,6 +342,8 @@ def _checked(
     passed = _passed_marker(cache_dir, key)
     if saved and passed.exists():
         return compiled
+    if sample is None:  # a record was read only where every segment's code had passed (_read_record)
+        raise RuntimeError(f"segment {key}: no inputs to check its code with")
     try:
         with torch.inference_mode(), no_cudnn_autotuning():
             got = compiled(*[x.clone() for x in sample], *segment.weights)
