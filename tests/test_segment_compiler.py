@@ -263,15 +263,21 @@ def _refuse_to_run(*args, **kwargs):
     raise AssertionError("the module ran: its record was not read")
 
 
-def test_a_later_build_reads_its_segments_inputs_instead_of_running_the_module(tmp_path, monkeypatch):
+def _cold_build(tmp_path, monkeypatch, seed):
+    """A first build into an empty cache directory, then a fresh process's view of it."""
     monkeypatch.setattr(segment_compiler, "_loaded", {})
-    torch.manual_seed(7)
+    torch.manual_seed(seed)
     module = Twins().eval()
     x = torch.randn(4, 16)
-    fused, plan = _fused(module, torch.randn(2, 16))
+    fused, _ = _fused(module, torch.randn(2, 16))
     cold = prepare([(fused.module, [x])], tmp_path, workers=1)
     assert cold.records_read == 0 and cold.compiled == cold.distinct > 0, cold
     monkeypatch.setattr(segment_compiler, "_loaded", {})  # a later build, in a fresh process
+    return module, x, cold
+
+
+def test_a_later_build_reads_its_segments_inputs_instead_of_running_the_module(tmp_path, monkeypatch):
+    module, x, cold = _cold_build(tmp_path, monkeypatch, seed=7)
     monkeypatch.setattr(segment_compiler._Recorder, "run", _refuse_to_run)
     fused, plan = _fused(module, torch.randn(2, 16))
     warm = prepare([(fused.module, [x])], tmp_path, workers=1)
@@ -288,16 +294,10 @@ def test_a_later_build_reads_its_segments_inputs_instead_of_running_the_module(t
 
 
 def test_a_record_is_not_read_while_a_segment_still_needs_its_check(tmp_path, monkeypatch):
-    monkeypatch.setattr(segment_compiler, "_loaded", {})
-    torch.manual_seed(8)
-    module = Twins().eval()
-    x = torch.randn(4, 16)
-    fused, _ = _fused(module, torch.randn(2, 16))
-    cold = prepare([(fused.module, [x])], tmp_path, workers=1)
+    module, x, cold = _cold_build(tmp_path, monkeypatch, seed=8)
     passed = sorted(tmp_path.glob("*.passed"))
     assert len(passed) == cold.distinct and list((tmp_path / "records").glob("*.json")), cold
     passed[0].unlink()  # as if this code had been saved but never checked
-    monkeypatch.setattr(segment_compiler, "_loaded", {})
     fused, plan = _fused(module, torch.randn(2, 16))
     warm = prepare([(fused.module, [x])], tmp_path, workers=1)
     assert warm.records_read == 0 and warm.loaded == cold.distinct and warm.compiled == 0, warm
