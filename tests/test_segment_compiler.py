@@ -104,7 +104,7 @@ x = torch.randn(4, 16)
 count = prepare([(fused.module, [x])], __import__("pathlib").Path(sys.argv[1]), workers=int(sys.argv[3]))
 with torch.inference_mode():
     error = (run_plan(fused, plan, x) - module(x)).abs().max().item()
-print(json.dumps({"loaded": count.loaded, "compiled": count.compiled, "distinct": count.distinct, "error": error}))
+print(json.dumps({"loaded": count.loaded, "compiled": count.compiled, "distinct": count.distinct, "records_read": count.records_read, "error": error}))
 """
 
 
@@ -127,6 +127,7 @@ def test_a_second_process_loads_every_segment_and_compiles_none(tmp_path):
     assert cold["error"] < 1e-5, cold
     warm = _build(tmp_path / "segments", workers=2)
     assert warm["compiled"] == 0 and warm["loaded"] == cold["distinct"], (cold, warm)
+    assert cold["records_read"] == 0 and warm["records_read"] == 1, (cold, warm)  # the record's key is the same in another process
     assert warm["error"] < 1e-5, warm
 
 
