@@ -48,10 +48,12 @@ def max_relative_error(actual: Any, expected: Any) -> float:
 
 @contextlib.contextmanager
 def no_cudnn_autotuning() -> Iterator[None]:
-    """cuDNN's heuristics instead of its benchmark, for runs that only need
-    values (checks, recording a segment's inputs): benchmarking every
+    """cuDNN's heuristics instead of its benchmark: benchmarking every
     convolution of every bucket took 13-17 s of GoogLeNet's 26 s warm build
-    (H100, 2026-11-25), and those algorithms are never replayed."""
+    (H100, 2026-11-25). PyTorch keeps the first plan it made for a
+    convolution's parameters (per thread), whichever the mode, so a run under
+    this also decides what later runs and captures of the same convolutions
+    replay: fused lanes run all of theirs under it (engine.fused_lanes)."""
     saved = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = False
     try:

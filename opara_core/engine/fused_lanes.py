@@ -30,6 +30,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture
+from opara_core.engine.compare import no_cudnn_autotuning
 from opara_core.engine.segment_compiler import CompileCount, CompiledSegment, prepare
 from opara_core.engine.segment_compiler import layout as segment_layout
 from opara_core.engine.trace import OpGraph
@@ -151,7 +152,16 @@ def fused_lanes(graph: OpGraph, plan: Plan, compile_segments: bool = True) -> tu
 class InductorCapture(PlanCapture):
     """PlanCapture of a fused-lanes graph: before the first capture at a new
     batch size, its segments are loaded from `cache_dir` or compiled there
-    (`prepare_captures` does that for several captures and batch sizes at once)."""
+    (`prepare_captures` does that for several captures and batch sizes at once).
+
+    Its convolutions take cuDNN's heuristic algorithms whatever the engine's
+    `autotune`: PyTorch plans a convolution at its first call in a thread
+    and keeps that plan for every later call with the same parameters, so the
+    first run decides. Benchmarking them cost a warm build 6.5 (ResNet-50) to
+    51 s (NASNet) across six buckets, heuristics 0.4 and 28 s (eager
+    channels-last modules, H200, docs/benchmarks.md run 20); the segments'
+    recording runs always took the heuristics, so every fused-lanes replay
+    measured since run 10 ran them."""
 
     def __init__(self, graph: OpGraph, plan: Plan, lane_pool: LanePool, cache_dir: Path, **kwargs: Any):
         fused, segment_level = fused_lanes(graph, plan)
@@ -166,7 +176,7 @@ class InductorCapture(PlanCapture):
     def __call__(self, static_in: Any, pool: Any) -> CapturedGraph:
         what = f"fused lanes ({self.plan.policy}, {self.segments} segments)"
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), no_cudnn_autotuning():
                 self.count += prepare_captures([(self, static_in)])
                 captured = super().__call__(static_in, pool)
         except CaptureError:
