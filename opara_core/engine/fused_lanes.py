@@ -159,9 +159,9 @@ class InductorCapture(PlanCapture):
     and keeps that plan for every later call with the same parameters, so the
     first run decides. Benchmarking them cost a warm build 6.5 (ResNet-50) to
     51 s (NASNet) across six buckets, heuristics 0.4 and 28 s (eager
-    channels-last modules, H200, docs/benchmarks.md run 20); the segments'
-    recording runs always took the heuristics, so every fused-lanes replay
-    measured since run 10 ran them."""
+    channels-last modules, H200, docs/benchmarks.md run 20). Until the
+    recording runs were dropped they planned these convolutions with the
+    heuristics first; this keeps that."""
 
     def __init__(self, graph: OpGraph, plan: Plan, lane_pool: LanePool, cache_dir: Path, **kwargs: Any):
         fused, segment_level = fused_lanes(graph, plan)
