@@ -136,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     for api, benchmark in CONFIGS:
-        rows.append({"api": api, "benchmark": benchmark, "models": run_config(api, benchmark, models)})
+        try:
+            rows.append({"api": api, "benchmark": benchmark, "models": run_config(api, benchmark, models)})
+        except (RuntimeError, subprocess.TimeoutExpired) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
         print(f"cuDNN {api}, benchmark {'on' if benchmark else 'off'}: done", file=sys.stderr, flush=True)
     print(table(rows))
     if args.json:
