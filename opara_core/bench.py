@@ -136,9 +136,10 @@ def bench_model(
     one call (NASNet) can be measured in several and merged by `--report`;
     `cache_dir`: a build cache to reuse (traces, profiles, compiled segments of
     an earlier run) instead of a fresh one; the build timing needs a fresh one;
-    `cudnn_benchmark`: cuDNN times its convolution algorithms per shape (on,
-    every column) or takes its heuristics' pick (off, every column: the engine's
-    `autotune` setting off, torch.compile with the flag off).
+    `cudnn_benchmark`: cuDNN times its convolution algorithms per shape (on:
+    every column but the fused-lanes ones, which always take the heuristics,
+    engine.fused_lanes) or takes its heuristics' pick (off, every column: the
+    engine's `autotune` setting off, torch.compile with the flag off).
 
     Policy columns use the NCHW graph (NHWC with --layout nhwc); `auto` chooses
     among the layouts `--layout` allows, as serving does.
@@ -443,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--columns", default="", help=f"only these columns, comma-separated (default all: {', '.join(COLUMNS)}); --report merges a model's rows from several files")
     parser.add_argument("--no-plan-capture", action="store_true", help="skip timing the serving build of all buckets")
     parser.add_argument("--cache-dir", type=Path, help="reuse this build cache (traces, profiles, compiled segments) across runs instead of a fresh one; needs --no-plan-capture")
-    parser.add_argument("--no-cudnn-benchmark", action="store_true", help="cuDNN's heuristic convolution algorithms in every column (the engine's autotune setting off) instead of timing them per shape")
+    parser.add_argument("--no-cudnn-benchmark", action="store_true", help="cuDNN's heuristic convolution algorithms in every column (the engine's autotune setting off) instead of timing them per shape (fused-lanes columns take the heuristics either way)")
     parser.add_argument("--layout", choices=("auto", "nchw", "nhwc"), default="auto", help="layouts auto may choose (policy columns: NCHW unless nhwc)")
     parser.add_argument("--plot", type=Path, help="PNG of speedups over the sequential graph")
     parser.add_argument("--timeline", type=Path, help="PNG of the first model's stream timeline at batch 1")

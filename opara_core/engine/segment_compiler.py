@@ -46,6 +46,7 @@ from torch.fx import Graph, GraphModule, Interpreter
 
 from opara_core.engine import skinny_gemm
 from opara_core.engine.compare import max_relative_error, no_cudnn_autotuning
+from opara_core.engine.inductor_cache import write_json_atomically
 
 log = logging.getLogger(__name__)
 
@@ -305,10 +306,7 @@ def _record_path(cache_dir: Path, top: GraphModule, inputs: Sequence[torch.Tenso
 
 
 def _write_record(path: Path, calls: list[Call]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps([[target, [m.to_json() for m in metas]] for target, metas, _ in calls]))
-    os.replace(partial, path)
+    write_json_atomically(path, [[target, [m.to_json() for m in metas]] for target, metas, _ in calls])
 
 
 def _read_record(path: Path, top: GraphModule, cache_dir: Path) -> list[Call] | None:
