@@ -376,7 +376,9 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
         except ValueError as error:  # the ATen candidates still serve
             report.fallbacks.append(f"fused lanes: {error}")
             return graphs
+        start = time.perf_counter()
         inductor = fuse_graph(traced, device, passes=INDUCTOR_PASSES, check_inputs=checks)[0] if settings.fusion else traced
+        report.seconds["fusion"] = report.seconds.get("fusion", 0.0) + time.perf_counter() - start  # both graphs' fusion is the build's
         if settings.profile:
             inductor = profiled(inductor, profile_inputs, device, report)
         # segments take their weights as inputs, and Inductor converts a
