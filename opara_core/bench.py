@@ -30,7 +30,7 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 
 from opara_core import zoo
-from opara_core.engine.build import BuildReport, Candidate, EngineSettings, build_runner, candidates, capture_fastest, plan_capture, traced_graphs
+from opara_core.engine.build import FUSED_GRAPHS, BuildReport, Candidate, EngineSettings, build_runner, candidates, capture_fastest, plan_capture, traced_graphs
 from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, capture_module, pool_mb
 from opara_core.engine.inductor_cache import INDUCTOR_ENV
 from opara_core.engine.interpreter import plan_graph
@@ -166,7 +166,7 @@ def bench_model(
         graphs = traced_graphs(entry.build().to(device).eval(), entry, device, EngineSettings(fusion=fusion, layout=layout, fused_lanes=True), report)
         profiled = not any(f.startswith("profile") for f in report.fallbacks)
         # measured kernel times (the graphs are profiled at batch 1): the least critical path over the layouts
-        floors = [(g.dag.critical_path_us / 1000, sum(g.dag.costs) / 1000) for k, g in graphs.items() if k != "inductor"] if profiled else []
+        floors = [(g.dag.critical_path_us / 1000, sum(g.dag.costs) / 1000) for k, g in graphs.items() if k not in FUSED_GRAPHS] if profiled else []
     primary = "nhwc" if layout == "nhwc" else "nchw"
     graph = graphs.get(primary)
     rows = []
@@ -195,10 +195,13 @@ def bench_model(
             variants.append(("sequential nhwc", graphs["nhwc"], "sequential", None))
         if "inductor" in graphs:  # fused lanes: one segment (torch.compile's kernels), and the opara plan's segments
             variants += [("fused sequential", graphs["inductor"], "sequential", None), ("fused opara", graphs["inductor"], "opara", max_streams)]
+        if "inductor-cudnn" in graphs:  # the opara plan's segments with cuDNN's conv + ReLU
+            variants.append(("fused opara cudnn", graphs["inductor-cudnn"], "opara", max_streams))
         with torch.inference_mode():
             for label, g, policy, lanes in (v for v in variants if v[0] in wanted):
                 plan = plan_graph(g, policy, lanes)
-                kind = Candidate("inductor" if label.startswith("fused") else primary, policy, plan.num_streams)
+                fused_graph = "inductor-cudnn" if label.endswith("cudnn") else "inductor"
+                kind = Candidate(fused_graph if label.startswith("fused") else primary, policy, plan.num_streams)
                 try:
                     captured, peak = capture_measured(plan_capture(kind, g, plan, lane_pool), static_in)
                 except CaptureError as error:
@@ -313,7 +316,8 @@ def _build_report(name: str, device: torch.device, max_streams: int, fusion: boo
     # the guard on, as in serving: its check of every bucket against eager is part of the build
     settings = EngineSettings(max_streams=max_streams, fusion=fusion, layout=layout, fused_lanes=True, autotune=cudnn_benchmark)
     _, report = build_runner(entry.build(), entry, device, max(settings.buckets), settings)
-    return {"seconds": report.seconds, "inductor": report.inductor, "remembered": report.remembered, "runner": report.runner}
+    chosen = {str(bucket): str(choice) for bucket, choice in sorted(report.choices.items())}
+    return {"seconds": report.seconds, "inductor": report.inductor, "remembered": report.remembered, "runner": report.runner, "choices": chosen}
 
 
 def _build_total(report: dict[str, Any]) -> float:
@@ -326,7 +330,7 @@ def _breakdown(report: dict[str, Any]) -> str:
 
 # ---- report ------------------------------------------------------------------------
 
-COLUMNS = ("eager", "compile", "compile max-autotune", "sequential (unfused)", "sequential", *POLICIES, "sequential nhwc", "fused sequential", "fused opara", "auto")
+COLUMNS = ("eager", "compile", "compile max-autotune", "sequential (unfused)", "sequential", *POLICIES, "sequential nhwc", "fused sequential", "fused opara", "fused opara cudnn", "auto")
 
 
 def table(rows: Sequence[Row]) -> str:

@@ -94,3 +94,18 @@ def test_rows_checked_against_one_eager_run_of_the_largest_bucket():
     check_rows_against_eager(runner, module, [1, 2, 8], entry, 1e-5)
     with pytest.raises(GuardError, match="bucket 2: replay differs from eager"):
         check_rows_against_eager(WrongAtOneBucket(runner, 2), module, [1, 2, 8], entry, 1e-5)
+
+
+def test_the_cudnn_fused_lanes_graph_is_offered_with_the_fused_policies_only():
+    # its one-segment graph measured slower than `inductor`'s (Inception-v3, H200): no sequential candidate
+    from opara_core.engine.build import FUSED_CANDIDATES, Candidate, candidates
+
+    entry, module, _ = googlenet()
+    graph = traced_graphs(module, entry, CPU, EngineSettings(fusion=False, layout="nchw"), BuildReport())["nchw"]
+    found = candidates({"nchw": graph, "inductor": graph, "inductor-cudnn": graph}, EngineSettings())
+    cudnn = {c for c in found if c.graph == "inductor-cudnn"}
+    assert {c.policy for c in cudnn} == {policy for policy, _ in FUSED_CANDIDATES}
+    assert Candidate("inductor", "sequential", 1) in found and Candidate("nchw", "sequential", 1) in found
+    assert all(c.fused for c in cudnn) and not any(c.fused for c in found if c.graph == "nchw")
+    for candidate in found:
+        assert Candidate.parse(str(candidate)) == candidate

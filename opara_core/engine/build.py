@@ -60,6 +60,14 @@ FUSED_CANDIDATES: tuple[tuple[str, int], ...] = (("opara", 8),)
 # it keeps a linear layer with one output a GEMM (fusion.single_column_linears),
 # and runs cuBLAS's fp32 GEMMs of few rows, which skinny_linears replaces where measured faster.
 INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears", "single_column_linears", "skinny_linears")
+# A second fused-lanes graph for convolutional models: cuDNN's conv + ReLU as one
+# library call, so that no segment launches a bias-and-ReLU kernel of its own
+# after a convolution. On Inception-v3 (H200, docs/benchmarks.md run 22) its
+# opara plan replayed faster (0.561 -> 0.501 ms at batch 1, 1.460 -> 1.353 at 8)
+# and its single segment slower (0.859 -> 1.038, 1.762 -> 2.157): it is
+# offered with FUSED_CANDIDATES only, never as the one-segment graph.
+INDUCTOR_CUDNN_PASSES = (*INDUCTOR_PASSES, "conv_relu")
+FUSED_GRAPHS = ("inductor", "inductor-cudnn")  # graphs whose candidates are fused lanes
 
 
 @dataclass(frozen=True)
@@ -111,8 +119,8 @@ class EngineSettings:
 @dataclass(frozen=True, order=True)
 class Candidate:
     """One way to capture the model: which traced graph (ATen kernels in the
-    `nchw` or `nhwc` layout, or `inductor`: fused lanes) and a policy with its
-    lanes. Shown as `graph:policy/lanes` in reports."""
+    `nchw` or `nhwc` layout, or fused lanes: `inductor`, `inductor-cudnn`)
+    and a policy with its lanes. Shown as `graph:policy/lanes` in reports."""
 
     graph: str
     policy: str
@@ -131,6 +139,11 @@ class Candidate:
     @property
     def sequential(self) -> bool:
         return self.policy == "sequential"
+
+    @property
+    def fused(self) -> bool:
+        """Fused lanes: segments compiled by Inductor."""
+        return self.graph in FUSED_GRAPHS
 
 
 @dataclass
@@ -183,7 +196,7 @@ def build_runner(
     torch.backends.cudnn.benchmark = settings.autotune
     graphs = traced_graphs(module, entry, device, settings, report)
     lane_pool = LanePool(device) if pool is None else pool.lanes
-    segment_cache = Path(report.inductor) / "segments" if "inductor" in graphs else None
+    segment_cache = Path(report.inductor) / "segments" if any(g in graphs for g in FUSED_GRAPHS) else None
     plans = candidates(graphs, settings)
     key = choices.choices_key({k: g.fingerprint for k, g in graphs.items()}, map(str, plans), settings.buckets, device)
     captures: dict[Candidate, PlanCapture] = {}
@@ -237,7 +250,7 @@ def build_runner(
             captured, references = capture()
             runner = runtime.GraphRunner(captured, entry.inputs, entry.outputs, device, max_batch)
             if settings.guard:
-                fused = {b for b, c in report.choices.items() if isinstance(c, Candidate) and c.graph == "inductor"}
+                fused = {b for b, c in report.choices.items() if isinstance(c, Candidate) and c.fused}
                 tolerances = {b: settings.fused_tolerance if b in fused else settings.guard_tolerance for b in report.choices}
                 check_against_eager(runner, references, entry, tolerances)
         except (CaptureError, GuardError, RuntimeError) as error:
@@ -341,7 +354,9 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
     The guard later compares each replay with its own graph run eagerly (same
     kernels): fusion is checked on its own here, against the unfused graph in
     plain fp32, since with TF32 folded weights round differently. With fused
-    lanes on a GPU, `inductor` is the graph for Inductor (INDUCTOR_PASSES only).
+    lanes on a GPU, `inductor` is the graph for Inductor (INDUCTOR_PASSES only)
+    and, where cuDNN fuses some convolution with its ReLU, `inductor-cudnn`
+    the same with those fused (INDUCTOR_CUDNN_PASSES).
     """
     has_convs = any(isinstance(m, torch.nn.Conv2d) for m in module.modules())
     layouts = {"auto": ("nchw", "nhwc") if has_convs else ("nchw",), "nchw": ("nchw",), "nhwc": ("nhwc",)}[settings.layout]
@@ -376,14 +391,18 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
         except ValueError as error:  # the ATen candidates still serve
             report.fallbacks.append(f"fused lanes: {error}")
             return graphs
-        start = time.perf_counter()
-        inductor = fuse_graph(traced, device, passes=INDUCTOR_PASSES, check_inputs=checks)[0] if settings.fusion else traced
-        report.seconds["fusion"] = report.seconds.get("fusion", 0.0) + time.perf_counter() - start  # both graphs' fusion is the build's
-        if settings.profile:
-            inductor = profiled(inductor, profile_inputs, device, report)
-        # segments take their weights as inputs, and Inductor converts a
-        # convolution weight to channels-last at every call unless it already is
-        graphs["inductor"] = channels_last_graph(inductor) if has_convs else inductor
+        passes = {"inductor": INDUCTOR_PASSES, "inductor-cudnn": INDUCTOR_CUDNN_PASSES} if settings.fusion and has_convs else {"inductor": INDUCTOR_PASSES}
+        for name, wanted in passes.items():
+            start = time.perf_counter()
+            inductor, fusion = fuse_graph(traced, device, passes=wanted, check_inputs=checks) if settings.fusion else (traced, None)
+            report.seconds["fusion"] = report.seconds.get("fusion", 0.0) + time.perf_counter() - start  # every graph's fusion is the build's
+            if name == "inductor-cudnn" and not fusion.rewrites.get("conv_relu"):
+                continue  # cuDNN fused nothing: the same graph as `inductor`
+            if settings.profile:
+                inductor = profiled(inductor, profile_inputs, device, report)
+            # segments take their weights as inputs, and Inductor converts a
+            # convolution weight to channels-last at every call unless it already is
+            graphs[name] = channels_last_graph(inductor) if has_convs else inductor
     return graphs
 
 
@@ -403,12 +422,12 @@ def profiled(graph: OpGraph, inputs: Sequence[torch.Tensor], device: torch.devic
 
 def candidates(graphs: dict[str, OpGraph], settings: EngineSettings) -> dict[Candidate, Plan]:
     """What `auto` captures and times, with its plan: the sequential graph of
-    every graph, plus the configured policy (or, with `auto`, every
-    AUTO_CANDIDATES policy, FUSED_CANDIDATES for fused lanes) per graph."""
+    every graph (but `inductor-cudnn`'s), plus the configured policy (or, with
+    `auto`, every AUTO_CANDIDATES policy, FUSED_CANDIDATES for fused lanes) per graph."""
     found: dict[Candidate, Plan] = {}
     for name, graph in graphs.items():
-        wanted = (FUSED_CANDIDATES if name == "inductor" else AUTO_CANDIDATES) if settings.policy == "auto" else ((settings.policy, settings.max_streams),)
-        for policy, lanes in (("sequential", 1), *wanted):
+        wanted = (FUSED_CANDIDATES if name in FUSED_GRAPHS else AUTO_CANDIDATES) if settings.policy == "auto" else ((settings.policy, settings.max_streams),)
+        for policy, lanes in ((("sequential", 1),) if name != "inductor-cudnn" else ()) + tuple(wanted):
             plan = plan_graph(graph, policy, min(lanes, settings.max_streams))
             found.setdefault(Candidate(name, policy, plan.num_streams), plan)
     return found
@@ -418,7 +437,7 @@ def plan_capture(candidate: Candidate, graph: OpGraph, plan: Plan, lane_pool: La
     """The capture of one candidate: fused lanes compile their segments with
     Inductor, keeping the code in `segment_cache` (default: under Inductor's
     cache directory, engine.inductor_cache)."""
-    if candidate.graph == "inductor":
+    if candidate.fused:
         return InductorCapture(graph, plan, lane_pool, segment_cache or use_inductor_cache() / "segments")
     return PlanCapture(graph, plan, lane_pool)
 
