@@ -436,14 +436,16 @@ def test_fuse_graph_copies_and_reports(patterns):
         report.rewrites["cse"] = 0  # frozen
 
 
-def test_fuse_graph_falls_back_when_a_pass_breaks_the_outputs(patterns, monkeypatch):
-    def merge_wrongly(gm):
-        merged = fusion.merge_parallel_convs(gm)
-        for name, buffer in gm.named_buffers():
-            if name.startswith("_opara_merged_weight"):
-                buffer.mul_(2)
-        return merged
+def merge_wrongly(gm):
+    """merge_convs, then the merged weights doubled: a pass that breaks the outputs."""
+    merged = fusion.merge_parallel_convs(gm)
+    for name, buffer in gm.named_buffers():
+        if name.startswith("_opara_merged_weight"):
+            buffer.mul_(2)
+    return merged
 
+
+def test_fuse_graph_falls_back_when_a_pass_breaks_the_outputs(patterns, monkeypatch):
     monkeypatch.setitem(fusion.PASSES, "merge_convs", merge_wrongly)
     _, graph = patterns
     fused, report = fusion.fuse_graph(graph, "cpu", check_inputs=[patterns_inputs(2)])
@@ -611,3 +613,32 @@ def test_cuda_bert_attention_projections_take_their_bias_in_the_gemm(strict_fp32
         for batch in (1, 4):
             inputs = tuple(x.to(device) for x in zoo.get("bert").example_inputs(batch, seed=batch))
             assert max_relative_error(fused.module(*inputs), module(*inputs)) <= TOLERANCE
+
+
+def test_a_passed_check_is_remembered_and_not_run_again(patterns, tmp_path, monkeypatch):
+    _, graph = patterns
+    checks = [patterns_inputs(1), patterns_inputs(3)]
+    calls = []
+    compare = fusion._compare
+    monkeypatch.setattr(fusion, "_compare", lambda *args: calls.append(1) or compare(*args))
+    first, _ = fusion.fuse_graph(graph, "cpu", check_inputs=checks, cache=tmp_path)
+    assert len(calls) == 1 and len(list(tmp_path.glob("*.passed"))) == 1
+    again, report = fusion.fuse_graph(graph, "cpu", check_inputs=checks, cache=tmp_path)
+    assert len(calls) == 1, "the same check ran again"
+    assert again.fingerprint == first.fingerprint and report.note == ""
+    # other passes, other inputs' shapes or other weights: checked again
+    fusion.fuse_graph(graph, "cpu", passes=("fold_batchnorm",), check_inputs=checks, cache=tmp_path)
+    fusion.fuse_graph(graph, "cpu", check_inputs=[patterns_inputs(2)], cache=tmp_path)
+    changed = copy.deepcopy(graph)
+    next(t for t in changed.module.buffers() if t.is_floating_point()).add_(1)
+    fusion.fuse_graph(changed, "cpu", check_inputs=checks, cache=tmp_path)
+    assert len(calls) == 4 and len(list(tmp_path.glob("*.passed"))) == 4
+
+
+def test_a_failed_check_is_not_remembered(patterns, tmp_path, monkeypatch):
+    monkeypatch.setitem(fusion.PASSES, "merge_convs", merge_wrongly)
+    _, graph = patterns
+    for _ in range(2):
+        fused, report = fusion.fuse_graph(graph, "cpu", check_inputs=[patterns_inputs(2)], cache=tmp_path)
+        assert fused is graph and "rejected: outputs differ" in report.note
+    assert not list(tmp_path.glob("*.passed"))

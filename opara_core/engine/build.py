@@ -26,7 +26,7 @@ from opara_core.engine import choices, runtime, trace_cache
 from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, LanePool, PlanCapture, capture_module, time_replays
 from opara_core.engine.interpreter import reordered_graph
 from opara_core.engine.fused_lanes import InductorCapture, prepare_captures
-from opara_core.engine.inductor_cache import use_inductor_cache
+from opara_core.engine.inductor_cache import cache_root, use_inductor_cache
 from opara_core.engine.segment_compiler import CompileCount
 from opara_core.engine.fusion import CONV, CONV_ADD_RELU, CONV_RELU, FusionReport, fuse_graph
 from opara_core.engine.compare import max_relative_error, no_cudnn_autotuning
@@ -68,6 +68,11 @@ INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears", 
 # offered with FUSED_CANDIDATES only, never as the one-segment graph.
 INDUCTOR_CUDNN_PASSES = (*INDUCTOR_PASSES, "conv_relu")
 FUSED_GRAPHS = ("inductor", "inductor-cudnn")  # graphs whose candidates are fused lanes
+
+
+def fusion_checks_dir() -> Path:
+    """Where passed fusion checks are remembered (fusion.fuse_graph's `cache`)."""
+    return cache_root() / "fusion"
 
 
 @dataclass(frozen=True)
@@ -373,7 +378,7 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
     if settings.fusion:
         start = time.perf_counter()
         try:
-            graph, report.fusion = fuse_graph(graph, device, check_inputs=checks)
+            graph, report.fusion = fuse_graph(graph, device, check_inputs=checks, cache=fusion_checks_dir())
         except Exception as error:  # noqa: BLE001 - the unfused graph is still right
             report.fallbacks.append(f"fusion: {error}")
         report.seconds["fusion"] = time.perf_counter() - start
@@ -394,7 +399,7 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
         passes = {"inductor": INDUCTOR_PASSES, "inductor-cudnn": INDUCTOR_CUDNN_PASSES} if settings.fusion and has_convs else {"inductor": INDUCTOR_PASSES}
         for name, wanted in passes.items():
             start = time.perf_counter()
-            inductor, fusion = fuse_graph(traced, device, passes=wanted, check_inputs=checks) if settings.fusion else (traced, None)
+            inductor, fusion = fuse_graph(traced, device, passes=wanted, check_inputs=checks, cache=fusion_checks_dir()) if settings.fusion else (traced, None)
             report.seconds["fusion"] = report.seconds.get("fusion", 0.0) + time.perf_counter() - start  # every graph's fusion is the build's
             if name == "inductor-cudnn" and not fusion.rewrites.get("conv_relu"):
                 continue  # cuDNN fused nothing: the same graph as `inductor`

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
+import json
 import logging
 import math
 import operator
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -864,6 +867,7 @@ def fuse_graph(
     check_inputs: Sequence[Sequence[torch.Tensor]] = (),
     tolerance: float = 1e-4,
     sizes: Mapping[sympy.Symbol, int] | None = None,
+    cache: Path | None = None,
 ) -> tuple[OpGraph, FusionReport]:
     """A fused copy of `graph` (the input graph is left as it is) and what was done.
 
@@ -873,7 +877,11 @@ def fuse_graph(
     it fails or raises, the CUDA-only passes are dropped and it is tried again;
     if that fails too, `graph` itself comes back. The report's note says why.
     `sizes` binds symbolic sizes for the static costs, as in `graph.trace`
-    (unbound symbols, e.g. the batch, count as 1).
+    (unbound symbols, e.g. the batch, count as 1). With a `cache` directory a
+    check that passed is remembered there (`_passed_marker`), and a later call
+    with the same graph, weights, passes and inputs' shapes on the same GPU and
+    software skips it: each check runs the model eagerly twice per input, and a
+    warm build fuses up to three graphs.
     """
     device = torch.device(device)
     selected = _selected(passes, device)
@@ -885,7 +893,11 @@ def fuse_graph(
         try:
             gm = copy.deepcopy(graph.module)
             report = fuse(gm, device, attempt)
-            problem = _compare(graph.module, gm, check_inputs, tolerance)
+            marker = _passed_marker(cache, graph, attempt, check_inputs, tolerance, device) if cache is not None and check_inputs else None
+            problem = None if marker is not None and marker.exists() else _compare(graph.module, gm, check_inputs, tolerance)
+            if problem is None and marker is not None:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
             if problem is None:
                 fused = graphs.from_graph_module(gm, sizes=sizes, name=graph.name, salt=f"{graph.fingerprint} fused {attempt}")
                 return fused, replace(report, note="; ".join(notes))
@@ -896,6 +908,30 @@ def fuse_graph(
         log.warning("fusion: %s", notes[-1])
     kernels = len(graph.dag)
     return graph, FusionReport(device=str(device), kernels_before=kernels, kernels_after=kernels, note="; ".join(notes))
+
+
+def _passed_marker(cache: Path, graph: OpGraph, passes: Sequence[str], inputs_list: Sequence[Sequence[torch.Tensor]], tolerance: float, device: torch.device) -> Path:
+    """Where a passed check of these passes on this graph is remembered: keyed by
+    the graph's fingerprint (its code and DAG), a digest of its constants' values
+    (one sum per tensor: one synchronisation, not a copy), the passes, the check
+    inputs' shapes (their values come from fixed seeds), the tolerance, the GPU
+    and the software."""
+    constants = [operator.attrgetter(n.target)(graph.module) for n in graph.module.graph.nodes if n.op == "get_attr"]
+    tensors = [t.detach() for t in constants if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    sums = torch.stack([t.double().sum() for t in tensors]).tolist() if tensors else []
+    text = json.dumps(
+        {
+            "graph": graph.fingerprint,
+            "constants": [[list(t.shape), f"{value:.17g}"] for t, value in zip(tensors, sums)],
+            "passes": list(passes),
+            "inputs": [[[list(x.shape), str(x.dtype)] for x in inputs if isinstance(x, torch.Tensor)] for inputs in inputs_list],
+            "tolerance": tolerance,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "",
+            "software": [torch.__version__, torch.backends.cudnn.version() if device.type == "cuda" else None],
+        },
+        sort_keys=True,
+    )
+    return cache / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.passed"
 
 
 def _compare(reference: GraphModule, fused: GraphModule, inputs_list: Sequence[Sequence[torch.Tensor]], tolerance: float) -> str | None:
