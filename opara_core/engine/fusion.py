@@ -910,12 +910,18 @@ def fuse_graph(
     return graph, FusionReport(device=str(device), kernels_before=kernels, kernels_after=kernels, note="; ".join(notes))
 
 
+@functools.cache
+def _source_digest() -> str:
+    """This module's code: a pass changed is checked again."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
 def _passed_marker(cache: Path, graph: OpGraph, passes: Sequence[str], inputs_list: Sequence[Sequence[torch.Tensor]], tolerance: float, device: torch.device) -> Path:
     """Where a passed check of these passes on this graph is remembered: keyed by
     the graph's fingerprint (its code and DAG), a digest of its constants' values
     (one sum per tensor: one synchronisation, not a copy), the passes, the check
     inputs' shapes (their values come from fixed seeds), the tolerance, the GPU
-    and the software."""
+    and the software (this module's code too)."""
     constants = [operator.attrgetter(n.target)(graph.module) for n in graph.module.graph.nodes if n.op == "get_attr"]
     tensors = [t.detach() for t in constants if isinstance(t, torch.Tensor) and t.is_floating_point()]
     sums = torch.stack([t.double().sum() for t in tensors]).tolist() if tensors else []
@@ -927,7 +933,7 @@ def _passed_marker(cache: Path, graph: OpGraph, passes: Sequence[str], inputs_li
             "inputs": [[[list(x.shape), str(x.dtype)] for x in inputs if isinstance(x, torch.Tensor)] for inputs in inputs_list],
             "tolerance": tolerance,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "",
-            "software": [torch.__version__, torch.backends.cudnn.version() if device.type == "cuda" else None],
+            "software": [torch.__version__, torch.backends.cudnn.version() if device.type == "cuda" else None, _source_digest()],
         },
         sort_keys=True,
     )
