@@ -642,3 +642,11 @@ def test_a_failed_check_is_not_remembered(patterns, tmp_path, monkeypatch):
         fused, report = fusion.fuse_graph(graph, "cpu", check_inputs=[patterns_inputs(2)], cache=tmp_path)
         assert fused is graph and "rejected: outputs differ" in report.note
     assert not list(tmp_path.glob("*.passed"))
+
+
+def test_a_cache_that_cannot_be_written_does_not_cost_the_fusion(patterns, tmp_path):
+    _, graph = patterns
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the cache directory would be
+    fused, report = fusion.fuse_graph(graph, "cpu", check_inputs=[patterns_inputs(2)], cache=blocker / "fusion")
+    assert fused is not graph and report.note == ""

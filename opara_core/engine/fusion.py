@@ -896,8 +896,7 @@ def fuse_graph(
             marker = _passed_marker(cache, graph, attempt, check_inputs, tolerance, device) if cache is not None and check_inputs else None
             problem = None if marker is not None and marker.exists() else _compare(graph.module, gm, check_inputs, tolerance)
             if problem is None and marker is not None:
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.touch()
+                _remember(marker)
             if problem is None:
                 fused = graphs.from_graph_module(gm, sizes=sizes, name=graph.name, salt=f"{graph.fingerprint} fused {attempt}")
                 return fused, replace(report, note="; ".join(notes))
@@ -910,6 +909,15 @@ def fuse_graph(
     return graph, FusionReport(device=str(device), kernels_before=kernels, kernels_after=kernels, note="; ".join(notes))
 
 
+def _remember(marker: Path) -> None:
+    """Leave a passed check's marker; a cache that cannot be written only costs the next build the check."""
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError as error:
+        log.warning("fusion check not remembered in %s: %s", marker.parent, error)
+
+
 @functools.cache
 def _source_digest() -> str:
     """This module's code: a pass changed is checked again."""
@@ -919,7 +927,7 @@ def _source_digest() -> str:
 def _passed_marker(cache: Path, graph: OpGraph, passes: Sequence[str], inputs_list: Sequence[Sequence[torch.Tensor]], tolerance: float, device: torch.device) -> Path:
     """Where a passed check of these passes on this graph is remembered: keyed by
     the graph's fingerprint (its code and DAG), a digest of its constants' values
-    (one sum per tensor: one synchronisation, not a copy), the passes, the check
+    (one float64 sum per tensor, read back in one synchronisation), the passes, the check
     inputs' shapes (their values come from fixed seeds), the tolerance, the GPU
     and the software (this module's code too)."""
     constants = [operator.attrgetter(n.target)(graph.module) for n in graph.module.graph.nodes if n.op == "get_attr"]
