@@ -289,6 +289,10 @@ def _use_cache(directory: Path) -> Path:
     return directory
 
 
+def _holds_files(directory: Path) -> bool:
+    return directory.is_dir() and any(path.is_file() for path in directory.rglob("*"))
+
+
 def _build_seconds(entry: zoo.ZooModel, device: torch.device, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool) -> tuple[float, float | None, str]:
     """The serving build of all default buckets with `auto` and fused lanes,
     cold (this process, an empty cache) and warm (a new process, the same
@@ -447,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fusion", action="store_true")
     parser.add_argument("--columns", default="", help=f"only these columns, comma-separated (default all: {', '.join(COLUMNS)}); --report merges a model's rows from several files")
     parser.add_argument("--no-plan-capture", action="store_true", help="skip timing the serving build of all buckets")
-    parser.add_argument("--cache-dir", type=Path, help="reuse this build cache (traces, profiles, compiled segments) across runs instead of a fresh one; needs --no-plan-capture")
+    parser.add_argument("--cache-dir", type=Path, help="keep the build cache (traces, profiles, compiled segments) here instead of a fresh temporary one; a cache that holds files is reused and needs --no-plan-capture (the build timing needs an empty one)")
     parser.add_argument("--no-cudnn-benchmark", action="store_true", help="cuDNN's heuristic convolution algorithms in every column (the engine's autotune setting off) instead of timing them per shape (fused-lanes columns take the heuristics either way)")
     parser.add_argument("--layout", choices=("auto", "nchw", "nhwc"), default="auto", help="layouts auto may choose (policy columns: NCHW unless nhwc)")
     parser.add_argument("--plot", type=Path, help="PNG of speedups over the sequential graph")
@@ -473,8 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if args.cache_dir and not args.no_plan_capture:
-        print("error: --cache-dir needs --no-plan-capture (the cold build timing needs an empty cache)", file=sys.stderr)
+    if args.cache_dir and not args.no_plan_capture and (len(models) > 1 or _holds_files(args.cache_dir)):
+        print(f"error: --cache-dir {args.cache_dir}: the cold build timing needs an empty cache and one model; "
+              "add --no-plan-capture to reuse a cache", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("error: the benchmark needs a CUDA GPU", file=sys.stderr)

@@ -11,8 +11,10 @@ JOB is one of
   bench:MODEL[:BATCHES[:COLUMNS[:ARGS]]]
                                    `python -m opara_core.bench` for those batches (default
                                    1,8,32) that no JSON under --done, or of this call, holds a
-                                   row of yet; --no-plan-capture and --cache-dir CACHE/MODEL, so a
-                                   later job of the model reuses its trace, fusion and profile;
+                                   row of yet, with --cache-dir CACHE/MODEL: the model's first job
+                                   on the machine (that folder empty) times the serving build cold
+                                   and warm there (the bench's "build s" column), later ones add
+                                   --no-plan-capture and reuse its traces and compiled segments;
                                    COLUMNS as --columns takes them (quote the job: they hold spaces),
                                    ARGS more bench arguments, e.g.
                                    'bench:resnet50:1:compile max-autotune:--compile-autotune resnet50'
@@ -89,7 +91,10 @@ def job_for(spec: str, out: Path, done: Path, cache: Path) -> Job:
         left = [b for b in (batches or "1,8,32").split(",") if not wanted <= have.get((model, int(b)), set())]
         if not left:
             return Job(spec, name, None)
-        command = (f"python3 -m opara_core.bench --models {model} --batch {','.join(left)} --no-plan-capture "
+        # the model's first job on this machine times its serving build, cold then warm, in the
+        # empty cache folder; later jobs (a cut one's rest, other batches) reuse what it compiled
+        cold = not any(path.is_file() for path in (cache / model).rglob("*"))
+        command = (f"python3 -m opara_core.bench --models {model} --batch {','.join(left)}{'' if cold else ' --no-plan-capture'} "
                    f"--cache-dir {cache / model} --json {out / name}_b{'-'.join(left)}.json")
         command += f" --columns {shlex.quote(columns)}" if columns else ""
         return Job(spec, name, command + "".join(f" {shlex.quote(arg)}" for arg in extra))

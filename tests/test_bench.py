@@ -58,7 +58,15 @@ def test_an_unknown_column_is_refused_before_anything_runs(capsys):
     assert "'fastest'" in capsys.readouterr().err
 
 
-def test_a_reused_cache_without_no_plan_capture_is_refused(tmp_path, capsys):
+def test_a_reused_cache_without_no_plan_capture_is_refused(tmp_path, capsys, monkeypatch):
     # the cold build timing needs an empty cache: a reused one would time a warm build as cold
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "googlenet.json").write_text("{}")
     assert bench.main(["--models", "googlenet", "--cache-dir", str(tmp_path)]) == 2
     assert "--no-plan-capture" in capsys.readouterr().err
+    # an empty one holds nothing to reuse, but only for one model: the second would find the first's
+    assert bench.main(["--models", "googlenet,resnet50", "--cache-dir", str(tmp_path / "empty")]) == 2
+    assert "--no-plan-capture" in capsys.readouterr().err
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)  # stop at the next check, even on a GPU machine
+    assert bench.main(["--models", "googlenet", "--cache-dir", str(tmp_path / "empty")]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

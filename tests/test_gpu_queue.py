@@ -23,6 +23,10 @@ def test_a_bench_job_measures_only_the_batches_no_earlier_json_holds(tmp_path):
     full = ("eager", "compile", "sequential", "fused sequential", "auto")
     bench_json(done / "call1.json", ("bert", 1, full), ("bert", 8, ("eager", "compile")), ("t5", 1, full))  # batch 8 was cut mid-row
     job = gpu_queue.job_for("bench:bert", out, done, cache)
+    assert f"--models bert --batch 8,32 --cache-dir {cache / 'bert'} " in job.command  # its cache empty: the build is timed
+    (cache / "bert" / "traces").mkdir(parents=True)
+    (cache / "bert" / "traces" / "bert.pt2").write_bytes(b"x")  # an earlier job's cache on this machine: reused
+    job = gpu_queue.job_for("bench:bert", out, done, cache)
     assert f"--models bert --batch 8,32 --no-plan-capture --cache-dir {cache / 'bert'} " in job.command
     bench_json(out / "this_call.json", ("bert", 8, full), ("bert", 32, full))
     assert gpu_queue.job_for("bench:bert", out, done, cache).command is None
