@@ -4,6 +4,7 @@ disk and the custom op inside captures and Inductor's code."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -33,7 +34,10 @@ INTERPRETED = textwrap.dedent(
         weight = torch.randn(n, k, generator=generator)
         bias = torch.randn(n, generator=generator)
         product = x.double() @ weight.t().double()
-        for config in [SkinnyConfig(16, 32, 1), SkinnyConfig(32, 64, 4), SkinnyConfig(64, 32, 16, num_warps=2)]:
+        # split-K tiles, and a large-row tile of its own height (the interpreter runs
+        # tf32x3 products as fp32 ones: the index arithmetic is what it checks)
+        tall = SkinnyConfig(32, 32, 1, num_warps=8, block_m=32, precision="tf32x3", weight_layout="nk")
+        for config in [SkinnyConfig(16, 32, 1), SkinnyConfig(32, 64, 4), SkinnyConfig(64, 32, 16, num_warps=2), tall]:
             # the weight stored transposed (the kernel's layout), a view of it as
             # nn.Linear stores it, and x a non-contiguous view; with and without
             # a bias (added by the kernel itself with one slice, by the sum of slices with several)
@@ -57,7 +61,7 @@ def test_the_kernel_computes_the_product_for_every_tiling_and_layout():
     assert float(done.stdout.strip().splitlines()[-1]) <= 1e-6
 
 
-@given(st.integers(1, 5000), st.sampled_from(skinny_gemm.CANDIDATES))
+@given(st.integers(1, 5000), st.sampled_from(skinny_gemm.CANDIDATES + skinny_gemm.LARGE_CANDIDATES))
 def test_the_slices_cover_k_exactly_once(k, config):
     per, count = skinny_gemm.slices(k, config)
     assert per % config.block_k == 0 and 1 <= count <= config.split_k
@@ -81,6 +85,19 @@ def test_the_kernel_is_chosen_only_where_it_beats_the_faster_cublas_layout_by_th
     assert skinny_gemm.best_of({cublas: 31.0, nn: 37.0, plus: 22.0, nn_plus: 21.6, fast: 20.6}) == nn_plus
     assert skinny_gemm.best_of({cublas: 31.0, nn: 37.0, plus: 22.0, nn_plus: 21.6, fast: 20.0}) == fast
     assert skinny_gemm.best_of({cublas: 10.0, nn: 9.0, plus: 9.0, nn_plus: 9.5}) == nn  # a tie: the fewer kernels
+
+
+def test_large_row_candidates_keep_fp32_accuracy_and_a_single_tf32_product_would_not():
+    # above MAX_ROWS the candidates are tensor-core tiles; errors relative to a float64
+    # product as run 14 measured them at 16 x 768 x 2304 (H100): cuBLAS 1.3e-7, tf32x3 1.7e-7;
+    # one TF32 product keeps 10 mantissa bits (~1e-3 relative)
+    assert skinny_gemm.candidates_for(skinny_gemm.MAX_ROWS) == skinny_gemm.CANDIDATES
+    large = skinny_gemm.candidates_for(skinny_gemm.MAX_ROWS + 1)
+    assert large == skinny_gemm.LARGE_CANDIDATES and {c.weight_layout for c in large} == {"kn", "nk"}
+    assert all(c.precision in ("ieee", "tf32x3") for c in large)
+    assert skinny_gemm.accurate_enough(1.7e-7, 1.3e-7)
+    assert not skinny_gemm.accurate_enough(1e-3, 1.3e-7)
+    assert skinny_gemm.accurate_enough(8e-7, 1e-9)  # cuBLAS exact by luck: the floor, not 4e-9
 
 
 def test_on_the_cpu_the_op_is_a_matrix_product():
@@ -123,21 +140,35 @@ def cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, k, n", [(1, 429, 400), (16, 768, 2304), (16, 3072, 768), (32, 512, 2048), (100, 768, 768), (128, 2048, 512)])
+@pytest.mark.parametrize(
+    "m, k, n",
+    [(1, 429, 400), (16, 768, 2304), (16, 3072, 768), (32, 512, 2048), (100, 768, 768), (128, 2048, 512), (300, 512, 2048), (1024, 768, 3072), (4096, 3072, 768)],
+)
 def test_every_candidate_equals_the_float64_product_on_the_gpu(m, k, n):
     x = torch.randn(m, k, device="cuda")
     weight = torch.randn(n, k, device="cuda") / k**0.5
+    stored = {"kn": weight.t().contiguous(), "nk": weight.t()}
     exact = x.double() @ weight.t().double()
-    scale = exact.abs().max()
-    cublas = float((torch.mm(x, weight.t()).double() - exact).abs().max() / scale)
-    errors = {c: float((skinny_gemm.skinny_mm(x, weight.t().contiguous(), c).double() - exact).abs().max() / scale) for c in skinny_gemm.CANDIDATES}
+    cublas = skinny_gemm.relative_error(torch.mm(x, weight.t()), exact)
+    candidates = skinny_gemm.candidates_for(m)
+    errors = {c: skinny_gemm.relative_error(skinny_gemm.skinny_mm(x, stored[c.weight_layout], c), exact) for c in candidates}
     bias = torch.randn(n, device="cuda")
     with_bias = exact + bias.double()
-    for c in skinny_gemm.CANDIDATES:  # the bias added by the kernel (one slice) or by the sum of slices
-        got = skinny_gemm.skinny_mm(x, weight.t().contiguous(), c, bias).double()
-        errors[c, "bias"] = float((got - with_bias).abs().max() / with_bias.abs().max())
-    # fp32 sums of up to 3,072 products: cuBLAS's own error is 1e-7 to 1e-6
+    for c in candidates:  # the bias added by the kernel (one slice) or by the sum of slices
+        errors[c, "bias"] = skinny_gemm.relative_error(skinny_gemm.skinny_mm(x, stored[c.weight_layout], c, bias), with_bias)
+    # fp32 sums of up to 3,072 products: cuBLAS's own error is 1e-7 to 1e-6; tf32x3 products
+    # (above MAX_ROWS) must stay in that class, which the chooser's accuracy rule also demands
     assert max(errors.values()) <= max(10 * cublas, 2e-6), (errors, cublas)
+    assert all(skinny_gemm.accurate_enough(e, cublas) for c, e in errors.items() if c in candidates), (errors, cublas)
+
+
+@pytest.mark.gpu
+def test_a_candidate_less_accurate_than_cublas_is_not_timed():
+    # one TF32 product per fp32 one (~1e-3) is dropped; three (tf32x3) keep fp32's accuracy and are timed
+    tf32x3 = skinny_gemm.LARGE_CANDIDATES[0]
+    tf32 = dataclasses.replace(tf32x3, precision="tf32")
+    timings = skinny_gemm.time_shape(1024, 768, 768, torch.device("cuda"), candidates=(tf32, tf32x3))
+    assert tf32 not in timings and tf32x3 in timings and skinny_gemm.CUBLAS in timings
 
 
 @pytest.mark.gpu
@@ -145,10 +176,10 @@ def test_choices_are_timed_once_and_kept_on_disk(cache):
     device = torch.device("cuda")
     choices = skinny_gemm.choices_for(device)
     chosen = choices.choose(16, 768, 768)
-    above = choices.choose(4096, 3072, 768)  # BERT's feed-forward down-projection at batch 32: cuBLAS, one layout
-    assert above in (skinny_gemm.CUBLAS, skinny_gemm.CUBLAS_NN)
+    above = choices.choose(4096, 3072, 768)  # BERT's feed-forward down-projection at batch 32: a layout or a tensor-core tile
+    assert above in (skinny_gemm.CUBLAS, skinny_gemm.CUBLAS_NN) + skinny_gemm.LARGE_CANDIDATES
     biased = choices.choose(4096, 768, 2304, bias=True)  # BERT's q/k/v at batch 32: timed with its bias
-    assert biased in skinny_gemm.LIBRARY
+    assert biased in skinny_gemm.LIBRARY + skinny_gemm.LARGE_CANDIDATES
     assert choices.path.is_file() and choices.path.is_relative_to(cache)
     again = skinny_gemm.Choices(device)  # another process: reads the file, times nothing
     assert again.known == {"16,768,768": chosen, "4096,3072,768": above, "4096,768,2304+bias": biased}
@@ -161,6 +192,17 @@ def test_every_cublas_way_answers_as_the_linear_layer(cache, choice, bias):
     layer = torch.nn.Linear(3072, 768, bias=bias).cuda()
     x = torch.randn(300, 3072, device="cuda")
     skinny_gemm.choices_for(x.device).known["300,3072,768" + ("+bias" if bias else "")] = choice  # as if timed so
+    got = skinny_gemm.linear_mm(x, layer.weight, layer.weight.t().contiguous(), layer.bias)
+    torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("choice", skinny_gemm.LARGE_CANDIDATES[:2])  # one tile on either copy of the weight
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_large_row_kernel_choice_answers_as_the_linear_layer(cache, choice, bias):
+    layer = torch.nn.Linear(768, 3072, bias=bias).cuda()
+    x = torch.randn(1000, 768, device="cuda")  # rows not a multiple of any tile
+    skinny_gemm.choices_for(x.device).known["1000,768,3072" + ("+bias" if bias else "")] = choice  # as if timed so
     got = skinny_gemm.linear_mm(x, layer.weight, layer.weight.t().contiguous(), layer.bias)
     torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-5)
 

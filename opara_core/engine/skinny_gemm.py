@@ -1,5 +1,6 @@
-"""fp32 GEMMs with few rows (`x @ w.T`, M <= 128) as a split-K Triton kernel,
-chosen per shape by measurement, as the custom op `opara::skinny_mm`.
+"""fp32 GEMMs (`x @ w.T`) as a Triton kernel where it was measured faster
+than cuBLAS at that shape, as the custom op `opara::skinny_mm`: a split-K
+kernel for few rows (M <= 128), tensor-core tiles with fp32 accuracy above.
 
 Why: at small batch the transformers' linear layers are GEMMs of 16-128 rows
 against weights of 1-9 MB. cuBLAS's fp32 kernels for them read the weights at
@@ -11,8 +12,19 @@ stay fp32 ("ieee": no TF32). The kernel reads the weight stored transposed,
 [K, N]: with the weight as nn.Linear stores it, it was no faster than cuBLAS
 (scripts/skinny_gemm.py, H100, 2026-11-26).
 
+Above MAX_ROWS the GEMMs fill the GPU and cuBLAS's fp32 kernels are compute
+bound without tensor cores (BERT and T5 at batch 8 and 32: 89-96% of
+torch.compile's replay in them, H200, docs/benchmarks.md run 17). There the
+candidates are larger tiles whose products run as "tf32x3": each fp32 operand
+split into a TF32 part and a TF32 remainder, three tensor-core products summed
+in fp32 (Triton's `input_precision`), which keeps fp32's accuracy where one
+TF32 product would not (run 14's sweep, 16 rows: 1.7e-7 against cuBLAS's
+1.3e-7, relative to a float64 product). Every kernel candidate's answer at the
+shape is checked against a float64 product before it is timed, and dropped if
+its error exceeds ACCURACY_SLACK times cuBLAS's own.
+
 Which is faster depends on the shape and the GPU, so the first call at each
-(M, K, N) times cuBLAS and the kernel's CANDIDATES on copies of a weight of
+(M, K, N) times cuBLAS and the kernel's candidates on copies of a weight of
 that size that together miss L2 (as a model's layers, each read once per call,
 do; one weight timed again and again stays in L2 and misleads) and keeps the
 winner: in this process, and on disk under $OPARA_CACHE_DIR/skinny (one file
@@ -53,8 +65,10 @@ from opara_core.engine.inductor_cache import cache_root, write_json_atomically
 
 log = logging.getLogger(__name__)
 
-KERNEL_VERSION = 5  # bump when the kernels or the choices change: the choices on disk are then timed again
-MAX_ROWS = 128  # more rows: cuBLAS only (its tiles fill the GPU; measured ties or losses at 128 on an H100)
+KERNEL_VERSION = 6  # bump when the kernels or the choices change: the choices on disk are then timed again
+MAX_ROWS = 128  # up to this many rows the split-K CANDIDATES, above it LARGE_CANDIDATES (split-K tied or lost at 128 on an H100)
+ACCURACY_SLACK = 4.0  # a kernel candidate's error against a float64 product: at most this times cuBLAS's fp32 error
+ACCURACY_FLOOR = 1e-6  # ... or this relative error, where cuBLAS's own happens to be tiny
 CUBLAS, CUBLAS_NN = "cublas", "cublas_nn"  # torch.mm(x, w.t()); torch.mm(x, w_t) on the stored transpose
 # with a bias, those two are `torch.addmm` (cuBLASLt adds it in its epilogue), and
 # these `torch.mm` then an add in place: cuBLASLt's fp32 kernels with a bias are
@@ -68,13 +82,21 @@ L2_MISS_BYTES = 128 * 2**20  # weight copies per timing: together at least this 
 
 @dataclass(frozen=True)
 class SkinnyConfig:
-    """A kernel configuration: tile widths, K slices, warps, pipeline stages."""
+    """A kernel configuration: tile widths, K slices, warps, pipeline stages;
+    the tile's height (0: from the row count, `block_m`), the products'
+    precision (Triton's `input_precision`: "ieee" fp32, "tf32x3" three TF32
+    products), and which copy of the weight it reads: "kn" the stored
+    transpose (N contiguous), "nk" the weight as nn.Linear stores it (K
+    contiguous, the layout TF32 tensor-core products read directly)."""
 
     block_n: int
     block_k: int
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    block_m: int = 0
+    precision: str = "ieee"
+    weight_layout: str = "kn"
 
 
 # the configurations timed at each shape (a cold build compiles each once per tile
@@ -85,6 +107,20 @@ CANDIDATES: tuple[SkinnyConfig, ...] = (
     SkinnyConfig(32, 64, 4, num_warps=2),
     SkinnyConfig(32, 64, 8, num_warps=2),
 )
+
+
+# above MAX_ROWS: tensor-core tiles, fp32 accuracy through three TF32 products, on
+# either copy of the weight; not yet timed on a GPU (scripts/skinny_gemm.py --large
+# sweeps the neighbourhood): the chooser keeps one only where it beats cuBLAS
+LARGE_CANDIDATES: tuple[SkinnyConfig, ...] = tuple(
+    SkinnyConfig(n, 32, 1, num_warps=w, num_stages=st, block_m=m, precision="tf32x3", weight_layout=layout)
+    for m, n, w, st in ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (64, 64, 4, 4))
+    for layout in ("nk", "kn")
+)
+
+
+def candidates_for(rows: int) -> tuple[SkinnyConfig, ...]:
+    return CANDIDATES if rows <= MAX_ROWS else LARGE_CANDIDATES
 
 
 def block_m(rows: int) -> int:
@@ -106,10 +142,9 @@ def _kernels():
     return skinny_kernels
 
 
-def skinny_mm(
-    x: torch.Tensor, weight_t: torch.Tensor, config: SkinnyConfig, bias: torch.Tensor | None = None, precision: str = "ieee"
-) -> torch.Tensor:
-    """x [M, K] @ weight_t [K, N] (+ bias [N]) with the kernel (a GPU, fp32, any strides)."""
+def skinny_mm(x: torch.Tensor, weight_t: torch.Tensor, config: SkinnyConfig, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight_t [K, N] (+ bias [N]) with the kernel (a GPU, fp32, any
+    strides: `weight_t` may be the stored transpose or a view of the weight)."""
     (m, k), (k2, n) = x.shape, weight_t.shape
     if k != k2:
         raise ValueError(f"skinny_mm: x is {m}x{k}, the transposed weight {k2}x{n}")
@@ -119,12 +154,12 @@ def skinny_mm(
     out = torch.empty((m, n), device=x.device, dtype=torch.float32)
     per, split = slices(k, config)
     target = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-    tile_m = block_m(m)
+    tile_m = config.block_m or block_m(m)
     kernels.skinny_mm[(-(-n // config.block_n), -(-m // tile_m), split)](
         x, weight_t, out if bias is None else bias, target, m, n, k, per,
         x.stride(0), x.stride(1), weight_t.stride(0), weight_t.stride(1),
         target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
-        HAS_BIAS=bias is not None and split == 1, PRECISION=precision, BLOCK_M=tile_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        HAS_BIAS=bias is not None and split == 1, PRECISION=config.precision, BLOCK_M=tile_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if split > 1:
@@ -149,10 +184,11 @@ def weight_copies(n: int, k: int, device: torch.device) -> list[torch.Tensor]:
     return [torch.randn(n, k, device=device) / k**0.5 for _ in range(count)]
 
 
-def time_shape(m: int, k: int, n: int, device: torch.device, candidates: tuple[SkinnyConfig, ...] = CANDIDATES, bias: bool = False) -> dict:
+def time_shape(m: int, k: int, n: int, device: torch.device, candidates: tuple[SkinnyConfig, ...] | None = None, bias: bool = False) -> dict:
     """ms per call at this shape of cuBLAS on either weight layout (with
-    `bias`, each as `addmm` and as `mm` then an add) and, up to MAX_ROWS rows,
-    of every kernel candidate."""
+    `bias`, each as `addmm` and as `mm` then an add) and of every kernel
+    candidate (default: `candidates_for(m)`) that compiles for this GPU and
+    answers within the accuracy rule (`accurate_enough`)."""
     x = torch.randn(m, k, device=device)
     b = torch.randn(n, device=device) if bias else None
     weights = weight_copies(n, k, device)
@@ -160,9 +196,53 @@ def time_shape(m: int, k: int, n: int, device: torch.device, candidates: tuple[S
     timings = {}
     for choice in LIBRARY if bias else (CUBLAS, CUBLAS_NN):
         timings[choice] = per_call_ms([lambda r=r, c=choice: library_mm(x, r, c, b) for r in layouts[choice.removesuffix("+add")]])
-    for config in candidates if m <= MAX_ROWS else ():
-        timings[config] = per_call_ms([lambda w=w, c=config: skinny_mm(x, w, c, b) for w in layouts[CUBLAS_NN]])
+    exact = x.double() @ layouts[CUBLAS][0].double() + (0 if b is None else b.double())
+    reference = relative_error(library_mm(x, layouts[CUBLAS][0], CUBLAS, b), exact)
+    for config in candidates_for(m) if candidates is None else candidates:
+        stored = layouts[CUBLAS_NN] if config.weight_layout == "kn" else layouts[CUBLAS]
+        error = _answer_error(x, stored[0], config, b, exact)
+        if error is None or not accurate_enough(error, reference):
+            if error is not None:
+                log.warning("skinny GEMM %dx%dx%d: %s is off by %.1e (cuBLAS %.1e): not a candidate", m, k, n, config, error, reference)
+            continue
+        timings[config] = per_call_ms([lambda w=w, c=config: skinny_mm(x, w, c, b) for w in stored])
     return timings
+
+
+def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """Largest deviation from a float64 product, relative to its largest entry."""
+    return float((got.double() - exact).abs().max() / exact.abs().max().clamp_min(1e-30))
+
+
+def accurate_enough(error: float, cublas_error: float) -> bool:
+    """A kernel candidate may err at most ACCURACY_SLACK times as much as
+    cuBLAS's fp32 GEMM at the same shape (or ACCURACY_FLOOR): tf32x3 passes,
+    a plain TF32 product (10 mantissa bits: ~1e-3) would not."""
+    return error <= max(ACCURACY_SLACK * cublas_error, ACCURACY_FLOOR)
+
+
+def _triton_failures() -> tuple[type[Exception], ...]:
+    """Triton's errors for code it cannot build (OutOfResources, PTXASError,
+    CompilationError: one base class in recent Triton, separate ones before)."""
+    try:
+        from triton.errors import TritonError
+
+        return (TritonError,)
+    except ImportError:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+
+        return (OutOfResources, CompilationError)
+
+
+def _answer_error(x: torch.Tensor, weight_t: torch.Tensor, config: SkinnyConfig, bias: torch.Tensor | None, exact: torch.Tensor) -> float | None:
+    """The candidate's relative error at this shape (its first run compiles it),
+    or None where Triton cannot build it for this GPU (shared memory, registers)."""
+    try:
+        return relative_error(skinny_mm(x, weight_t, config, bias), exact)
+    except (*_triton_failures(), RuntimeError) as error:
+        log.info("skinny GEMM candidate %s does not build for %s: %s", config, x.shape, str(error).splitlines()[0][:200])
+        return None
 
 
 def library_mm(x: torch.Tensor, right: torch.Tensor, choice: str, bias: torch.Tensor | None) -> torch.Tensor:
@@ -200,7 +280,8 @@ class Choices:
     def _key(self) -> str:
         import triton
 
-        text = json.dumps([torch.cuda.get_device_name(self.device), torch.__version__, triton.__version__, KERNEL_VERSION, MIN_GAIN, [asdict(c) for c in CANDIDATES]])
+        text = json.dumps([torch.cuda.get_device_name(self.device), torch.__version__, triton.__version__, KERNEL_VERSION, MIN_GAIN, ACCURACY_SLACK,
+                           [asdict(c) for c in CANDIDATES + LARGE_CANDIDATES]])
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def _read(self) -> dict[str, Choice]:
@@ -261,7 +342,7 @@ def linear_mm(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor, bia
         return linear_mm(x, weight, weight_t) + bias  # a bias the kernels do not take (broadcast, another dtype)
     choice = choices_for(x.device).choose(m, x.shape[1], n, bias is not None)
     if isinstance(choice, SkinnyConfig):
-        return skinny_mm(x, weight_t, choice, bias)
+        return skinny_mm(x, weight_t if choice.weight_layout == "kn" else weight.t(), choice, bias)
     return library_mm(x, weight_t if choice.startswith(CUBLAS_NN) else weight.t(), choice, bias)
 
 

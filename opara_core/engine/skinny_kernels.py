@@ -8,7 +8,10 @@ third grid axis numbers: with one slice it writes its result, with several it
 writes its partial sums to a workspace [SPLIT_K, M, N] that `sum_splits` adds
 up in a fixed order (the result does not depend on which program finished
 first). A bias, if any, is added by whichever kernel writes the result.
-Products and sums are fp32 (`PRECISION` "ieee").
+Sums are fp32; products as `PRECISION` says (Triton's `input_precision`:
+"ieee" fp32, "tf32x3" three TF32 tensor-core products per fp32 one). The
+weight may also be read through a [K, N] view of the [N, K] weight (strides
+say which).
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ work follows that could take the add: the kernel adds it as it writes, cuBLAS
 in `addmm`'s epilogue or as an add after `mm`, whichever was timed faster with
 the bias at that shape; a separate generated add there cost BERT's 512 x 8 cell
 2.3%, 19.33 against 18.89 ms on an H100, 2026-11-26). The op
-picks the kernel or cuBLAS per row count when it runs, so one graph with
-dynamic sizes serves every cell: the kernel where the cell's rows are few and
-it measured faster, elsewhere cuBLAS's `mm` on the weight layout measured
-faster at that row count.
+picks a kernel or cuBLAS per row count when it runs, so one graph with
+dynamic sizes serves every cell: a kernel where it measured faster (the
+split-K one for few rows, tf32x3 tensor-core tiles above 128), elsewhere
+cuBLAS's `mm` on the weight layout measured faster at that row count.
 """
 
 from __future__ import annotations
