@@ -65,8 +65,11 @@ INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears", 
 # after a convolution. On Inception-v3 (H200, docs/benchmarks.md run 22) its
 # opara plan replayed faster (0.561 -> 0.501 ms at batch 1, 1.460 -> 1.353 at 8)
 # and its single segment slower (0.859 -> 1.038, 1.762 -> 2.157): it is
-# offered with FUSED_CANDIDATES only, never as the one-segment graph.
-INDUCTOR_CUDNN_PASSES = (*INDUCTOR_PASSES, "conv_relu")
+# offered with FUSED_CANDIDATES only, never as the one-segment graph. It also
+# joins a residual add and its ReLU into the convolution (conv_add_relu): on
+# ResNet-50 (H200, 2026-11-28, docs/benchmarks.md run 24) its opara plan replayed
+# 2.41 -> 2.02 ms at batch 32, the same within 1.5% at 1 and 8.
+INDUCTOR_CUDNN_PASSES = (*INDUCTOR_PASSES, "conv_add_relu", "conv_relu")
 FUSED_GRAPHS = ("inductor", "inductor-cudnn")  # graphs whose candidates are fused lanes
 
 
@@ -360,8 +363,8 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
     kernels): fusion is checked on its own here, against the unfused graph in
     plain fp32, since with TF32 folded weights round differently. With fused
     lanes on a GPU, `inductor` is the graph for Inductor (INDUCTOR_PASSES only)
-    and, where cuDNN fuses some convolution with its ReLU, `inductor-cudnn`
-    the same with those fused (INDUCTOR_CUDNN_PASSES).
+    and, where cuDNN fuses some convolution with its ReLU (or residual add and
+    ReLU), `inductor-cudnn` the same with those fused (INDUCTOR_CUDNN_PASSES).
     """
     has_convs = any(isinstance(m, torch.nn.Conv2d) for m in module.modules())
     layouts = {"auto": ("nchw", "nhwc") if has_convs else ("nchw",), "nchw": ("nchw",), "nhwc": ("nhwc",)}[settings.layout]
@@ -401,7 +404,7 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
             start = time.perf_counter()
             inductor, fusion = fuse_graph(traced, device, passes=wanted, check_inputs=checks, cache=fusion_checks_dir()) if settings.fusion else (traced, None)
             report.seconds["fusion"] = report.seconds.get("fusion", 0.0) + time.perf_counter() - start  # every graph's fusion is the build's
-            if name == "inductor-cudnn" and not fusion.rewrites.get("conv_relu"):
+            if name == "inductor-cudnn" and not (fusion.rewrites.get("conv_relu") or fusion.rewrites.get("conv_add_relu")):
                 continue  # cuDNN fused nothing: the same graph as `inductor`
             if settings.profile:
                 inductor = profiled(inductor, profile_inputs, device, report)

@@ -828,8 +828,9 @@ PASSES: dict[str, Pass] = {
     "conv_relu": fuse_conv_relu,
 }
 CUDA_ONLY = frozenset({"conv_add_relu", "conv_relu", "skinny_linears"})
-# conv_add_relu is left out until measured: cuDNN's runtime-fused kernels are not
-# always faster than a convolution plus an elementwise kernel.
+# conv_add_relu is left out of the ATen graphs (unmeasured there: cuDNN's runtime-fused
+# kernels are not always faster than a convolution plus an elementwise kernel); the
+# fused-lanes graph `inductor-cudnn` has it (build.INDUCTOR_CUDNN_PASSES, where measured).
 DEFAULT_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_convs", "merge_linears", "conv_relu")
 
 
