@@ -312,7 +312,11 @@ def _build_seconds(entry: zoo.ZooModel, device: torch.device, max_streams: int, 
         log.warning("the warm build failed: %s", warm_run.stderr[-2000:])
     notes = [f"cold build seconds: {_breakdown(cold)}; {cold['inductor']}"]
     notes += [f"warm build seconds: {_breakdown(warm)}; {warm['inductor']}" if warm else "warm build failed"]
-    return _build_total(cold), _build_total(warm) if warm else None, "; ".join(notes)
+    totals = _build_total(cold), _build_total(warm) if warm else None
+    # logged now too: the row that keeps them is written only when its columns are done,
+    # and a run cut before that (a device call's limit) would lose them
+    log.info("%s: serving build %.1f s cold, %s warm; %s", entry.name, totals[0], "-" if warm is None else f"{totals[1]:.1f} s", "; ".join(notes))
+    return (*totals, "; ".join(notes))
 
 
 def _build_report(name: str, device: torch.device, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool = True) -> dict[str, Any]:
@@ -460,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--build-only", metavar="MODEL", help=argparse.SUPPRESS)  # one serving build, its report as JSON (the warm build)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    log.setLevel(logging.INFO)  # the bench's own progress notes (the build times) on stderr
     if args.build_only:
         report = _build_report(args.build_only, torch.device("cuda"), args.max_streams, not args.no_fusion, args.layout, not args.no_cudnn_benchmark)
         print(json.dumps(report))
