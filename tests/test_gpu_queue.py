@@ -39,6 +39,17 @@ def test_a_bench_job_measures_only_the_batches_no_earlier_json_holds(tmp_path):
     assert job.command.endswith("--columns 'compile max-autotune' --compile-autotune t5 --cache-dir '/tmp/a b'")
 
 
+def test_a_bench_job_that_ended_well_is_done_though_the_model_lacks_a_column(tmp_path):
+    # BERT has no convolution: its rows never hold `fused opara cudnn`, which the job names
+    done, out = tmp_path / "done", tmp_path / "out"
+    spec = "bench:bert:1:compile,fused opara cudnn,auto"
+    bench_json(done / "call1.json", ("bert", 1, ("compile", "auto")))
+    job = gpu_queue.job_for(spec, out, done, tmp_path / "cache")
+    assert job.command is not None
+    (done / f"{job.name}.done").touch()  # as the call that ran it left it
+    assert gpu_queue.job_for(spec, out, done, tmp_path / "cache").command is None
+
+
 def test_a_tests_job_passes_its_arguments_to_pytest_one_by_one(tmp_path):
     node = "tests/test_fused_lanes.py::test_fused_lanes_replays_equal_the_single_lane_graph_of_the_same_segments[nasnet]"
     job = gpu_queue.job_for(f"tests:tests/test_fused_lanes.py,--deselect,{node}", tmp_path, tmp_path, tmp_path)
