@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_leaves, tree_map
 
-from opara_core.engine import skinny_gemm
+from opara_core.engine import depthwise_conv, skinny_gemm
 from opara_core.engine import trace as graphs
 from opara_core.engine.compare import max_relative_error, no_cudnn_autotuning
 from opara_core.engine.trace import OpGraph
@@ -809,6 +809,29 @@ def fuse_conv_add_relu(gm: GraphModule) -> int:
     return count
 
 
+def depthwise_convs(gm: GraphModule) -> int:
+    """Run fp32 depthwise convolutions (one filter per channel, weight [C, 1, KH, KW])
+    on CUDA values through `opara::depthwise_conv2d` (engine.depthwise_conv): the
+    Triton kernel where its first call at that shape measured it faster than cuDNN,
+    else cuDNN. In no default pass list until measured in a served graph."""
+    count = 0
+    for conv in list(gm.graph.nodes):
+        if not _plain_conv(conv):
+            continue
+        x, w, bias, stride, padding, dilation, _, _, groups = conv.args
+        val, weight = conv.meta.get("val"), w.meta.get("val") if isinstance(w, Node) else None
+        if not isinstance(val, torch.Tensor) or not isinstance(weight, torch.Tensor) or val.device.type != "cuda" or val.dtype != torch.float32:
+            continue
+        if val.dim() != 4 or weight.dim() != 4 or weight.shape[1] != 1 or groups != weight.shape[0] or len(stride) != 2:
+            continue
+        with gm.graph.inserting_before(conv):
+            fused = _call(gm, depthwise_conv.depthwise_conv_op(), (x, w, bias, list(stride), list(padding), list(dilation)), like=conv)
+        conv.replace_all_uses_with(fused)
+        gm.graph.erase_node(conv)
+        count += 1
+    return count
+
+
 # ---- driver --------------------------------------------------------------------------
 
 Pass = Callable[[GraphModule], int]
@@ -826,8 +849,9 @@ PASSES: dict[str, Pass] = {
     "skinny_linears": skinny_linears,
     "conv_add_relu": fuse_conv_add_relu,
     "conv_relu": fuse_conv_relu,
+    "depthwise_convs": depthwise_convs,
 }
-CUDA_ONLY = frozenset({"conv_add_relu", "conv_relu", "skinny_linears"})
+CUDA_ONLY = frozenset({"conv_add_relu", "conv_relu", "skinny_linears", "depthwise_convs"})
 # conv_add_relu is left out of the ATen graphs (unmeasured there: cuDNN's runtime-fused
 # kernels are not always faster than a convolution plus an elementwise kernel); the
 # fused-lanes graph `inductor-cudnn` has it (build.INDUCTOR_CUDNN_PASSES, where measured).

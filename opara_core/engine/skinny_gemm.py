@@ -51,17 +51,14 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
-import json
 import logging
-import threading
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 
 from opara_core.engine.capture import capture_module, time_replays
-from opara_core.engine.inductor_cache import cache_root, write_json_atomically
+from opara_core.engine.shape_choices import ShapeChoices
 
 log = logging.getLogger(__name__)
 
@@ -270,57 +267,29 @@ def best_of(timings: dict) -> Choice:
 # ---- choices: per process and on disk ----------------------------------------------------
 
 
-class Choices:
+class Choices(ShapeChoices[Choice]):
     """The kernel configuration or cuBLAS layout per (M, K, N) on this GPU."""
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.known: dict[str, Choice] = {}
-        self.lock = threading.Lock()
-        self.path = cache_root() / "skinny" / f"{self._key()}.json"
-        self.known.update(self._read())
-        self.warned = False
-
-    def _key(self) -> str:
         import triton
 
-        text = json.dumps([torch.cuda.get_device_name(self.device), torch.__version__, triton.__version__, KERNEL_VERSION, MIN_GAIN, ACCURACY_SLACK, ACCURACY_FLOOR,
-                           [asdict(c) for c in CANDIDATES + LARGE_CANDIDATES]])
-        return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-    def _read(self) -> dict[str, Choice]:
-        try:
-            saved = json.loads(self.path.read_text())
-            return {shape: SkinnyConfig(**c) if isinstance(c, dict) else str(c) for shape, c in saved.items()}
-        except (OSError, ValueError, TypeError, AttributeError) as error:
-            if not isinstance(error, FileNotFoundError):
-                log.warning("skinny GEMM choices in %s not read (%s): timed again", self.path, error)
-            return {}
-
-    def _write(self) -> None:
-        """Merge with what other processes wrote and replace the file whole."""
-        try:
-            merged = {**self._read(), **self.known}
-            write_json_atomically(self.path, {shape: asdict(c) if isinstance(c, SkinnyConfig) else c for shape, c in merged.items()})
-        except OSError as error:
-            log.warning("skinny GEMM choices not saved to %s: %s", self.path, error)
+        self.device = device
+        key = [torch.cuda.get_device_name(device), torch.__version__, triton.__version__, KERNEL_VERSION, MIN_GAIN, ACCURACY_SLACK, ACCURACY_FLOOR,
+               [asdict(c) for c in CANDIDATES + LARGE_CANDIDATES]]  # fmt: skip
+        super().__init__("skinny", key, lambda c: asdict(c) if isinstance(c, SkinnyConfig) else c,
+                         lambda c: SkinnyConfig(**c) if isinstance(c, dict) else str(c), CUBLAS)  # fmt: skip
 
     def choose(self, m: int, k: int, n: int, bias: bool = False) -> Choice:
         shape = f"{m},{k},{n}" + ("+bias" if bias else "")
-        with self.lock:
-            if shape in self.known:
-                return self.known[shape]
-            if torch.cuda.is_current_stream_capturing():
-                if not self.warned:
-                    log.warning("skinny GEMM %s first seen inside a CUDA graph capture: cuBLAS (shapes are timed on their first call outside one)", shape)
-                    self.warned = True
-                return CUBLAS
+
+        def time_and_pick() -> Choice:
             timings = time_shape(m, k, n, self.device, bias=bias)
-            chosen = self.known[shape] = best_of(timings)
+            chosen = best_of(timings)
             log.info("skinny GEMM %s: %s (%.1f us; cuBLAS %.1f us, on the stored transpose %.1f us)", shape, chosen,
                      timings[chosen] * 1e3, timings[CUBLAS] * 1e3, timings[CUBLAS_NN] * 1e3)  # fmt: skip
-            self._write()
             return chosen
+
+        return super().choose(shape, time_and_pick)
 
 
 _choices: dict[str, Choices] = {}

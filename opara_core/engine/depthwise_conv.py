@@ -1,0 +1,211 @@
+"""Depthwise convolutions (one filter per channel) as a Triton kernel of our own.
+
+Why: NASNet-A large's 220 depthwise convolutions run in cuDNN's
+`conv2d_c1_k1_nhwc` kernel, 2,607 of 8,043 us of torch.compile's replay at
+batch 8 and 9,083 of 24,523 at 32 (H200, docs/benchmarks.md run 17), where
+reading their inputs and writing their outputs once takes about 730 and 2,900 us
+at HBM speed: cuDNN runs them 3-4x slower than the memory allows, and NASNet is
+the one model whose fused lanes do not beat torch.compile at 8 and 32. (At
+batch 1 an earlier kernel of this kind lost to cuDNN on two of three large-image
+shapes, run 22; batches 8 and 32 were never measured.)
+
+`depthwise_conv2d` runs one tile configuration; `time_shape` times cuDNN (its
+heuristics, as fused lanes capture) against every candidate at one shape, after
+checking each candidate's answer against a float64 convolution;
+`scripts/depthwise_conv.py` sweeps NASNet's shapes with it. `depthwise_conv` runs
+whichever its first call at that shape measured faster (engine.shape_choices),
+and `depthwise_conv_op` is it as a custom op for Inductor's graphs
+(fusion.depthwise_convs puts it there; in no default pass list until measured).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from opara_core.engine.shape_choices import ShapeChoices
+
+log = logging.getLogger(__name__)
+
+KERNEL_VERSION = 1  # bump when the kernel or the candidates change: the choices on disk are then timed again
+MIN_GAIN = 0.95  # the kernel is chosen only if it takes at most this fraction of cuDNN's time
+CUDNN = "cudnn"
+ACCURACY = 1e-5  # largest error against a float64 convolution, relative to its largest entry (fp32 sums of <= 49 taps: ~1e-7)
+
+
+@dataclass(frozen=True)
+class DepthwiseConfig:
+    block_p: int  # output pixels per program (over the whole batch)
+    block_c: int  # channels per program: the contiguous axis of a channels-last tensor
+    num_warps: int = 4
+
+
+CANDIDATES = (
+    DepthwiseConfig(32, 64),
+    DepthwiseConfig(64, 32),
+    DepthwiseConfig(16, 128),
+    DepthwiseConfig(64, 64),
+    DepthwiseConfig(128, 32, 8),
+    DepthwiseConfig(32, 128, 8),
+    DepthwiseConfig(128, 64, 8),
+    DepthwiseConfig(256, 16, 8),
+)
+
+
+def output_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def _pair(value) -> tuple[int, int]:
+    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
+
+
+def depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation, config: DepthwiseConfig) -> torch.Tensor:
+    """F.conv2d(x, weight, bias, stride, padding, dilation, groups=C) for x [N, C, H, W]
+    and weight [C, 1, KH, KW], float32, any strides; the output is channels-last."""
+    n, c, h, w = x.shape
+    if weight.dim() != 4 or weight.shape[0] != c or weight.shape[1] != 1:
+        raise ValueError(f"depthwise_conv2d: weight {tuple(weight.shape)} is not [{c}, 1, KH, KW] for {c} channels")
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+        raise TypeError(f"depthwise_conv2d takes float32 tensors, got {x.dtype} and {weight.dtype}")
+    if bias is not None and bias.shape != (c,):
+        raise ValueError(f"depthwise_conv2d: bias {tuple(bias.shape)} is not [{c}]")
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = weight.shape[2:], _pair(stride), _pair(padding), _pair(dilation)
+    oh, ow = output_size(h, kh, sh, ph, dh), output_size(w, kw, sw, pw, dw)
+    out = torch.empty((n, c, oh, ow), device=x.device, dtype=torch.float32, memory_format=torch.channels_last)
+    if out.numel() == 0:
+        return out
+    from opara_core.engine import depthwise_kernels
+
+    pixels = n * oh * ow
+    depthwise_kernels.depthwise_conv2d[(-(-pixels // config.block_p), -(-c // config.block_c))](
+        x, weight, out if bias is None else bias, out,
+        c, h, w, oh, ow, pixels,
+        *x.stride(), weight.stride(0), weight.stride(2), weight.stride(3), *out.stride(),
+        KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, DH=dh, DW=dw, HAS_BIAS=bias is not None,
+        BLOCK_P=config.block_p, BLOCK_C=config.block_c, num_warps=config.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def cudnn_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation) -> torch.Tensor:
+    return F.conv2d(x, weight, bias, stride, padding, dilation, groups=x.shape[1])
+
+
+def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """Largest deviation from a float64 result, relative to its largest entry."""
+    return float((got.double() - exact).abs().max() / exact.abs().max().clamp_min(1e-30))
+
+
+def time_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation=1, candidates=CANDIDATES) -> tuple[dict, dict]:
+    """(ms per call of cuDNN and of each candidate that builds and answers within
+    ACCURACY, each candidate's error or the reason it was dropped) at this shape,
+    calls captured back to back in one CUDA graph; cuDNN with its heuristics
+    (benchmark mode off, as fused lanes capture)."""
+    from opara_core.engine.skinny_gemm import _triton_failures, per_call_ms
+
+    exact = cudnn_conv2d(x.double(), weight.double(), None if bias is None else bias.double(), stride, padding, dilation)
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False):
+        timings = {CUDNN: per_call_ms([lambda: cudnn_conv2d(x, weight, bias, stride, padding, dilation)] * 8)}
+        errors: dict = {CUDNN: relative_error(cudnn_conv2d(x, weight, bias, stride, padding, dilation), exact)}
+    for config in candidates:
+        try:
+            errors[config] = relative_error(depthwise_conv2d(x, weight, bias, stride, padding, dilation, config), exact)
+        except (*_triton_failures(), RuntimeError) as error:
+            errors[config] = f"{type(error).__name__}: {str(error)[:200]}"
+            continue
+        if errors[config] <= ACCURACY:
+            timings[config] = per_call_ms([lambda c=config: depthwise_conv2d(x, weight, bias, stride, padding, dilation, c)] * 8)
+    return timings, errors
+
+
+def best_of(timings: dict) -> DepthwiseConfig | str:
+    """The fastest candidate if it beats cuDNN by MIN_GAIN, else cuDNN."""
+    best = min((c for c in timings if isinstance(c, DepthwiseConfig)), key=timings.get, default=None)
+    return best if best is not None and timings[best] <= MIN_GAIN * timings[CUDNN] else CUDNN
+
+
+def output_format(x: torch.Tensor) -> torch.memory_format:
+    """The output's layout, whichever way runs: channels-last for a channels-last
+    input, else contiguous (so that a fake output and the real one agree)."""
+    channels_last = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
+class Choices(ShapeChoices):
+    """The tile or cuDNN per depthwise shape (and input layout) on this GPU."""
+
+    def __init__(self, device: torch.device):
+        import triton
+
+        self.device = device
+        key = [torch.cuda.get_device_name(device), torch.__version__, triton.__version__, torch.backends.cudnn.version(), KERNEL_VERSION, MIN_GAIN,
+               ACCURACY, [asdict(c) for c in CANDIDATES]]  # fmt: skip
+        super().__init__("depthwise", key, lambda c: asdict(c) if isinstance(c, DepthwiseConfig) else c,
+                         lambda c: DepthwiseConfig(**c) if isinstance(c, dict) else str(c), CUDNN)  # fmt: skip
+
+    def choose(self, x: torch.Tensor, weight: torch.Tensor, bias: bool, stride, padding, dilation) -> DepthwiseConfig | str:
+        fmt = output_format(x)
+        shape = f"{list(x.shape)},{list(weight.shape[2:])},s{list(stride)},p{list(padding)},d{list(dilation)},{str(fmt).removeprefix('torch.')}" + ("+bias" if bias else "")
+
+        def time_and_pick() -> DepthwiseConfig | str:
+            sample = torch.randn(x.shape, device=x.device).contiguous(memory_format=fmt)
+            filters = torch.randn(weight.shape, device=x.device)
+            timings, _ = time_shape(sample, filters, torch.randn(x.shape[1], device=x.device) if bias else None, stride, padding, dilation)
+            chosen = best_of(timings)
+            log.info("depthwise convolution %s: %s (%.1f us; cuDNN %.1f us)", shape, chosen, timings[chosen] * 1e3, timings[CUDNN] * 1e3)
+            return chosen
+
+        return super().choose(shape, time_and_pick)
+
+
+_choices: dict[str, Choices] = {}
+
+
+def choices_for(device: torch.device) -> Choices:
+    if str(device) not in _choices:
+        _choices[str(device)] = Choices(device)
+    return _choices[str(device)]
+
+
+def depthwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation) -> torch.Tensor:
+    """F.conv2d(..., groups=C) for a weight [C, 1, KH, KW]: on a GPU in fp32 the
+    kernel where its first call at this shape measured it faster than cuDNN, else
+    cuDNN; the output in `output_format(x)`."""
+    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+    fmt = output_format(x)
+    usable = x.is_cuda and x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32) and x.numel() > 0
+    if usable and weight.dim() == 4 and weight.shape[:2] == (x.shape[1], 1):
+        choice = choices_for(x.device).choose(x, weight, bias is not None, stride, padding, dilation)
+        if isinstance(choice, DepthwiseConfig):
+            out = depthwise_conv2d(x, weight, bias, stride, padding, dilation, choice)
+            return out if fmt == torch.channels_last else out.contiguous()
+    return cudnn_conv2d(x, weight, bias, stride, padding, dilation).contiguous(memory_format=fmt)
+
+
+@functools.cache
+def depthwise_conv_op():
+    """`torch.ops.opara.depthwise_conv2d` (registered on first use: no side effects
+    at import): `depthwise_conv` as a custom op, so that Inductor calls it as one
+    opaque kernel with a fake implementation for shapes."""
+
+    @torch.library.custom_op("opara::depthwise_conv2d", mutates_args=())
+    def op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: list[int], padding: list[int], dilation: list[int]) -> torch.Tensor:
+        return depthwise_conv(x, weight, bias, stride, padding, dilation)
+
+    @op.register_fake
+    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: list[int], padding: list[int], dilation: list[int]) -> torch.Tensor:
+        n, c, h, w = x.shape
+        size = (n, c, output_size(h, weight.shape[2], stride[0], padding[0], dilation[0]), output_size(w, weight.shape[3], stride[1], padding[1], dilation[1]))
+        return torch.empty(size, device=x.device, dtype=x.dtype, memory_format=output_format(x))
+
+    # the static cost model counts its FLOPs as the convolution's (engine.costs)
+    from torch.utils.flop_counter import flop_registry
+
+    conv = flop_registry[torch.ops.aten.convolution]
+    flop_registry.setdefault(torch.ops.opara.depthwise_conv2d, lambda x, weight, *args, out_val=None, **kwargs: conv(x, weight, None, None, None, None, False, out_val=out_val))
+    return torch.ops.opara.depthwise_conv2d.default

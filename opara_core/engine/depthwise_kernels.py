@@ -1,0 +1,53 @@
+"""Triton kernel of `engine.depthwise_conv` (imported only where it runs, on a GPU or
+in Triton's interpreter).
+
+`depthwise_conv2d` computes a depthwise 2-D convolution (one filter per channel,
+channel multiplier 1) over a batch of images in any strides; with channels-last
+tensors (what fused lanes run) the channels are the contiguous axis, so each
+program reads a BLOCK_P x BLOCK_C tile of (output pixel, channel) per filter tap
+in coalesced rows and sums the taps in fp32 registers. The taps, strides,
+padding and dilation are compile-time constants: one compiled kernel per
+(filter size, stride, padding, dilation) and tile, whatever the image size.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def depthwise_conv2d(
+    x_ptr, w_ptr, bias_ptr, out_ptr,
+    C, H, W, OH, OW, pixels,
+    stride_xn, stride_xc, stride_xh, stride_xw,
+    stride_wc, stride_wh, stride_ww,
+    stride_on, stride_oc, stride_oh, stride_ow,
+    KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+    DH: tl.constexpr, DW: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # output pixels over the whole batch
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_p = offs_p < pixels
+    in_c = offs_c < C
+    n = offs_p // (OH * OW)
+    rest = offs_p % (OH * OW)
+    oh = rest // OW
+    ow = rest % OW
+    x_rows = x_ptr + n.to(tl.int64) * stride_xn
+    channels = offs_c[None, :] * stride_xc
+    acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
+    for kh in tl.static_range(KH):
+        ih = oh * SH - PH + kh * DH
+        row_ok = in_p & (ih >= 0) & (ih < H)
+        for kw in tl.static_range(KW):
+            iw = ow * SW - PW + kw * DW
+            ok = row_ok & (iw >= 0) & (iw < W)
+            pixel = x_rows + ih * stride_xh + iw * stride_xw
+            x = tl.load(pixel[:, None] + channels, mask=ok[:, None] & in_c[None, :], other=0.0)
+            w = tl.load(w_ptr + offs_c * stride_wc + kh * stride_wh + kw * stride_ww, mask=in_c, other=0.0)
+            acc += x * w[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_c, mask=in_c, other=0.0)[None, :]
+    out = out_ptr + n.to(tl.int64)[:, None] * stride_on + (oh * stride_oh + ow * stride_ow)[:, None] + offs_c[None, :] * stride_oc
+    tl.store(out, acc, mask=in_p[:, None] & in_c[None, :])

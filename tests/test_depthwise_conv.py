@@ -1,0 +1,153 @@
+"""engine.depthwise_conv: the kernel's arithmetic on the CPU through Triton's
+interpreter (the eager convolution is the oracle), and on a GPU every candidate
+against a float64 convolution at NASNet's shapes and the timing against cuDNN."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from opara_core.engine import depthwise_conv
+from opara_core.engine.depthwise_conv import DepthwiseConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# NASNet's filter sizes and strides, with ragged edges: channels not a multiple of a
+# tile, pixels over the batch not a multiple of BLOCK_P, padding on and off, dilation
+INTERPRETED = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from opara_core.engine.depthwise_conv import DepthwiseConfig, depthwise_conv2d
+    generator = torch.Generator().manual_seed(0)
+    worst = 0.0
+    cases = [  # (N, C, H, W), kernel, stride, padding, dilation
+        ((2, 42, 13, 11), 5, 2, 2, 1), ((1, 21, 9, 9), 3, 1, 1, 1), ((3, 10, 8, 7), 7, 1, 3, 1),
+        ((2, 17, 10, 12), 3, 2, 0, 1), ((1, 12, 11, 11), 3, 1, 2, 2), ((2, 33, 6, 6), (3, 5), (1, 2), (1, 2), 1),
+    ]
+    configs = (DepthwiseConfig(16, 16), DepthwiseConfig(8, 32, 2), DepthwiseConfig(32, 8))
+    for i, (shape, k, stride, padding, dilation) in enumerate(cases):
+        kh, kw = (k, k) if isinstance(k, int) else k
+        x = torch.randn(*shape, generator=generator)
+        weight = torch.randn(shape[1], 1, kh, kw, generator=generator)
+        # every other case with a bias, and with a weight view of other strides
+        b = torch.randn(shape[1], generator=generator) if i % 2 else None
+        w = weight.permute(2, 3, 1, 0).contiguous().permute(3, 2, 0, 1) if i % 2 else weight
+        exact = F.conv2d(x.double(), weight.double(), None if b is None else b.double(), stride, padding, dilation, groups=shape[1])
+        # channels-last (fused lanes' layout) and contiguous inputs
+        for rows in (x.contiguous(memory_format=torch.channels_last), x):
+            got = depthwise_conv2d(rows, w, b, stride, padding, dilation, configs[i % 3])
+            assert got.shape == exact.shape, (got.shape, exact.shape)
+            assert got.is_contiguous(memory_format=torch.channels_last)
+            worst = max(worst, float((got.double() - exact).abs().max() / exact.abs().max()))
+    print(worst)
+    """
+)
+
+
+def test_the_kernel_computes_the_depthwise_convolution_for_every_tiling_and_layout():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) <= 1e-6
+
+
+def test_shapes_it_does_not_take_are_refused_by_name():
+    x = torch.randn(1, 8, 5, 5)
+    with pytest.raises(ValueError, match=r"weight \(8, 2, 3, 3\) is not \[8, 1, KH, KW\]"):
+        depthwise_conv.depthwise_conv2d(x, torch.randn(8, 2, 3, 3), None, 1, 1, 1, DepthwiseConfig(16, 16))
+    with pytest.raises(TypeError, match="float32"):
+        depthwise_conv.depthwise_conv2d(x.double(), torch.randn(8, 1, 3, 3).double(), None, 1, 1, 1, DepthwiseConfig(16, 16))
+    with pytest.raises(ValueError, match=r"bias \(4,\) is not \[8\]"):
+        depthwise_conv.depthwise_conv2d(x, torch.randn(8, 1, 3, 3), torch.randn(4), 1, 1, 1, DepthwiseConfig(16, 16))
+
+
+def test_output_size_is_the_convolutions():
+    for size, k, s, p, d in [(21, 3, 1, 1, 1), (169, 5, 2, 2, 1), (171, 7, 2, 0, 1), (11, 3, 1, 2, 2), (8, 3, 2, 1, 1)]:
+        x = torch.zeros(1, 1, size, size)
+        want = torch.nn.functional.conv2d(x, torch.zeros(1, 1, k, k), None, s, p, d).shape[-1]
+        assert depthwise_conv.output_size(size, k, s, p, d) == want
+
+
+# NASNet-A large's most frequent depthwise shapes (C, H, W), kernel, stride, padding, and its large-image ones
+NASNET_SHAPES = [((336, 21, 21), 3, 1, 1), ((672, 11, 11), 5, 1, 2), ((168, 42, 42), 5, 1, 2), ((42, 83, 83), 7, 1, 3), ((96, 171, 171), 7, 2, 0), ((84, 87, 87), 5, 2, 0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_every_candidate_equals_the_float64_convolution_on_the_gpu(batch):
+    for (c, h, w), k, stride, padding in NASNET_SHAPES:
+        x = torch.randn(batch, c, h, w, device="cuda").contiguous(memory_format=torch.channels_last)
+        weight = torch.randn(c, 1, k, k, device="cuda")
+        bias = torch.randn(c, device="cuda")
+        exact = depthwise_conv.cudnn_conv2d(x.double(), weight.double(), bias.double(), stride, padding, 1)
+        for config in depthwise_conv.CANDIDATES:
+            got = depthwise_conv.depthwise_conv2d(x, weight, bias, stride, padding, 1, config)
+            assert depthwise_conv.relative_error(got, exact) <= 1e-6, (batch, c, h, k, stride, config)
+
+
+@pytest.mark.gpu
+def test_time_shape_times_cudnn_and_the_candidates_that_answer_right():
+    x = torch.randn(8, 336, 21, 21, device="cuda").contiguous(memory_format=torch.channels_last)
+    weight = torch.randn(336, 1, 3, 3, device="cuda")
+    timings, errors = depthwise_conv.time_shape(x, weight, None, 1, 1, candidates=(DepthwiseConfig(32, 64),))
+    assert set(timings) == {depthwise_conv.CUDNN, DepthwiseConfig(32, 64)} and all(v > 0 for v in timings.values())
+    assert errors[depthwise_conv.CUDNN] <= 1e-6 and errors[DepthwiseConfig(32, 64)] <= 1e-6
+
+
+def test_on_the_cpu_the_op_is_the_convolution_and_its_fake_output_matches_the_real_one():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = depthwise_conv.depthwise_conv_op()
+    weight, bias = torch.randn(12, 1, 5, 5), torch.randn(12)
+    for x in (torch.randn(2, 12, 9, 11), torch.randn(2, 12, 9, 11).contiguous(memory_format=torch.channels_last)):
+        for stride, padding in (([1, 1], [2, 2]), ([2, 2], [0, 0]), ([2, 1], [1, 2])):
+            got = op(x, weight, bias, stride, padding, [1, 1])
+            want = torch.nn.functional.conv2d(x, weight, bias, stride, padding, 1, groups=12)
+            torch.testing.assert_close(got, want)
+            with FakeTensorMode() as mode:
+                fake = op(mode.from_tensor(x), mode.from_tensor(weight), mode.from_tensor(bias), stride, padding, [1, 1])
+            # Inductor lays out what follows by the fake output: the real one must agree
+            assert fake.shape == got.shape and fake.stride() == got.stride(), (fake.stride(), got.stride())
+
+
+def test_the_kernel_is_chosen_only_where_it_beats_cudnn_by_the_margin():
+    fast, slow = DepthwiseConfig(32, 64), DepthwiseConfig(64, 32)
+    assert depthwise_conv.best_of({depthwise_conv.CUDNN: 10.0, fast: 9.0, slow: 12.0}) == fast
+    assert depthwise_conv.best_of({depthwise_conv.CUDNN: 10.0, fast: 9.8}) == depthwise_conv.CUDNN  # within the margin
+    assert depthwise_conv.best_of({depthwise_conv.CUDNN: 10.0}) == depthwise_conv.CUDNN  # no candidate answered right
+
+
+@pytest.mark.gpu
+def test_the_pass_routes_depthwise_convolutions_through_the_op_and_answers_as_eager(tmp_path, monkeypatch):
+    from opara_core.engine import fusion
+    from opara_core.engine.trace import trace
+
+    monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(depthwise_conv, "_choices", {})
+    module = torch.nn.Sequential(
+        torch.nn.ReLU(), torch.nn.Conv2d(96, 96, 5, padding=2, groups=96, bias=False), torch.nn.Conv2d(96, 64, 1),
+        torch.nn.ReLU(), torch.nn.Conv2d(64, 64, 3, stride=2, groups=64), torch.nn.Conv2d(64, 32, 3),  # the last: dense, left alone
+    ).cuda().eval()
+    x = torch.randn(8, 96, 21, 21, device="cuda")
+    graph = trace(module, (x,))
+    fused, report = fusion.fuse_graph(graph, torch.device("cuda"), passes=("depthwise_convs",))
+    assert report.rewrites["depthwise_convs"] == 2
+    targets = [n.target for n in fused.module.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.opara.depthwise_conv2d.default) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(fused.module(x), module(x), rtol=1e-4, atol=1e-4)
+    # and inside Inductor's code replayed from a CUDA graph, channels-last as fused lanes run it
+    compiled = torch.compile(fused.module, mode="reduce-overhead")
+    xl = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        for _ in range(3):
+            got = compiled(xl)
+        torch.testing.assert_close(got, module(xl), rtol=1e-4, atol=1e-4)
+    assert depthwise_conv.choices_for(x.device).known  # shapes were timed and kept
