@@ -70,12 +70,15 @@ def sweep(shapes: collections.Counter, batch: int) -> dict:
         })  # fmt: skip
         totals["cudnn"] += count * timings[dw.CUDNN] * 1e3
         totals["best"] += count * min(timings.values()) * 1e3
+        out = dw.output_size(h, k[0], stride[0], padding[0], dilation[0]) * dw.output_size(w, k[1], stride[1], padding[1], dilation[1])
+        totals["bytes"] += count * batch * c * (h * w + out) * 4  # each input read and output written once
     return {"batch": batch, "rows": rows, "sum_us": dict(totals)}
 
 
 def table(result: dict) -> str:
     lines = [f"batch {result['batch']}: all calls, cuDNN {result['sum_us']['cudnn']:.0f} us, "
-             f"the faster per shape {result['sum_us']['best']:.0f} us ({result['sum_us']['cudnn'] / result['sum_us']['best']:.2f}x)",
+             f"the faster per shape {result['sum_us']['best']:.0f} us ({result['sum_us']['cudnn'] / result['sum_us']['best']:.2f}x); "
+             f"their inputs read and outputs written once: {result['sum_us']['bytes'] / 1e9:.2f} GB",
              "| C x H x W | kernel | stride | calls | cuDNN us | best tile us | speedup | best tile |", "|---|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
     for row in result["rows"]:
         best = row["best_us"]
