@@ -4,7 +4,7 @@ fp32 graphs call) against `engine.short_attention`'s Triton kernel (GPU only).
 At BERT's shape (12 heads of 64, the mask bias broadcast from [B, 1, 1, L]) and
 T5-small's (8 heads of 64, a position bias per head, scale 1) for batch 1-8 and
 8-128 tokens: microseconds per call, each timed as calls back to back inside one
-CUDA graph (`skinny_gemm.per_call_ms`), error of each against float64, and
+CUDA graph (`shape_choices.per_call_ms`), error of each against float64, and
 whether the outputs share a layout. The kernel up to the
 lengths its tile holds (`TILE_TOKENS`); `short_attention.MAX_TOKENS` comes from it.
 
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opara_core.engine.short_attention import TILE_TOKENS, kernel_attention  # noqa: E402
-from opara_core.engine.skinny_gemm import per_call_ms  # noqa: E402
+from opara_core.engine.shape_choices import per_call_ms  # noqa: E402
 
 MODELS = {"bert": (12, None), "t5": (8, 1.0)}  # heads, scale (None: 1/sqrt(64))
 

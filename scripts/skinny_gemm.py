@@ -36,14 +36,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from opara_core.engine.shape_choices import per_call_ms, relative_error  # noqa: E402
 from opara_core.engine.skinny_gemm import (  # noqa: E402
     CUBLAS,
     LARGE_CANDIDATES,
     MAX_ROWS,
     SkinnyConfig,
     best_of,
-    per_call_ms,
-    relative_error,
     skinny_mm,
     slices,
     time_shape,

@@ -5,7 +5,7 @@ cannot be read is timed again (CPU: the store needs no GPU)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import pytest
 
@@ -18,7 +18,7 @@ class Tile:
 
 
 def store(key=("gpu", 1)):
-    return ShapeChoices("test", list(key), lambda c: asdict(c) if isinstance(c, Tile) else c, lambda c: Tile(**c) if isinstance(c, dict) else c, "library")
+    return ShapeChoices("test", list(key), Tile, "library")
 
 
 @pytest.fixture(autouse=True)

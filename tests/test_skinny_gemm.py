@@ -16,7 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from opara_core.engine import skinny_gemm
+from opara_core.engine import shape_choices, skinny_gemm
 from opara_core.engine.skinny_gemm import SkinnyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,13 +152,13 @@ def test_every_candidate_equals_the_float64_product_on_the_gpu(m, k, n):
     weight = torch.randn(n, k, device="cuda") / k**0.5
     stored = {"kn": weight.t().contiguous(), "nk": weight.t()}
     exact = x.double() @ weight.t().double()
-    cublas = skinny_gemm.relative_error(torch.mm(x, weight.t()), exact)
+    cublas = shape_choices.relative_error(torch.mm(x, weight.t()), exact)
     candidates = skinny_gemm.candidates_for(m)
-    errors = {c: skinny_gemm.relative_error(skinny_gemm.skinny_mm(x, stored[c.weight_layout], c), exact) for c in candidates}
+    errors = {c: shape_choices.relative_error(skinny_gemm.skinny_mm(x, stored[c.weight_layout], c), exact) for c in candidates}
     bias = torch.randn(n, device="cuda")
     with_bias = exact + bias.double()
     for c in candidates:  # the bias added by the kernel (one slice) or by the sum of slices
-        errors[c, "bias"] = skinny_gemm.relative_error(skinny_gemm.skinny_mm(x, stored[c.weight_layout], c, bias), with_bias)
+        errors[c, "bias"] = shape_choices.relative_error(skinny_gemm.skinny_mm(x, stored[c.weight_layout], c, bias), with_bias)
     # fp32 sums of up to 3,072 products: cuBLAS's own error is 1e-7 to 1e-6; tf32x3 products
     # (above MAX_ROWS) must stay in that class, which the chooser's accuracy rule also demands
     assert max(errors.values()) <= max(10 * cublas, 2e-6), (errors, cublas)

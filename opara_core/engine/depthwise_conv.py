@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from opara_core.engine.shape_choices import ShapeChoices
+from opara_core.engine.shape_choices import ShapeChoices, per_call_ms, relative_error, triton_failures
 
 log = logging.getLogger(__name__)
 
@@ -96,18 +96,11 @@ def cudnn_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.conv2d(x, weight, bias, stride, padding, dilation, groups=x.shape[1])
 
 
-def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
-    """Largest deviation from a float64 result, relative to its largest entry."""
-    return float((got.double() - exact).abs().max() / exact.abs().max().clamp_min(1e-30))
-
-
 def time_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation=1, candidates=CANDIDATES) -> tuple[dict, dict]:
     """(ms per call of cuDNN and of each candidate that builds and answers within
     ACCURACY, each candidate's error or the reason it was dropped) at this shape,
     calls captured back to back in one CUDA graph; cuDNN with its heuristics
     (benchmark mode off, as fused lanes capture)."""
-    from opara_core.engine.skinny_gemm import _triton_failures, per_call_ms
-
     exact = cudnn_conv2d(x.double(), weight.double(), None if bias is None else bias.double(), stride, padding, dilation)
     with torch.backends.cudnn.flags(enabled=True, benchmark=False):
         timings = {CUDNN: per_call_ms([lambda: cudnn_conv2d(x, weight, bias, stride, padding, dilation)] * 8)}
@@ -115,7 +108,7 @@ def time_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     for config in candidates:
         try:
             errors[config] = relative_error(depthwise_conv2d(x, weight, bias, stride, padding, dilation, config), exact)
-        except (*_triton_failures(), RuntimeError) as error:
+        except (*triton_failures(), RuntimeError) as error:
             errors[config] = f"{type(error).__name__}: {str(error)[:200]}"
             continue
         if errors[config] <= ACCURACY:
@@ -145,8 +138,7 @@ class Choices(ShapeChoices):
         self.device = device
         key = [torch.cuda.get_device_name(device), torch.__version__, triton.__version__, torch.backends.cudnn.version(), KERNEL_VERSION, MIN_GAIN,
                ACCURACY, [asdict(c) for c in CANDIDATES]]  # fmt: skip
-        super().__init__("depthwise", key, lambda c: asdict(c) if isinstance(c, DepthwiseConfig) else c,
-                         lambda c: DepthwiseConfig(**c) if isinstance(c, dict) else str(c), CUDNN)  # fmt: skip
+        super().__init__("depthwise", key, DepthwiseConfig, CUDNN)
 
     def choose(self, x: torch.Tensor, weight: torch.Tensor, bias: bool, stride, padding, dilation) -> DepthwiseConfig | str:
         fmt = output_format(x)

@@ -7,7 +7,10 @@ disk, under $OPARA_CACHE_DIR/FOLDER/KEY.json, KEY a hash of everything the
 timing depends on (GPU, torch, Triton, the candidates), so that later builds
 time nothing. A call inside a CUDA graph capture cannot time: an unknown shape
 there gets the library's way (builds warm up before they capture, so in
-practice every shape is known by then).
+practice every shape is known by then). Also what timing and checking the
+candidates needs: `per_call_ms`, `relative_error` (against a float64 answer,
+kept in float64: the errors compared are ~1e-7, where compare.max_relative_error's
+fp32 arithmetic would round), `triton_failures`.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import hashlib
 import json
 import logging
 import threading
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Generic, TypeVar
 
 import torch
 
+from opara_core.engine.capture import capture_module, time_replays
 from opara_core.engine.inductor_cache import cache_root, write_json_atomically
 
 log = logging.getLogger(__name__)
@@ -29,11 +34,12 @@ Choice = TypeVar("Choice")
 
 
 class ShapeChoices(Generic[Choice]):
-    """Choices per shape (a string), read from and merged into one JSON file;
-    `encode` and `decode` turn a choice into JSON and back."""
+    """Choices per shape (a string), read from and merged into one JSON file: a
+    choice is a kernel configuration (a dataclass of type `config`) or the name
+    of a library way (a string; `library` the one taken inside a capture)."""
 
-    def __init__(self, folder: str, key_parts: list, encode: Callable[[Choice], object], decode: Callable[[object], Choice], library: Choice):
-        self.folder, self.encode, self.decode, self.library = folder, encode, decode, library
+    def __init__(self, folder: str, key_parts: list, config: type, library: str):
+        self.folder, self.config, self.library = folder, config, library
         self.known: dict[str, Choice] = {}
         self.lock = threading.Lock()
         self.path: Path = cache_root() / folder / f"{hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:24]}.json"
@@ -42,7 +48,7 @@ class ShapeChoices(Generic[Choice]):
 
     def _read(self) -> dict[str, Choice]:
         try:
-            return {shape: self.decode(choice) for shape, choice in json.loads(self.path.read_text()).items()}
+            return {shape: self.config(**c) if isinstance(c, dict) else str(c) for shape, c in json.loads(self.path.read_text()).items()}
         except (OSError, ValueError, TypeError, AttributeError) as error:
             if not isinstance(error, FileNotFoundError):
                 log.warning("%s choices in %s not read (%s): timed again", self.folder, self.path, error)
@@ -52,7 +58,7 @@ class ShapeChoices(Generic[Choice]):
         """Merge with what other processes wrote and replace the file whole."""
         try:
             merged = {**self._read(), **self.known}
-            write_json_atomically(self.path, {shape: self.encode(choice) for shape, choice in merged.items()})
+            write_json_atomically(self.path, {shape: c if isinstance(c, str) else asdict(c) for shape, c in merged.items()})
         except OSError as error:
             log.warning("%s choices not saved to %s: %s", self.folder, self.path, error)
 
@@ -70,3 +76,28 @@ class ShapeChoices(Generic[Choice]):
             chosen = self.known[shape] = time_and_pick()
             self._write()
             return chosen
+
+
+def per_call_ms(calls: list[Callable[[], object]], seconds: float = 0.002, repeats: int = 3) -> float:
+    """Median ms per call of `calls` captured back to back in one CUDA graph."""
+    captured = capture_module(lambda: [call() for call in calls], [], None, warmup=1)
+    return time_replays(captured, seconds=seconds, repeats=repeats) / len(calls)
+
+
+def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """Largest deviation from a float64 answer, relative to its largest entry."""
+    return float((got.double() - exact).abs().max() / exact.abs().max().clamp_min(1e-30))
+
+
+def triton_failures() -> tuple[type[Exception], ...]:
+    """Triton's errors for code it cannot build (OutOfResources, PTXASError,
+    CompilationError: one base class in recent Triton, separate ones before)."""
+    try:
+        from triton.errors import TritonError
+
+        return (TritonError,)
+    except ImportError:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+
+        return (OutOfResources, CompilationError)

@@ -53,12 +53,10 @@ import copy
 import functools
 import logging
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 
-from opara_core.engine.capture import capture_module, time_replays
-from opara_core.engine.shape_choices import ShapeChoices
+from opara_core.engine.shape_choices import ShapeChoices, per_call_ms, relative_error, triton_failures
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +109,9 @@ CANDIDATES: tuple[SkinnyConfig, ...] = (
 
 
 # above MAX_ROWS: tensor-core tiles, fp32 accuracy through three TF32 products, on
-# either copy of the weight; not yet timed on a GPU (scripts/skinny_gemm.py --large
-# sweeps the neighbourhood): the chooser keeps one only where it beats cuBLAS
+# either copy of the weight; the chooser keeps one only where it beats cuBLAS (on an
+# H200 at 16 of BERT's and T5's 18 shapes at 1,024 and 4,096 rows, 1.14-1.70x,
+# docs/benchmarks.md run 24; scripts/skinny_gemm.py --large sweeps the neighbourhood)
 LARGE_CANDIDATES: tuple[SkinnyConfig, ...] = tuple(
     SkinnyConfig(n, 32, 1, num_warps=w, num_stages=st, block_m=m, precision="tf32x3", weight_layout=layout)
     for m, n, w, st in ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (64, 64, 4, 4))
@@ -173,12 +172,6 @@ def skinny_mm(x: torch.Tensor, weight_t: torch.Tensor, config: SkinnyConfig, bia
 # ---- timing ------------------------------------------------------------------------------
 
 
-def per_call_ms(calls: list[Callable[[], object]], seconds: float = 0.002, repeats: int = 3) -> float:
-    """Median ms per call of `calls` captured back to back in one CUDA graph."""
-    captured = capture_module(lambda: [call() for call in calls], [], None, warmup=1)
-    return time_replays(captured, seconds=seconds, repeats=repeats) / len(calls)
-
-
 def weight_copies(n: int, k: int, device: torch.device) -> list[torch.Tensor]:
     """Random weights of this size, enough of them to miss L2 together."""
     count = max(4, min(32, L2_MISS_BYTES // (4 * n * k)))
@@ -210,11 +203,6 @@ def time_shape(m: int, k: int, n: int, device: torch.device, candidates: tuple[S
     return timings
 
 
-def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
-    """Largest deviation from a float64 product, relative to its largest entry."""
-    return float((got.double() - exact).abs().max() / exact.abs().max().clamp_min(1e-30))
-
-
 def accurate_enough(error: float, cublas_error: float) -> bool:
     """A kernel candidate may err at most ACCURACY_SLACK times as much as
     cuBLAS's fp32 GEMM at the same shape (or ACCURACY_FLOOR): tf32x3 passes,
@@ -222,26 +210,12 @@ def accurate_enough(error: float, cublas_error: float) -> bool:
     return error <= max(ACCURACY_SLACK * cublas_error, ACCURACY_FLOOR)
 
 
-def _triton_failures() -> tuple[type[Exception], ...]:
-    """Triton's errors for code it cannot build (OutOfResources, PTXASError,
-    CompilationError: one base class in recent Triton, separate ones before)."""
-    try:
-        from triton.errors import TritonError
-
-        return (TritonError,)
-    except ImportError:
-        from triton.compiler.errors import CompilationError
-        from triton.runtime.errors import OutOfResources
-
-        return (OutOfResources, CompilationError)
-
-
 def _answer_error(x: torch.Tensor, weight_t: torch.Tensor, config: SkinnyConfig, bias: torch.Tensor | None, exact: torch.Tensor) -> float | None:
     """The candidate's relative error at this shape (its first run compiles it),
     or None where Triton cannot build it for this GPU (shared memory, registers)."""
     try:
         return relative_error(skinny_mm(x, weight_t, config, bias), exact)
-    except (*_triton_failures(), RuntimeError) as error:
+    except (*triton_failures(), RuntimeError) as error:
         log.info("skinny GEMM candidate %s does not build for %s: %s", config, x.shape, str(error).splitlines()[0][:200])
         return None
 
@@ -276,8 +250,7 @@ class Choices(ShapeChoices[Choice]):
         self.device = device
         key = [torch.cuda.get_device_name(device), torch.__version__, triton.__version__, KERNEL_VERSION, MIN_GAIN, ACCURACY_SLACK, ACCURACY_FLOOR,
                [asdict(c) for c in CANDIDATES + LARGE_CANDIDATES]]  # fmt: skip
-        super().__init__("skinny", key, lambda c: asdict(c) if isinstance(c, SkinnyConfig) else c,
-                         lambda c: SkinnyConfig(**c) if isinstance(c, dict) else str(c), CUBLAS)  # fmt: skip
+        super().__init__("skinny", key, SkinnyConfig, CUBLAS)
 
     def choose(self, m: int, k: int, n: int, bias: bool = False) -> Choice:
         shape = f"{m},{k},{n}" + ("+bias" if bias else "")
