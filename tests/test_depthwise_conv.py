@@ -4,13 +4,11 @@ against a float64 convolution at NASNet's shapes and the timing against cuDNN.""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import interpreted_worst_error
 import torch
 
 from opara_core.engine import depthwise_conv
@@ -52,10 +50,8 @@ INTERPRETED = textwrap.dedent(
 
 
 def test_the_kernel_computes_the_depthwise_convolution_for_every_tiling_and_layout():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.strip().splitlines()[-1]) <= 1e-6
+    # Triton's interpreter runs the kernel on the CPU: its index arithmetic and masks
+    assert interpreted_worst_error(INTERPRETED) <= 1e-6
 
 
 def test_shapes_it_does_not_take_are_refused_by_name():
