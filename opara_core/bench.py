@@ -463,8 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, nargs="+", help="no run: print the table (and --plot) of these JSON files")
     parser.add_argument("--build-only", metavar="MODEL", help=argparse.SUPPRESS)  # one serving build, its report as JSON (the warm build)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    log.setLevel(logging.INFO)  # the bench's own progress notes (the build times) on stderr
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # the engine's progress notes on stderr, timed: where a build's minutes went
+    # (tracing, fusion checks, profiles, each kernel choice, segments compiled)
+    logging.getLogger("opara_core").setLevel(logging.INFO)
     if args.build_only:
         report = _build_report(args.build_only, torch.device("cuda"), args.max_streams, not args.no_fusion, args.layout, not args.no_cudnn_benchmark)
         print(json.dumps(report))

@@ -60,6 +60,8 @@ def sweep(shapes: collections.Counter, batch: int) -> dict:
         seconds = time.perf_counter() - start
         tiles = {config: ms for config, ms in timings.items() if config != dw.CUDNN}
         best = min(tiles, key=tiles.get, default=None)
+        print(f"  batch {batch} {c}x{h}x{w} {k} stride {stride}: cuDNN {timings[dw.CUDNN] * 1e3:.1f} us, best tile "
+              + ("none" if best is None else f"{tiles[best] * 1e3:.1f} us {best}") + f" ({seconds:.1f} s to compile, check and time)", file=sys.stderr, flush=True)  # fmt: skip
         rows.append({
             "shape": [batch, c, h, w], "kernel": list(k), "stride": list(stride), "padding": list(padding), "dilation": list(dilation),
             "calls": count, "cudnn_us": timings[dw.CUDNN] * 1e3, "best": None if best is None else vars(best),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -31,7 +32,7 @@ from opara_core.engine.shape_choices import ShapeChoices, per_call_ms, relative_
 
 log = logging.getLogger(__name__)
 
-KERNEL_VERSION = 1  # bump when the kernel or the candidates change: the choices on disk are then timed again
+KERNEL_VERSION = 2  # bump when the kernel or the candidates change: the choices on disk are then timed again
 MIN_GAIN = 0.95  # the kernel is chosen only if it takes at most this fraction of cuDNN's time
 CUDNN = "cudnn"
 ACCURACY = 1e-5  # largest error against a float64 convolution, relative to its largest entry (fp32 sums of <= 49 taps: ~1e-7)
@@ -145,11 +146,12 @@ class Choices(ShapeChoices):
         shape = f"{list(x.shape)},{list(weight.shape[2:])},s{list(stride)},p{list(padding)},d{list(dilation)},{str(fmt).removeprefix('torch.')}" + ("+bias" if bias else "")
 
         def time_and_pick() -> DepthwiseConfig | str:
+            start = time.perf_counter()
             sample = torch.randn(x.shape, device=x.device).contiguous(memory_format=fmt)
             filters = torch.randn(weight.shape, device=x.device)
             timings, _ = time_shape(sample, filters, torch.randn(x.shape[1], device=x.device) if bias else None, stride, padding, dilation)
             chosen = best_of(timings)
-            log.info("depthwise convolution %s: %s (%.1f us; cuDNN %.1f us)", shape, chosen, timings[chosen] * 1e3, timings[CUDNN] * 1e3)
+            log.info("depthwise convolution %s: %s (%.1f us; cuDNN %.1f us; chosen in %.1f s)", shape, chosen, timings[chosen] * 1e3, timings[CUDNN] * 1e3, time.perf_counter() - start)
             return chosen
 
         return super().choose(shape, time_and_pick)
@@ -165,12 +167,15 @@ def choices_for(device: torch.device) -> Choices:
 
 
 def depthwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation) -> torch.Tensor:
-    """F.conv2d(..., groups=C) for a weight [C, 1, KH, KW]: on a GPU in fp32 the
-    kernel where its first call at this shape measured it faster than cuDNN, else
-    cuDNN; the output in `output_format(x)`."""
+    """F.conv2d(..., groups=C) for a weight [C, 1, KH, KW]: for a channels-last
+    fp32 input on a GPU the kernel where its first call at this shape measured it
+    faster than cuDNN, else cuDNN; the output in `output_format(x)`. Only
+    channels-last inputs are timed: fused lanes run the network channels-last
+    (build.channels_last_graph), and an NCHW call (a fusion check, a profile)
+    would only add a second set of shapes for Triton to compile candidates for."""
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
     fmt = output_format(x)
-    usable = x.is_cuda and x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32) and x.numel() > 0
+    usable = x.is_cuda and fmt == torch.channels_last and x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32) and x.numel() > 0
     if usable and weight.dim() == 4 and weight.shape[:2] == (x.shape[1], 1):
         choice = choices_for(x.device).choose(x, weight, bias is not None, stride, padding, dilation)
         if isinstance(choice, DepthwiseConfig):

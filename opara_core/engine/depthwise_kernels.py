@@ -6,8 +6,16 @@ channel multiplier 1) over a batch of images in any strides; with channels-last
 tensors (what fused lanes run) the channels are the contiguous axis, so each
 program reads a BLOCK_P x BLOCK_C tile of (output pixel, channel) per filter tap
 in coalesced rows and sums the taps in fp32 registers. The taps, strides,
-padding and dilation are compile-time constants: one compiled kernel per
-(filter size, stride, padding, dilation) and tile, whatever the image size.
+padding and dilation are compile-time constants, and the image sizes are not
+specialised on: one compiled kernel per (filter size, stride, padding,
+dilation), tile and channel alignment, whatever the image or batch size.
+
+Only a filter row's taps are unrolled; the rows are a loop. Unrolling all 49
+taps of a 7x7 filter over a 128 x 64 tile took Triton 228 s to compile for an
+H100 (2 CPU cores, 2026-11-28), a 5x5 one 16 s, and a build compiles every
+candidate tile at every new shape: a cold NASNet build spent its whole
+10-minute device call there (docs/benchmarks.md run 25). With the row loop the
+7x7 tile compiles in under 5 s.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "W", "OH", "OW", "pixels"])  # index arithmetic only: no recompile per image size
 def depthwise_conv2d(
     x_ptr, w_ptr, bias_ptr, out_ptr,
     C, H, W, OH, OW, pixels,
@@ -37,7 +45,7 @@ def depthwise_conv2d(
     x_rows = x_ptr + n.to(tl.int64) * stride_xn
     channels = offs_c[None, :] * stride_xc
     acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
-    for kh in tl.static_range(KH):
+    for kh in range(KH):  # a loop: see the module docstring
         ih = oh * SH - PH + kh * DH
         row_ok = in_p & (ih >= 0) & (ih < H)
         for kw in tl.static_range(KW):
