@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from opara_core.engine.inductor_cache import INDUCTOR_ENV, cache_root, inductor_cache_dir, use_inductor_cache, write_json_atomically
+from opara_core.engine.inductor_cache import INDUCTOR_ENV, TRITON_ENV, cache_root, inductor_cache_dir, use_inductor_cache, write_json_atomically
 
 def test_the_parameter_wins_then_torchs_variable_then_the_projects_cache(tmp_path):
     env = {INDUCTOR_ENV: "/from/torch", "OPARA_CACHE_DIR": "/from/opara"}
@@ -41,6 +41,24 @@ def test_a_directory_that_cannot_be_made_is_named(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="a-file/inductor"):
         use_inductor_cache(str(blocker / "inductor"))
     assert INDUCTOR_ENV not in os.environ
+
+
+def test_triton_compiles_into_the_cache_unless_the_user_chose_its_directory(tmp_path, monkeypatch):
+    """The engine's own Triton kernels (skinny_gemm, depthwise_conv) compile before
+    Inductor first runs: their binaries must land in the cache `make warm` fills."""
+    monkeypatch.delenv(INDUCTOR_ENV, raising=False)
+    monkeypatch.delenv(TRITON_ENV, raising=False)
+    first = use_inductor_cache(str(tmp_path / "first"))
+    assert os.environ[TRITON_ENV] == str(first / "triton" / "0")
+    # a second model's build in the same process (the bench) moves both, Inductor's default under the first too
+    second = use_inductor_cache(str(tmp_path / "second"))
+    assert os.environ[TRITON_ENV] == str(second / "triton" / "0")
+    monkeypatch.setenv(TRITON_ENV, str(second / "triton" / "7"))  # as Inductor names it on another device
+    third = use_inductor_cache(str(tmp_path / "third"))
+    assert os.environ[TRITON_ENV] == str(third / "triton" / "0")
+    monkeypatch.setenv(TRITON_ENV, "/users/own/triton")
+    use_inductor_cache(str(tmp_path / "fourth"))
+    assert os.environ[TRITON_ENV] == "/users/own/triton"
 
 
 def test_a_json_write_replaces_the_file_whole_and_a_failed_one_leaves_the_old_file_and_no_temporary(tmp_path):

@@ -8,6 +8,11 @@ config parameter, else TORCHINDUCTOR_CACHE_DIR if the user set it, else
 $OPARA_CACHE_DIR/inductor, else ~/.cache/opara/inductor. Never inside the package.
 The compiled segments themselves are saved in its `segments` subdirectory
 (engine.segment_compiler), which a later build loads without compiling.
+Triton's compiled kernels go to its `triton/0` subdirectory, where Inductor
+puts its own once it runs: also the engine's hand-written kernels
+(skinny_gemm, depthwise_conv, short_attention), which otherwise compile into
+~/.triton before Inductor first runs in the process, outside the cache that
+`make warm` fills for a container image. A TRITON_CACHE_DIR the user set is kept.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+TRITON_ENV = "TRITON_CACHE_DIR"
 
 
 def cache_root(env: dict[str, str] | os._Environ = os.environ) -> Path:
@@ -81,7 +87,12 @@ def use_inductor_cache(configured: str = "") -> Path:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ValueError(f"inductor cache directory {directory} cannot be created: {error.strerror}") from None
-    if os.environ.get(INDUCTOR_ENV) != str(directory):
+    previous = os.environ.get(INDUCTOR_ENV)
+    if previous != str(directory):
         os.environ[INDUCTOR_ENV] = str(directory)
         log.info("Inductor's cache: %s", directory)
+    triton = os.environ.get(TRITON_ENV)
+    # unset, or Inductor's default under the directory this process used before: not the user's
+    if triton is None or (previous and Path(triton).is_relative_to(previous)):
+        os.environ[TRITON_ENV] = str(directory / "triton" / "0")  # where Inductor puts it (device 0 as the process sees it)
     return directory
