@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -68,6 +70,12 @@ def _pair(value) -> tuple[int, int]:
 def depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation, config: DepthwiseConfig) -> torch.Tensor:
     """F.conv2d(x, weight, bias, stride, padding, dilation, groups=C) for x [N, C, H, W]
     and weight [C, 1, KH, KW], float32, any strides; the output is channels-last."""
+    return _run(x, weight, bias, stride, padding, dilation, config, compile_only=False)
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation, config: DepthwiseConfig, compile_only: bool) -> torch.Tensor:
+    """`depthwise_conv2d`, or with `compile_only` only Triton's compile of the kernel
+    for these arguments (nothing launched; the output is not written)."""
     n, c, h, w = x.shape
     if weight.dim() != 4 or weight.shape[0] != c or weight.shape[1] != 1:
         raise ValueError(f"depthwise_conv2d: weight {tuple(weight.shape)} is not [{c}, 1, KH, KW] for {c} channels")
@@ -83,14 +91,33 @@ def depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     from opara_core.engine import depthwise_kernels
 
     pixels = n * oh * ow
-    depthwise_kernels.depthwise_conv2d[(-(-pixels // config.block_p), -(-c // config.block_c))](
+    kernel, grid = depthwise_kernels.depthwise_conv2d, (-(-pixels // config.block_p), -(-c // config.block_c))
+    (kernel.warmup if compile_only else kernel[grid])(
         x, weight, out if bias is None else bias, out,
         c, h, w, oh, ow, pixels,
         *x.stride(), weight.stride(0), weight.stride(2), weight.stride(3), *out.stride(),
         KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, DH=dh, DW=dw, HAS_BIAS=bias is not None,
-        BLOCK_P=config.block_p, BLOCK_C=config.block_c, num_warps=config.num_warps,
+        BLOCK_P=config.block_p, BLOCK_C=config.block_c, num_warps=config.num_warps, **({"grid": grid} if compile_only else {}),
     )  # fmt: skip
     return out
+
+
+def compile_candidates(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation, candidates=CANDIDATES) -> None:
+    """Have Triton compile every candidate tile for these arguments at once, in
+    threads: the chooser needs them all (8 tiles at each new filter, stride and
+    channel alignment: about 80 compiles of 1-7 s in a cold NASNet build), and
+    Triton's compiler spends most of its time outside the GIL (4 tiles in 2.4 s
+    in 2 threads against 3.8 s in one, 2 CPU cores, 2026-11-28). A tile that
+    fails here is compiled again by `time_shape`, which reports why."""
+    def compile_one(config: DepthwiseConfig) -> None:
+        with torch.cuda.device(x.device):
+            try:
+                _run(x, weight, bias, stride, padding, dilation, config, compile_only=True)
+            except Exception:  # noqa: BLE001 - reported where the tile is run (time_shape)
+                log.debug("depthwise tile %s did not compile in the pool", config, exc_info=True)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(candidates), (os.cpu_count() or 2) // 2))) as pool:
+        list(pool.map(compile_one, candidates))
 
 
 def cudnn_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation) -> torch.Tensor:
@@ -103,6 +130,7 @@ def time_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     calls captured back to back in one CUDA graph; cuDNN with its heuristics
     (benchmark mode off, as fused lanes capture)."""
     exact = cudnn_conv2d(x.double(), weight.double(), None if bias is None else bias.double(), stride, padding, dilation)
+    compile_candidates(x, weight, bias, stride, padding, dilation, candidates)
     with torch.backends.cudnn.flags(enabled=True, benchmark=False):
         timings = {CUDNN: per_call_ms([lambda: cudnn_conv2d(x, weight, bias, stride, padding, dilation)] * 8)}
         errors: dict = {CUDNN: relative_error(cudnn_conv2d(x, weight, bias, stride, padding, dilation), exact)}
