@@ -59,6 +59,9 @@ def test_triton_compiles_into_the_cache_unless_the_user_chose_its_directory(tmp_
     monkeypatch.setenv(TRITON_ENV, "/users/own/triton")
     use_inductor_cache(str(tmp_path / "fourth"))
     assert os.environ[TRITON_ENV] == "/users/own/triton"
+    monkeypatch.setenv(TRITON_ENV, str(tmp_path / "fourth" / "kernels"))  # the user's, inside the same cache
+    use_inductor_cache(str(tmp_path / "fourth"))
+    assert os.environ[TRITON_ENV] == str(tmp_path / "fourth" / "kernels")
 
 
 def test_a_json_write_replaces_the_file_whole_and_a_failed_one_leaves_the_old_file_and_no_temporary(tmp_path):

@@ -88,11 +88,12 @@ def use_inductor_cache(configured: str = "") -> Path:
     except OSError as error:
         raise ValueError(f"inductor cache directory {directory} cannot be created: {error.strerror}") from None
     previous = os.environ.get(INDUCTOR_ENV)
-    if previous != str(directory):
+    moved = previous != str(directory)
+    if moved:
         os.environ[INDUCTOR_ENV] = str(directory)
         log.info("Inductor's cache: %s", directory)
     triton = os.environ.get(TRITON_ENV)
     # unset, or Inductor's default under the directory this process used before: not the user's
-    if triton is None or (previous and Path(triton).is_relative_to(previous)):
+    if triton is None or (moved and previous and Path(triton).is_relative_to(previous)):
         os.environ[TRITON_ENV] = str(directory / "triton" / "0")  # where Inductor puts it (device 0 as the process sees it)
     return directory
