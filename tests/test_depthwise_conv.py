@@ -64,6 +64,21 @@ def test_shapes_it_does_not_take_are_refused_by_name():
         depthwise_conv.depthwise_conv2d(x, torch.randn(8, 1, 3, 3), torch.randn(4), 1, 1, 1, DepthwiseConfig(16, 16))
 
 
+def test_vector_width_is_what_the_channels_and_every_pixel_stride_allow():
+    def width(shape, channels_last=True, view=None):
+        x = torch.empty(shape).contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        x = x if view is None else view(x)
+        out = torch.empty(x.shape).contiguous(memory_format=torch.channels_last)
+        return depthwise_conv.vector_width(x.shape[1], x, out)
+
+    assert width((2, 168, 42, 42)) == 4  # NASNet's: 168 is no multiple of 16, so Triton alone would not know
+    assert width((2, 42, 83, 83)) == 2
+    assert width((2, 21, 9, 9)) == 1
+    assert width((2, 168, 42, 42), channels_last=False) == 1  # NCHW: the pixel stride is 1
+    assert width((2, 168, 42, 42), view=lambda x: x[:, :, :, 1:]) == 4  # strides keep 168's multiple; only the base moves
+    assert width((2, 168, 42, 42), view=lambda x: x[:, :162]) == 2  # 162 channels of a 168-channel row
+
+
 def test_output_size_is_the_convolutions():
     for size, k, s, p, d in [(21, 3, 1, 1, 1), (169, 5, 2, 2, 1), (171, 7, 2, 0, 1), (11, 3, 1, 2, 2), (8, 3, 2, 1, 1)]:
         x = torch.zeros(1, 1, size, size)

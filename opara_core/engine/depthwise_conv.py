@@ -5,9 +5,10 @@ Why: NASNet-A large's 220 depthwise convolutions run in cuDNN's
 batch 8 and 9,083 of 24,523 at 32 (H200, docs/benchmarks.md run 17), where
 reading their inputs and writing their outputs once takes about 730 and 2,900 us
 at HBM speed: cuDNN runs them 3-4x slower than the memory allows, and NASNet is
-the one model whose fused lanes do not beat torch.compile at 8 and 32. (At
-batch 1 an earlier kernel of this kind lost to cuDNN on two of three large-image
-shapes, run 22; batches 8 and 32 were never measured.)
+the one model whose fused lanes did not beat torch.compile at 8 and 32. With
+this kernel where it wins (5x5 and 7x7 filters over many channels; cuDNN keeps
+the rest), NASNet's served graph replayed 8.02 -> 7.53 ms at batch 8 (H200,
+docs/benchmarks.md run 26).
 
 `depthwise_conv2d` runs one tile configuration; `time_shape` times cuDNN (its
 heuristics, as fused lanes capture) against every candidate at one shape, after
@@ -15,7 +16,7 @@ checking each candidate's answer against a float64 convolution;
 `scripts/depthwise_conv.py` sweeps NASNet's shapes with it. `depthwise_conv` runs
 whichever its first call at that shape measured faster (engine.shape_choices),
 and `depthwise_conv_op` is it as a custom op for Inductor's graphs
-(fusion.depthwise_convs puts it there; in no default pass list until measured).
+(fusion.depthwise_convs puts it there, in the fused-lanes graphs: build.INDUCTOR_PASSES).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from opara_core.engine.shape_choices import ShapeChoices, per_call_ms, relative_
 
 log = logging.getLogger(__name__)
 
-KERNEL_VERSION = 2  # bump when the kernel or the candidates change: the choices on disk are then timed again
+KERNEL_VERSION = 3  # bump when the kernel or the candidates change: the choices on disk are then timed again
 MIN_GAIN = 0.95  # the kernel is chosen only if it takes at most this fraction of cuDNN's time
 CUDNN = "cudnn"
 ACCURACY = 1e-5  # largest error against a float64 convolution, relative to its largest entry (fp32 sums of <= 49 taps: ~1e-7)
@@ -91,15 +92,24 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, strid
     from opara_core.engine import depthwise_kernels
 
     pixels = n * oh * ow
+    align = vector_width(c, x, out)
     kernel, grid = depthwise_kernels.depthwise_conv2d, (-(-pixels // config.block_p), -(-c // config.block_c))
     (kernel.warmup if compile_only else kernel[grid])(
         x, weight, out if bias is None else bias, out,
-        c, h, w, oh, ow, pixels,
+        c // align, h, w, oh, ow, pixels,
         *x.stride(), weight.stride(0), weight.stride(2), weight.stride(3), *out.stride(),
         KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, DH=dh, DW=dw, HAS_BIAS=bias is not None,
-        BLOCK_P=config.block_p, BLOCK_C=config.block_c, num_warps=config.num_warps, **({"grid": grid} if compile_only else {}),
+        BLOCK_P=config.block_p, BLOCK_C=config.block_c, ALIGN=align, num_warps=config.num_warps, **({"grid": grid} if compile_only else {}),
     )  # fmt: skip
     return out
+
+
+def vector_width(channels: int, x: torch.Tensor, out: torch.Tensor) -> int:
+    """Floats per vector load the kernel may use (4, 2 or 1): the largest that
+    divides the channel count and every stride but the channels' of both tensors
+    (depthwise_kernels' docstring says why the kernel needs to be told)."""
+    strides = [s for t in (x, out) for axis, s in enumerate(t.stride()) if axis != 1]
+    return next(a for a in (4, 2, 1) if channels % a == 0 and all(s % a == 0 for s in strides))
 
 
 def compile_candidates(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation, candidates=CANDIDATES) -> None:
