@@ -29,7 +29,7 @@ def test_an_unknown_pass_or_a_json_for_the_bench_is_refused_before_anything_runs
     assert pass_ab.main(["--passes", "depthwise_conv", "--", "--models", "nasnet"]) == 2
     err = capsys.readouterr().err
     assert "'depthwise_conv'" in err and "depthwise_convs" in err  # the typo, and the passes there are
-    assert pass_ab.main(["--passes", "depthwise_convs", "--", "--json", "x.json"]) == 2
+    assert pass_ab.main(["--passes", "merge_convs", "--", "--json", "x.json"]) == 2
     assert "--json before" in capsys.readouterr().err
 
 
@@ -37,14 +37,40 @@ def test_the_child_adds_the_passes_to_both_fused_lanes_graphs_once(monkeypatch, 
     monkeypatch.setattr(build, "INDUCTOR_PASSES", build.INDUCTOR_PASSES)
     monkeypatch.setattr(build, "INDUCTOR_CUDNN_PASSES", build.INDUCTOR_CUDNN_PASSES)
     before = build.INDUCTOR_CUDNN_PASSES
-    code = pass_ab.main(["--passes", "depthwise_convs,cse", "--child", "--", "--models", "nasnet", "--batch", "8"])
+    assert "merge_convs" not in before and "cse" in build.INDUCTOR_PASSES
+    code = pass_ab.main(["--passes", "merge_convs,cse", "--child", "--", "--models", "nasnet", "--batch", "8"])
     assert code == 2 and "needs a CUDA GPU" in capsys.readouterr().err  # the real bench, on this CPU
-    assert build.INDUCTOR_PASSES.count("depthwise_convs") == 1 and build.INDUCTOR_PASSES.count("cse") == 1
-    assert build.INDUCTOR_CUDNN_PASSES == (*before, "depthwise_convs")
+    assert build.INDUCTOR_PASSES.count("merge_convs") == 1 and build.INDUCTOR_PASSES.count("cse") == 1
+    assert build.INDUCTOR_CUDNN_PASSES == (*before, "merge_convs")
+
+
+def test_with_remove_the_child_takes_the_passes_out_of_both_graphs(monkeypatch, capsys):
+    monkeypatch.setattr(build, "INDUCTOR_PASSES", ("cse", "depthwise_convs"))
+    monkeypatch.setattr(build, "INDUCTOR_CUDNN_PASSES", ("cse", "depthwise_convs", "conv_relu"))
+    code = pass_ab.main(["--passes", "depthwise_convs", "--remove", "--child", "--", "--models", "nasnet", "--batch", "8"])
+    assert code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+    assert build.INDUCTOR_PASSES == ("cse",) and build.INDUCTOR_CUDNN_PASSES == ("cse", "conv_relu")
+
+
+def test_adding_a_pass_both_graphs_have_or_removing_one_neither_has_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(build, "INDUCTOR_PASSES", ("cse", "depthwise_convs"))
+    monkeypatch.setattr(build, "INDUCTOR_CUDNN_PASSES", ("cse", "depthwise_convs", "conv_relu"))
+    assert pass_ab.main(["--passes", "depthwise_convs", "--", "--models", "nasnet"]) == 2
+    err = capsys.readouterr().err
+    assert "already in both" in err and "--remove" in err
+    assert pass_ab.main(["--passes", "merge_convs", "--remove", "--", "--models", "nasnet"]) == 2
+    assert "['merge_convs'] in neither" in capsys.readouterr().err
+    assert build.INDUCTOR_PASSES == ("cse", "depthwise_convs")  # nothing changed, nothing ran
+
+
+def test_with_remove_the_run_as_is_comes_first_and_the_failure_names_it(tmp_path, capsys):
+    code = pass_ab.main(["--passes", "depthwise_convs", "--remove", "--json", str(tmp_path / "ab.json"), "--", "--models", "nasnet", "--batch", "8"])
+    assert code == 2  # no GPU here: the first run (the engine as it is, the pass in) fails
+    assert "the bench with depthwise_convs exited 2" in capsys.readouterr().err
 
 
 def test_a_bench_that_fails_ends_the_ab_with_its_exit_status(tmp_path, capsys):
-    code = pass_ab.main(["--passes", "depthwise_convs", "--json", str(tmp_path / "ab.json"), "--", "--models", "nasnet", "--batch", "8"])
+    code = pass_ab.main(["--passes", "merge_convs", "--json", str(tmp_path / "ab.json"), "--", "--models", "nasnet", "--batch", "8"])
     assert code == 2  # the bench without the pass: no GPU here
-    assert "the bench without depthwise_convs exited 2" in capsys.readouterr().err
+    assert "the bench without merge_convs exited 2" in capsys.readouterr().err
     assert not (tmp_path / "ab.json").exists()

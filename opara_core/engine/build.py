@@ -59,7 +59,10 @@ FUSED_CANDIDATES: tuple[tuple[str, int], ...] = (("opara", 8),)
 # Inductor merges linear layers only with freezing, which lifted weights rule out;
 # it keeps a linear layer with one output a GEMM (fusion.single_column_linears),
 # and runs cuBLAS's fp32 GEMMs of few rows, which skinny_linears replaces where measured faster.
-INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears", "single_column_linears", "skinny_linears")
+# depthwise_convs does the same for depthwise convolutions against cuDNN: on NASNet
+# (H200, 2026-11-28, docs/benchmarks.md run 26) auto replayed 8.02 -> 7.53 ms at
+# batch 8 with it and the same at 32 (25.0 ms both); batch 1 not measured.
+INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears", "single_column_linears", "skinny_linears", "depthwise_convs")
 # A second fused-lanes graph for convolutional models: cuDNN's conv + ReLU as one
 # library call, so that no segment launches a bias-and-ReLU kernel of its own
 # after a convolution. On Inception-v3 (H200, docs/benchmarks.md run 22) its

@@ -813,8 +813,8 @@ def depthwise_convs(gm: GraphModule) -> int:
     """Run fp32 depthwise convolutions (one filter per channel, weight [C, 1, KH, KW])
     on CUDA values through `opara::depthwise_conv2d` (engine.depthwise_conv): for a
     channels-last input (fused lanes' layout) the Triton kernel where its first call
-    at that shape measured it faster than cuDNN, else cuDNN. In no default pass list
-    until measured in a served graph."""
+    at that shape measured it faster than cuDNN, else cuDNN. In the fused-lanes
+    graphs' passes (build.INDUCTOR_PASSES), not the ATen graphs'."""
     count = 0
     for conv in list(gm.graph.nodes):
         if not _plain_conv(conv):
