@@ -157,7 +157,9 @@ def bench_model(
     else:
         _use_cache(cache_dir)
     build = _build_seconds(entry, device, max_streams, fusion, layout, cudnn_benchmark) if time_build else None
+    start = time.perf_counter()
     module = entry.build().to(device).eval()  # eager and torch.compile
+    log.info("%s built and on %s in %.1f s", name, device, time.perf_counter() - start)
     # the engine's graphs only for the engine's columns (NASNet's trace, fusion and profile take a minute)
     unfused = trace_zoo(entry, module, device) if "sequential (unfused)" in wanted else None
     report = BuildReport()

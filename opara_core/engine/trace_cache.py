@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ def exported_module(module: torch.nn.Module, example_inputs: Sequence[Any], dyna
     `directory` when an earlier start saved it there (None: no cache)."""
     if directory is None:
         return _export(module, example_inputs, dynamic_shapes).module()
+    start = time.perf_counter()
     key = export_key(module, example_inputs, dynamic_shapes)
     path = Path(directory) / f"{key}.pt"
     if path.exists():
@@ -55,13 +57,16 @@ def exported_module(module: torch.nn.Module, example_inputs: Sequence[Any], dyna
         except Exception as error:  # noqa: BLE001 - an unreadable entry is exported again
             log.info("traced graph %s unusable (%s: %s); exporting again", path.name, type(error).__name__, error)
         else:
-            log.info("traced graph from the cache (%s)", key[:12])
+            log.info("traced graph from the cache (%s) in %.1f s", key[:12], time.perf_counter() - start)
             return graph_module
     program = _export(module, example_inputs, dynamic_shapes)
+    exported = time.perf_counter()
     try:
         save(program, path)
     except Exception as error:  # noqa: BLE001 - the graph is still good; only the next start exports again
         log.info("traced graph not saved to %s (%s: %s)", path, type(error).__name__, error)
+    else:
+        log.info("exported in %.1f s, saved to the cache (%s) in %.1f s", exported - start, key[:12], time.perf_counter() - exported)
     return program.module()
 
 
