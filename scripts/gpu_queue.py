@@ -116,6 +116,26 @@ def job_for(spec: str, out: Path, done: Path, cache: Path) -> Job:
     return Job(spec, name, None if (done / f"{name}.done").exists() else command)
 
 
+def job_env(gpu: int, gpus: int) -> dict[str, str]:
+    """A job's environment: its GPU, and its share of the CPU cores for OpenMP's
+    threads unless OMP_NUM_THREADS is set. Each process's OpenMP pool is as large
+    as the machine, so four jobs at once on 64 cores run 4 x 64 threads: the
+    likely reason why four NASNet benches took ~227 s before reading their
+    cached trace, steps (two builds of the timm model, the read) that take ~38 s
+    on the 2-core CPU machine (docs/benchmarks.md run 26; there, four NASNet
+    builds at once took 21-25 s each with 2 threads per process, 11.3-11.7 with one)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, _cpus() // max(1, gpus))))
+    return env
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def run_queue(specs: list[str], gpus: int, limit: float, out: Path, done: Path, cache: Path) -> list[tuple[str, int, str, float]]:
     """Run the jobs, each GPU one at a time, until `limit` seconds have passed."""
     out.mkdir(parents=True, exist_ok=True)
@@ -136,8 +156,7 @@ def run_queue(specs: list[str], gpus: int, limit: float, out: Path, done: Path, 
             print(f"== {time.strftime('%H:%M:%S')} GPU {gpu}: {job.spec}: {job.command}", flush=True)
             start = time.monotonic()
             with open(out / f"{job.name}.log", "a") as log:
-                process = subprocess.Popen(job.command, shell=True, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                           env={**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)})
+                process = subprocess.Popen(job.command, shell=True, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=job_env(gpu, gpus))
                 try:
                     status = str(process.wait(timeout=max(deadline - time.monotonic(), 0.1)))
                 except subprocess.TimeoutExpired:

@@ -80,6 +80,20 @@ def test_jobs_share_the_gpus_and_the_deadline_cuts_what_is_still_running(tmp_pat
         assert tar.extractfile("a.txt").read().decode() == f"{other}\n"
 
 
+def test_each_job_gets_its_gpu_and_its_share_of_the_cores_for_openmp(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(gpu_queue, "_cpus", lambda: 64)
+    assert gpu_queue.job_env(3, 4)["CUDA_VISIBLE_DEVICES"] == "3" and gpu_queue.job_env(3, 4)["OMP_NUM_THREADS"] == "16"
+    assert gpu_queue.job_env(0, 128)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the user's value stays
+    assert gpu_queue.job_env(0, 4)["OMP_NUM_THREADS"] == "5"
+    out = tmp_path / "out"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    gpu_queue.run_queue(["run:t=echo $OMP_NUM_THREADS > {out}/t.txt"], 2, 10, out, tmp_path / "done", tmp_path)
+    with tarfile.open(out / "queue.tgz") as tar:
+        assert tar.extractfile("t.txt").read().decode() == "32\n"  # what the job's process saw
+
+
 def test_a_later_call_skips_the_jobs_an_earlier_one_finished(tmp_path):
     first, done, second = tmp_path / "first", tmp_path / "done", tmp_path / "second"
     gpu_queue.run_queue(["run:once=echo x >> {out}/count", "run:nested=mkdir -p {out}/a/b && touch {out}/a/b/c"], 1, 10, first, tmp_path / "none", tmp_path)
