@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.fx import Graph, GraphModule
 
 from opara_core.engine.fused_lanes import fused_lanes
 from opara_core.engine.interpreter import plan_graph, run_plan
@@ -305,3 +306,44 @@ def test_a_record_is_not_read_while_a_segment_still_needs_its_check(tmp_path, mo
     assert passed[0].exists()  # checked against the inputs the run found
     with torch.inference_mode():
         assert torch.allclose(run_plan(fused, plan, x), module(x), rtol=1e-5, atol=1e-6)
+
+
+def _calls_custom_ops() -> list[tuple[GraphModule, list[torch.Tensor], torch.Tensor]]:
+    """Segments as the fusion passes leave them: calls of the project's depthwise
+    and skinny-GEMM ops between ATen operators (their CPU paths run cuDNN's and
+    cuBLAS's stand-ins), each with inputs and what eager computes."""
+    from opara_core.engine import custom_ops
+
+    skinny, depthwise, _ = custom_ops.register_all()
+    conv = Graph()
+    x, w = conv.placeholder("x"), conv.placeholder("w")
+    conv.output(conv.call_function(torch.ops.aten.relu.default, (conv.call_function(depthwise, (x, w, None, [1, 1], [1, 1], [1, 1])),)))
+    linear = Graph()
+    a, b, bt = linear.placeholder("a"), linear.placeholder("b"), linear.placeholder("bt")
+    linear.output(linear.call_function(torch.ops.aten.tanh.default, (linear.call_function(skinny, (a, b, bt)),)))
+    torch.manual_seed(7)
+    images, filters = torch.randn(2, 8, 6, 6), torch.randn(8, 1, 3, 3)
+    rows, weight = torch.randn(4, 16), torch.randn(8, 16)
+    return [
+        (GraphModule(torch.nn.Module(), conv), [images, filters], torch.relu(torch.nn.functional.conv2d(images, filters, None, 1, 1, 1, 8))),
+        (GraphModule(torch.nn.Module(), linear), [rows, weight, weight.t().contiguous()], torch.tanh(rows @ weight.t())),
+    ]
+
+
+def test_segments_calling_the_projects_ops_compile_in_the_worker_processes(tmp_path, caplog):
+    # the workers are spawned: each registers the ops before a segment that calls one arrives
+    # (run 27: NASNet's depthwise op was missing there, the pool broke, the build compiled alone)
+    jobs, checks = [], {}
+    for n, (code, inputs, expected) in enumerate(_calls_custom_ops()):
+        key = f"custom{n}"
+        jobs.append((key, code, [TensorMeta.of(t) for t in inputs]))
+        checks[key] = (inputs, expected)
+    with caplog.at_level(logging.WARNING, logger=segment_compiler.__name__):
+        unsaved = segment_compiler.compile_all(jobs, tmp_path, workers=2)
+    assert not [r.message for r in caplog.records if r.name == segment_compiler.__name__], "the worker pool should compile them"
+    assert unsaved == set()
+    for key, (inputs, expected) in checks.items():
+        code = torch._inductor.CompiledArtifact.load(path=str(segment_compiler._path(tmp_path, key)), format="binary")
+        with torch.inference_mode():
+            (got,) = code(*inputs)
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), key

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Interpreter
 
-from opara_core.engine import skinny_gemm
+from opara_core.engine import custom_ops
 from opara_core.engine.compare import max_relative_error, no_cudnn_autotuning
 from opara_core.engine.inductor_cache import write_json_atomically
 
@@ -483,9 +483,9 @@ def compile_all(jobs: Sequence[tuple[str, GraphModule, Sequence[TensorMeta]]], c
 
 def _worker_setup() -> None:
     """A compile worker: Inductor's own parallel compile would start a pool per worker;
-    the project's custom op registered before any segment that calls it arrives."""
+    the project's custom ops registered before any segment that calls one arrives."""
     torch._inductor.config.compile_threads = 1
-    skinny_gemm.skinny_mm_op()
+    custom_ops.register_all()
 
 
 def _cpus() -> int:

@@ -1,0 +1,20 @@
+"""The project's custom ops (`torch.ops.opara.*`), registered together.
+
+Each op registers itself on first use (no side effects at import), which is
+when a fusion pass puts it in a graph. A process that receives such a graph
+without having run the pass, a segment-compile worker (engine.segment_compiler)
+unpickling its segment, must register them first: a NASNet build's workers
+met `torch.ops.opara.depthwise_conv2d` unregistered, broke the pool, and left
+every segment to the building process (H200, docs/benchmarks.md run 27).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opara_core.engine import depthwise_conv, short_attention, skinny_gemm
+
+
+def register_all() -> tuple[torch._ops.OpOverload, ...]:
+    """Register every op a pass can put in a graph; returns them."""
+    return (skinny_gemm.skinny_mm_op(), depthwise_conv.depthwise_conv_op(), short_attention.short_attention_op())
