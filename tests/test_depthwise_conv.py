@@ -29,7 +29,8 @@ INTERPRETED = textwrap.dedent(
         ((2, 42, 13, 11), 5, 2, 2, 1), ((1, 21, 9, 9), 3, 1, 1, 1), ((3, 10, 8, 7), 7, 1, 3, 1),
         ((2, 17, 10, 12), 3, 2, 0, 1), ((1, 12, 11, 11), 3, 1, 2, 2), ((2, 33, 6, 6), (3, 5), (1, 2), (1, 2), 1),
     ]
-    configs = (DepthwiseConfig(16, 16), DepthwiseConfig(8, 32, 2), DepthwiseConfig(32, 8))
+    # one-column tiles, and groups of 4 and 2 neighbouring outputs (rows of 7, 11 and 12 outputs: ragged groups)
+    configs = (DepthwiseConfig(16, 16), DepthwiseConfig(8, 32, 2), DepthwiseConfig(32, 8), DepthwiseConfig(8, 16, 4, 4), DepthwiseConfig(16, 8, 2, 2))
     for i, (shape, k, stride, padding, dilation) in enumerate(cases):
         kh, kw = (k, k) if isinstance(k, int) else k
         x = torch.randn(*shape, generator=generator)
@@ -38,9 +39,9 @@ INTERPRETED = textwrap.dedent(
         b = torch.randn(shape[1], generator=generator) if i % 2 else None
         w = weight.permute(2, 3, 1, 0).contiguous().permute(3, 2, 0, 1) if i % 2 else weight
         exact = F.conv2d(x.double(), weight.double(), None if b is None else b.double(), stride, padding, dilation, groups=shape[1])
-        # channels-last (fused lanes' layout) and contiguous inputs
-        for rows in (x.contiguous(memory_format=torch.channels_last), x):
-            got = depthwise_conv2d(rows, w, b, stride, padding, dilation, configs[i % 3])
+        # channels-last (fused lanes' layout) with every tiling, contiguous with one
+        for rows, config in [(x.contiguous(memory_format=torch.channels_last), c) for c in configs] + [(x, configs[i % len(configs)])]:
+            got = depthwise_conv2d(rows, w, b, stride, padding, dilation, config)
             assert got.shape == exact.shape, (got.shape, exact.shape)
             assert got.is_contiguous(memory_format=torch.channels_last)
             worst = max(worst, float((got.double() - exact).abs().max() / exact.abs().max()))
@@ -77,6 +78,21 @@ def test_vector_width_is_what_the_channels_and_every_pixel_stride_allow():
     assert width((2, 168, 42, 42), channels_last=False) == 1  # NCHW: the pixel stride is 1
     assert width((2, 168, 42, 42), view=lambda x: x[:, :, :, 1:]) == 4  # strides keep 168's multiple; only the base moves
     assert width((2, 168, 42, 42), view=lambda x: x[:, :162]) == 2  # 162 channels of a 168-channel row
+
+
+def test_used_columns_are_the_input_columns_some_output_of_a_group_reads():
+    # output k of a group reads input columns k * stride + t * dilation for taps t
+    assert depthwise_conv.used_columns(1, 3, 1, 1) == 0b111
+    assert depthwise_conv.used_columns(1, 3, 1, 2) == 0b10101  # dilated: every other column
+    assert depthwise_conv.used_columns(4, 5, 1, 1) == 0b11111111  # 4 + 5 - 1 columns, all read
+    assert depthwise_conv.used_columns(2, 3, 2, 1) == 0b11111  # 0-2 and 2-4
+    assert depthwise_conv.used_columns(2, 1, 3, 1) == 0b1001  # a 1-wide filter with stride 3 skips two
+
+
+def test_a_group_of_columns_the_kernel_has_no_form_for_is_refused_by_name():
+    x = torch.randn(1, 8, 5, 5)
+    with pytest.raises(ValueError, match="3 columns per group; the kernel takes 1, 2 or 4"):
+        depthwise_conv.depthwise_conv2d(x, torch.randn(8, 1, 3, 3), None, 1, 1, 1, DepthwiseConfig(16, 16, 4, 3))
 
 
 def test_output_size_is_the_convolutions():

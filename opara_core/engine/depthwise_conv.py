@@ -8,7 +8,10 @@ at HBM speed: cuDNN runs them 3-4x slower than the memory allows, and NASNet is
 the one model whose fused lanes did not beat torch.compile at 8 and 32. With
 this kernel where it wins (5x5 and 7x7 filters over many channels; cuDNN keeps
 the rest), NASNet's served graph replayed 8.02 -> 7.53 ms at batch 8 (H200,
-docs/benchmarks.md run 26).
+docs/benchmarks.md run 26). cuDNN still won its most frequent shapes (3x3 and
+5x5 filters at 168-672 channels, 0.62-0.84x at batch 32, run 27), where each
+output's taps were loaded apart: the tiles that compute 2 or 4 neighbouring
+outputs from shared loads (depthwise_kernels, COLUMNS) are for those.
 
 `depthwise_conv2d` runs one tile configuration; `time_shape` times cuDNN (its
 heuristics, as fused lanes capture) against every candidate at one shape, after
@@ -35,7 +38,7 @@ from opara_core.engine.shape_choices import ShapeChoices, per_call_ms, relative_
 
 log = logging.getLogger(__name__)
 
-KERNEL_VERSION = 3  # bump when the kernel or the candidates change: the choices on disk are then timed again
+KERNEL_VERSION = 4  # bump when the kernel or the candidates change: the choices on disk are then timed again
 MIN_GAIN = 0.95  # the kernel is chosen only if it takes at most this fraction of cuDNN's time
 CUDNN = "cudnn"
 ACCURACY = 1e-5  # largest error against a float64 convolution, relative to its largest entry (fp32 sums of <= 49 taps: ~1e-7)
@@ -43,20 +46,26 @@ ACCURACY = 1e-5  # largest error against a float64 convolution, relative to its 
 
 @dataclass(frozen=True)
 class DepthwiseConfig:
-    block_p: int  # output pixels per program (over the whole batch)
+    block_p: int  # groups of `columns` output pixels per program (over the whole batch)
     block_c: int  # channels per program: the contiguous axis of a channels-last tensor
     num_warps: int = 4
+    columns: int = 1  # neighbouring output pixels of a row per group (1, 2 or 4), sharing their input loads
 
 
+# Four one-column tiles, the best or within 3% of it at most of NASNet's 69 shapes at batch 1, 8
+# and 32 in run 27's sweep (64x32 at 58, 256x16 at 14, 32x64 at 13, 128x32 at 6; the four
+# others at 2-5), and the same output areas in groups of 4 and 2 columns (depthwise_kernels)
 CANDIDATES = (
-    DepthwiseConfig(32, 64),
     DepthwiseConfig(64, 32),
-    DepthwiseConfig(16, 128),
-    DepthwiseConfig(64, 64),
-    DepthwiseConfig(128, 32, 8),
-    DepthwiseConfig(32, 128, 8),
-    DepthwiseConfig(128, 64, 8),
     DepthwiseConfig(256, 16, 8),
+    DepthwiseConfig(32, 64),
+    DepthwiseConfig(128, 32, 8),
+    DepthwiseConfig(16, 32, 4, 4),
+    DepthwiseConfig(64, 16, 8, 4),
+    DepthwiseConfig(8, 64, 4, 4),
+    DepthwiseConfig(32, 32, 8, 4),
+    DepthwiseConfig(32, 32, 4, 2),
+    DepthwiseConfig(128, 16, 8, 2),
 )
 
 
@@ -91,17 +100,27 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, strid
         return out
     from opara_core.engine import depthwise_kernels
 
-    pixels = n * oh * ow
+    if config.columns not in (1, 2, 4):
+        raise ValueError(f"depthwise_conv2d: {config.columns} columns per group; the kernel takes 1, 2 or 4")
+    row_groups = -(-ow // config.columns)
+    groups = n * oh * row_groups
     align = vector_width(c, x, out)
-    kernel, grid = depthwise_kernels.depthwise_conv2d, (-(-pixels // config.block_p), -(-c // config.block_c))
+    kernel, grid = depthwise_kernels.depthwise_conv2d, (-(-groups // config.block_p), -(-c // config.block_c))
     (kernel.warmup if compile_only else kernel[grid])(
         x, weight, out if bias is None else bias, out,
-        c // align, h, w, oh, ow, pixels,
+        c // align, h, w, oh, ow, row_groups, groups,
         *x.stride(), weight.stride(0), weight.stride(2), weight.stride(3), *out.stride(),
         KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, DH=dh, DW=dw, HAS_BIAS=bias is not None,
-        BLOCK_P=config.block_p, BLOCK_C=config.block_c, ALIGN=align, num_warps=config.num_warps, **({"grid": grid} if compile_only else {}),
+        BLOCK_P=config.block_p, BLOCK_C=config.block_c, ALIGN=align, COLUMNS=config.columns, USED=used_columns(config.columns, kw, sw, dw),
+        num_warps=config.num_warps, **({"grid": grid} if compile_only else {}),
     )  # fmt: skip
     return out
+
+
+def used_columns(columns: int, kernel_w: int, stride_w: int, dilation_w: int) -> int:
+    """A bit for each input column (from a group's first) that one of its
+    `columns` outputs reads: the kernel loads only those."""
+    return sum({1 << (k * stride_w + t * dilation_w) for k in range(columns) for t in range(kernel_w)})
 
 
 def vector_width(channels: int, x: torch.Tensor, out: torch.Tensor) -> int:
@@ -114,8 +133,9 @@ def vector_width(channels: int, x: torch.Tensor, out: torch.Tensor) -> int:
 
 def compile_candidates(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation, candidates=CANDIDATES) -> None:
     """Have Triton compile every candidate tile for these arguments at once, in
-    threads: the chooser needs them all (8 tiles at each new filter, stride and
-    channel alignment: about 80 compiles of 1-7 s in a cold NASNet build), and
+    threads: the chooser needs them all (10 tiles at each new filter, stride and
+    channel alignment: about 100 compiles in a cold NASNet build, 0.3-1.8 s each
+    for sm_90 on the 2-core CPU machine, 2026-11-28), and
     Triton's compiler spends most of its time outside the GIL (4 tiles in 2.4 s
     in 2 threads against 3.8 s in one, 2 CPU cores, 2026-11-28). A tile that
     fails here is compiled again by `time_shape`, which reports why."""
