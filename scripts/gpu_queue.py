@@ -51,6 +51,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from opara_core.cpus import usable_cpus  # noqa: E402 - torch-free
+
 FULL_ROW = ("eager", "compile", "auto")  # a bench row with all its columns has these
 
 
@@ -125,15 +128,8 @@ def job_env(gpu: int, gpus: int) -> dict[str, str]:
     on the 2-core CPU machine (docs/benchmarks.md run 26; there, four NASNet
     builds at once took 21-25 s each with 2 threads per process, 11.3-11.7 with one)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
-    env.setdefault("OMP_NUM_THREADS", str(max(1, _cpus() // max(1, gpus))))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // max(1, gpus))))
     return env
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def run_queue(specs: list[str], gpus: int, limit: float, out: Path, done: Path, cache: Path) -> list[tuple[str, int, str, float]]:

@@ -82,7 +82,7 @@ def test_jobs_share_the_gpus_and_the_deadline_cuts_what_is_still_running(tmp_pat
 
 def test_each_job_gets_its_gpu_and_its_share_of_the_cores_for_openmp(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(gpu_queue, "_cpus", lambda: 64)
+    monkeypatch.setattr(gpu_queue, "usable_cpus", lambda: 64)
     assert gpu_queue.job_env(3, 4)["CUDA_VISIBLE_DEVICES"] == "3" and gpu_queue.job_env(3, 4)["OMP_NUM_THREADS"] == "16"
     assert gpu_queue.job_env(0, 128)["OMP_NUM_THREADS"] == "1"
     monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the user's value stays

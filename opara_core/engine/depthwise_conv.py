@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -34,6 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from opara_core.cpus import usable_cpus
 from opara_core.engine.shape_choices import ShapeChoices, per_call_ms, relative_error, triton_failures
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def compile_candidates(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             except Exception:  # noqa: BLE001 - reported where the tile is run (time_shape)
                 log.debug("depthwise tile %s did not compile in the pool", config, exc_info=True)
 
-    with ThreadPoolExecutor(max_workers=max(1, min(len(candidates), (os.cpu_count() or 2) // 2))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(candidates), usable_cpus() // 2))) as pool:
         list(pool.map(compile_one, candidates))
 
 

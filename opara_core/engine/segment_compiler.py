@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Interpreter
 
+from opara_core.cpus import usable_cpus
 from opara_core.engine import custom_ops
 from opara_core.engine.compare import max_relative_error, no_cudnn_autotuning
 from opara_core.engine.inductor_cache import write_json_atomically
@@ -462,7 +463,7 @@ def compile_all(jobs: Sequence[tuple[str, GraphModule, Sequence[TensorMeta]]], c
     A worker pool that cannot start or breaks leaves the rest to this process;
     a segment Inductor cannot compile raises its error. Returns the keys that
     compiled but could not be saved."""
-    workers = min(len(jobs), MAX_WORKERS, _cpus() // 2) if workers is None else min(workers, len(jobs))
+    workers = min(len(jobs), MAX_WORKERS, usable_cpus() // 2) if workers is None else min(workers, len(jobs))
     done: dict[str, str | None] = {}
     if workers > 1:
         try:
@@ -486,13 +487,6 @@ def _worker_setup() -> None:
     the project's custom ops registered before any segment that calls one arrives."""
     torch._inductor.config.compile_threads = 1
     custom_ops.register_all()
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def python_interpreter() -> str:
