@@ -54,7 +54,7 @@ class DepthwiseConfig:
 
 # Four one-column tiles, the best or within 3% of it at most of NASNet's 69 shapes at batch 1, 8
 # and 32 in run 27's sweep (64x32 at 58, 256x16 at 14, 32x64 at 13, 128x32 at 6; the four
-# others at 2-5), and the same output areas in groups of 4 and 2 columns (depthwise_kernels)
+# others at 0-5), and the same output areas in groups of 4 and 2 columns (depthwise_kernels)
 CANDIDATES = (
     DepthwiseConfig(64, 32),
     DepthwiseConfig(256, 16, 8),
