@@ -61,7 +61,8 @@ FUSED_CANDIDATES: tuple[tuple[str, int], ...] = (("opara", 8),)
 # and runs cuBLAS's fp32 GEMMs of few rows, which skinny_linears replaces where measured faster.
 # depthwise_convs does the same for depthwise convolutions against cuDNN: on NASNet
 # (H200, 2026-11-28, docs/benchmarks.md run 26) auto replayed 8.02 -> 7.53 ms at
-# batch 8 with it and the same at 32 (25.0 ms both); batch 1 not measured.
+# batch 8 with it and the same at 32 (25.0 ms both); at batch 1, 1.736 ms with it
+# (run 27) against 1.799 without (run 23, another H200).
 INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears", "single_column_linears", "skinny_linears", "depthwise_convs")
 # A second fused-lanes graph for convolutional models: cuDNN's conv + ReLU as one
 # library call, so that no segment launches a bias-and-ReLU kernel of its own
