@@ -38,6 +38,7 @@ call's queue.tgz into the folder the next call gets as --done.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -78,10 +79,19 @@ def bench_rows(folders: list[Path]) -> dict[tuple[str, int], set[str]]:
     return rows
 
 
+def job_name(spec: str) -> str:
+    """The file-name safe name of a job: its spec, cut to 80 characters plus a hash
+    of the whole spec where it is longer, so that two long specs sharing their first
+    80 characters (the six parameter cases of one test, a bench job's column lists)
+    never share a `.done` marker: one finished would skip the others unrun."""
+    name = re.sub(r"[^\w.-]+", "_", spec)
+    return name if len(name) <= 80 else f"{name[:80]}_{hashlib.sha1(spec.encode()).hexdigest()[:10]}"
+
+
 def job_for(spec: str, out: Path, done: Path, cache: Path) -> Job:
     """The command that does what is left of `spec` (see the module docstring)."""
     kind, _, rest = spec.partition(":")
-    name = re.sub(r"[^\w.-]+", "_", spec)[:80]
+    name = job_name(spec)
     if kind == "bench":
         model, batches, columns, more = (rest.split(":", 3) + ["", "", ""])[:4]
         if not re.fullmatch(r"\w+", model) or not re.fullmatch(r"(\d+,)*\d+|", batches):

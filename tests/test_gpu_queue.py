@@ -104,3 +104,22 @@ def test_a_later_call_skips_the_jobs_an_earlier_one_finished(tmp_path):
     summary = gpu_queue.run_queue(["run:once=echo x >> {out}/count", "run:other=true"], 1, 10, second, done, tmp_path)
     assert [(spec, exit_status) for spec, _, exit_status, _ in summary] == [("run:once=echo x >> {out}/count", "done before"), ("run:other=true", "0")]
     assert not (second / "count").exists()
+
+
+def test_long_jobs_sharing_their_first_80_characters_keep_their_own_done_markers(tmp_path):
+    """Session 28's second call skipped two test cases as 'done before' that had
+    never run: their node ids differ past the 80th character of the job's name."""
+    out, done = tmp_path / "out", tmp_path / "done"
+    out.mkdir(), done.mkdir()
+    node = "tests/test_varlen.py::test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs"
+    finished, other = gpu_queue.job_for(f"tests:{node}[t5-inductor]", out, done, tmp_path), gpu_queue.job_for(f"tests:{node}[t5-saved]", out, done, tmp_path)
+    assert finished.name != other.name
+    (done / f"{finished.name}.done").touch()
+    assert gpu_queue.job_for(finished.spec, out, done, tmp_path).command is None
+    assert "[t5-saved]" in gpu_queue.job_for(other.spec, out, done, tmp_path).command
+    columns = "eager,compile,sequential,opara,fused sequential,fused opara,auto"
+    fewer, more = gpu_queue.job_for(f"bench:nasnet:32:{columns}", out, done, tmp_path), gpu_queue.job_for(f"bench:nasnet:32:{columns},fused opara cudnn", out, done, tmp_path)
+    assert fewer.name != more.name
+    (done / f"{more.name}.done").touch()
+    assert gpu_queue.job_for(fewer.spec, out, done, tmp_path).command is not None
+    assert gpu_queue.job_name("run:short=true") == "run_short_true"
