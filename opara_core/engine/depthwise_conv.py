@@ -38,7 +38,7 @@ from opara_core.engine.shape_choices import ShapeChoices, per_call_ms, relative_
 
 log = logging.getLogger(__name__)
 
-KERNEL_VERSION = 4  # bump when the kernel or the candidates change: the choices on disk are then timed again
+KERNEL_VERSION = 5  # bump when the kernel or the candidates change: the choices on disk are then timed again
 MIN_GAIN = 0.95  # the kernel is chosen only if it takes at most this fraction of cuDNN's time
 CUDNN = "cudnn"
 ACCURACY = 1e-5  # largest error against a float64 convolution, relative to its largest entry (fp32 sums of <= 49 taps: ~1e-7)
@@ -52,14 +52,11 @@ class DepthwiseConfig:
     columns: int = 1  # neighbouring output pixels of a row per group (1, 2 or 4), sharing their input loads
 
 
-# Four one-column tiles, the best or within 3% of it at most of NASNet's 69 shapes at batch 1, 8
-# and 32 in run 27's sweep (64x32 at 58, 256x16 at 14, 32x64 at 13, 128x32 at 6; the four
-# others at 0-5), and the same output areas in groups of 4 and 2 columns (depthwise_kernels)
+# Tiles of 4 and 2 neighbouring outputs of a row per group (run 28's sweep of NASNet's 69 shapes at
+# batch 1, 8 and 32 on an H200: one of these six was the best at every shape, 16x32 x 4 at 44; run
+# 27's four one-column tiles (64x32, 256x16/8w, 32x64, 128x32/8w) were never the best nor within 3%
+# of it, and went: 40% fewer compiles per shape). The kernel still takes one column (`columns=1`).
 CANDIDATES = (
-    DepthwiseConfig(64, 32),
-    DepthwiseConfig(256, 16, 8),
-    DepthwiseConfig(32, 64),
-    DepthwiseConfig(128, 32, 8),
     DepthwiseConfig(16, 32, 4, 4),
     DepthwiseConfig(64, 16, 8, 4),
     DepthwiseConfig(8, 64, 4, 4),
@@ -133,8 +130,8 @@ def vector_width(channels: int, x: torch.Tensor, out: torch.Tensor) -> int:
 
 def compile_candidates(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation, candidates=CANDIDATES) -> None:
     """Have Triton compile every candidate tile for these arguments at once, in
-    threads: the chooser needs them all (10 tiles at each new filter, stride and
-    channel alignment: about 100 compiles in a cold NASNet build, 0.3-1.8 s each
+    threads: the chooser needs them all (6 tiles at each new filter, stride and
+    channel alignment: about 60 compiles in a cold NASNet build, 0.3-1.8 s each
     for sm_90 on the 2-core CPU machine, 2026-11-28), and
     Triton's compiler spends most of its time outside the GIL (4 tiles in 2.4 s
     in 2 threads against 3.8 s in one, 2 CPU cores, 2026-11-28). A tile that
