@@ -41,11 +41,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from opara_core.engine import skinny_gemm
+from opara_core.engine import custom_ops, skinny_gemm
 from opara_core.engine.capture import CapturedGraph, CaptureError, capture_module
 from opara_core.engine.exported_merge import MERGE_VERSION, merge_linears
 from opara_core.engine.segment_compiler import python_interpreter
-from opara_core.engine.short_attention import ShortAttentionPass, short_attention_op
+from opara_core.engine.short_attention import ShortAttentionPass
 from opara_core.engine.skinny_pass import SkinnyGemmPass
 from opara_core.engine.trace_cache import module_fingerprint
 
@@ -71,11 +71,7 @@ class WholeModelInductor:
         self.compiled = torch.compile(module, dynamic=True)
         self.skinny_pass = SkinnyGemmPass() if skinny_gemms else None
         self.attention_pass = ShortAttentionPass() if short_attention else None
-        # the ops are registered before Inductor's code (compiled or cached) calls them
-        if skinny_gemms:
-            skinny_gemm.skinny_mm_op()
-        if short_attention:
-            short_attention_op()
+        custom_ops.register_all()  # before Inductor's code (compiled or cached) calls one
         passes = tuple(p for p in (self.skinny_pass, self.attention_pass) if p is not None)
         self.post_grad_pass = InOrder(passes) if passes else None
 
@@ -273,11 +269,7 @@ class WholeModelSaved:
         self.module, self.skinny_gemms = module, skinny_gemms
         prepared = skinny_gemm.with_skinny_linears(module) if skinny_gemms else module  # what is exported
         self.attention_pass = ShortAttentionPass() if short_attention else None
-        # the ops are registered before the artifact's code calls them
-        if skinny_gemms:
-            skinny_gemm.skinny_mm_op()
-        if short_attention:
-            short_attention_op()
+        custom_ops.register_all()  # before the artifact's code calls one
         passes = f"skinny {skinny_gemms} merge {MERGE_VERSION if skinny_gemms else 0} " + (self.attention_pass.uuid().hex() if self.attention_pass else "")
         key = artifact_key(module, example_inputs, dims) + passes
         self.path = Path(directory) / f"{hashlib.sha256(key.encode()).hexdigest()}.bin"
