@@ -36,7 +36,10 @@ from opara_core.engine.inductor_cache import INDUCTOR_ENV
 from opara_core.engine.interpreter import plan_graph
 from opara_core.engine.trace import trace_zoo
 
-log = logging.getLogger(__name__)
+# by name: run as `python -m opara_core.bench` this module is `__main__`, whose logger the
+# "opara_core" level set in main() does not reach (run 28 lost its INFO lines: the serving
+# build's seconds, logged for runs cut before their row is written)
+log = logging.getLogger("opara_core.bench")
 
 POLICIES = ("opara", "nimble", "asap", "wavefront")
 TARGET_SECONDS = 0.2  # of timed calls per variant and repetition
@@ -474,7 +477,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 0
     if args.report:
-        rows = merge_rows([row for path in args.report for row in _read_json(path)])
+        read = [row for path in args.report for row in _read_json(path)]
+        rows = merge_rows(read)
+        log.info("%d rows from %d files, %d after merging", len(read), len(args.report), len(rows))
         print(table(rows))
         if args.plot:
             plot_speedups(rows, args.plot)

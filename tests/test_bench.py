@@ -70,3 +70,17 @@ def test_a_reused_cache_without_no_plan_capture_is_refused(tmp_path, capsys, mon
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)  # stop at the next check, even on a GPU machine
     assert bench.main(["--models", "googlenet", "--cache-dir", str(tmp_path / "empty")]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_run_as_a_module_its_own_info_lines_reach_stderr(tmp_path):
+    """`python -m opara_core.bench` runs this module as `__main__`: its logger
+    must still be under "opara_core", whose INFO level main() sets (run 28's
+    bench logs lacked the build seconds logged for runs cut before their row)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"meta": {}, "rows": [asdict(_row("bert", 1, compile=1.5)), asdict(_row("bert", 1, auto=1.2))]}))
+    done = subprocess.run([sys.executable, "-m", "opara_core.bench", "--report", str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "INFO opara_core.bench: 2 rows from 1 files, 1 after merging" in done.stderr, done.stderr[-2000:]
