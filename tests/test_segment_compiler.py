@@ -253,6 +253,41 @@ def test_code_from_a_compile_worker_that_fails_its_check_is_compiled_again_here(
         assert torch.allclose(run_plan(fused, plan, x), module(x), rtol=1e-5, atol=1e-6)
 
 
+class MaskedLinear(torch.nn.Module):
+    """A linear layer whose output is masked by a tensor no input feeds (as
+    BERT's attention mask starts with `arange(0, 128)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        keep = (torch.arange(16) % 3).unsqueeze(0) > 0
+        return self.linear(x).masked_fill(keep, 0.0).softmax(-1)
+
+
+def test_code_a_worker_compiled_runs_where_it_is_loaded_even_with_input_free_tensors(tmp_path):
+    # A pickled GraphModule is rebuilt by tracing its code, which computes `keep` and keeps it
+    # as a tensor constant; Inductor then takes it as an input the saved artifact lacks, and the
+    # code loaded in the building process expected more inputs than it got (session 28: BERT's
+    # and T5's whole-model segments, every one compiled twice). Workers get the graph node by node.
+    torch.manual_seed(7)
+    module = MaskedLinear().eval()
+    x = torch.randn(4, 16)
+    graph = trace(module, (x,))
+    fused, _ = fused_lanes(graph, plan_graph(graph, "sequential"))  # one segment: the mask inside it
+    (segment,) = [m for m in fused.module.children() if isinstance(m, CompiledSegment)]
+    assert segment_compiler.PortableGraph.of(segment.code).module().code == segment.code.code
+    metas = [TensorMeta.of(x), *map(TensorMeta.of, segment.weights)]
+    # two jobs: compiled in two worker processes
+    assert segment_compiler.compile_all([("a", segment.code, metas), ("b", segment.code, metas)], tmp_path, workers=2) == set()
+    with torch.inference_mode():
+        want = segment.eager(x)
+        for key in ("a", "b"):
+            got = torch._inductor.CompiledArtifact.load(path=str(tmp_path / f"{key}.bin"), format="binary")(x, *segment.weights)
+            assert len(got) == len(want) and all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want))
+
+
 def test_tensor_meta_round_trips_through_json_and_gives_the_layout_of_its_tensor():
     base = torch.arange(60, dtype=torch.float32).reshape(3, 4, 5)
     tensors = [base, base.transpose(0, 2), base[1:, ::2], torch.ones(2, 3, dtype=torch.int64), torch.zeros(4, dtype=torch.bool)]

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.fx import Graph, GraphModule, Interpreter
+from torch.fx import Graph, GraphModule, Interpreter, Node
 
 from opara_core.cpus import usable_cpus
 from opara_core.engine import custom_ops
@@ -332,8 +332,8 @@ def _checked(
     segment: CompiledSegment, compiled: Callable[..., Any], sample: tuple | None, cache_dir: Path, key: str, saved: bool = True, retry: bool = False
 ) -> Callable[..., Any]:
     """Inductor's code for a segment, used only if it computes what the segment
-    does on `sample`: torch 2.11's runtime wrapper fails on some segments, with
-    an IndexError on BERT's attention mask, saved or not. Otherwise the segment
+    does on `sample` (torch 2.11's failed on BERT's attention mask with an
+    IndexError when a worker had compiled it: see PortableGraph). Otherwise the segment
     runs its ATen operators: its canonical fx module, which takes the weights of
     whichever segment of that structure calls it; the wrong marker says why to
     later builds. Saved code that passed once is not checked again (its passed
@@ -370,9 +370,11 @@ def _compiled_here(segment: CompiledSegment, job: tuple[GraphModule, Sequence[Te
     whole-model BERT graph failed its check (IndexError) after the build's
     workers compiled it (docs/benchmarks.md run 10: 2.32 ms, its ATen
     operators) and passed when the building process compiled it (run 9: 1.41
-    ms); which difference matters is not known yet, so such code gets one more
-    compile here. Code that passes replaces the worker's on disk; code that
-    fails gets the wrong marker, and the ATen operators run."""
+    ms): a worker's code of a segment computing tensors from no input expected
+    them as inputs (PortableGraph, which now sends workers the graph itself).
+    Any other such failure still gets one more compile here. Code that passes
+    replaces the worker's on disk; code that fails gets the wrong marker, and
+    the ATen operators run."""
     try:
         artifact = _compile(*job)
     except Exception as error:  # noqa: BLE001 - the ATen operators still run
@@ -470,7 +472,7 @@ def compile_all(jobs: Sequence[tuple[str, GraphModule, Sequence[TensorMeta]]], c
             context = multiprocessing.get_context("spawn")
             context.set_executable(python_interpreter())
             with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_setup) as pool:
-                futures = [pool.submit(compile_one, key, code, metas, cache_dir) for key, code, metas in jobs]
+                futures = [pool.submit(_compile_portable, key, PortableGraph.of(code), metas, cache_dir) for key, code, metas in jobs]
                 for future in concurrent.futures.as_completed(futures):
                     key, reason = future.result()
                     done[key] = reason
@@ -480,6 +482,73 @@ def compile_all(jobs: Sequence[tuple[str, GraphModule, Sequence[TensorMeta]]], c
         if key not in done:
             done[key] = compile_one(key, code, metas, cache_dir)[1]
     return {key for key, reason in done.items() if reason is not None}
+
+
+@dataclass(frozen=True)
+class _NodeRef:
+    index: int  # of the node it stands for, in PortableGraph.nodes
+
+
+@dataclass(frozen=True)
+class _OpName:
+    """An operator (`torch.ops.NS.OP`, or one overload of it) by name: they do not pickle."""
+
+    namespace: str
+    op: str
+    overload: str | None  # None: the packet of every overload
+
+    @classmethod
+    def of(cls, target: Any) -> Any:
+        """`target` itself where it pickles (a Python function, a placeholder's name)."""
+        if isinstance(target, torch._ops.OpOverload):
+            return cls(target.namespace, target._schema.name.partition("::")[2], target._overloadname)
+        if isinstance(target, torch._ops.OpOverloadPacket):
+            namespace, _, op = target._qualified_op_name.partition("::")
+            return cls(namespace, op, None)
+        return target
+
+    def resolve(self) -> Any:
+        packet = getattr(getattr(torch.ops, self.namespace), self.op)
+        return packet if self.overload is None else getattr(packet, self.overload)
+
+
+@dataclass(frozen=True)
+class PortableGraph:
+    """A segment's code for a compile worker, node by node. A pickled GraphModule
+    is rebuilt by tracing its Python code, and the tracer runs every call that
+    reads no input (BERT's attention mask starts with `arange(0, 128)`) and
+    keeps the results as tensor constants; Inductor takes those as inputs of
+    its code that a saved artifact does not hold, so the worker's code for
+    BERT's and T5's whole-model segments, loaded in the building process,
+    expected 4 inputs more than it got, and every such segment was compiled
+    again there. Reproduced on the CPU machine (torch 2.14: "not enough values to
+    unpack (expected 157, got 153)" for BERT's; tests/test_segment_compiler.py);
+    on the GPU machine (torch 2.11) T5's six such segments failed with an
+    IndexError and were compiled again, 10-14 s each (docs/benchmarks.md run 28):
+    the same cause, not yet confirmed there."""
+
+    nodes: tuple[tuple[str, Any, tuple, dict, str], ...]  # op, target, args, kwargs, name
+
+    @classmethod
+    def of(cls, code: GraphModule) -> PortableGraph:
+        index = {node: i for i, node in enumerate(code.graph.nodes)}
+        def ref(node: Node) -> _NodeRef:
+            return _NodeRef(index[node])
+        return cls(tuple((n.op, _OpName.of(n.target), torch.fx.map_arg(n.args, ref), torch.fx.map_arg(n.kwargs, ref), n.name) for n in code.graph.nodes))
+
+    def module(self) -> GraphModule:
+        graph, built = Graph(), []
+        def node(value: Any) -> Any:
+            return built[value.index] if isinstance(value, _NodeRef) else value
+        for op, target, args, kwargs, name in self.nodes:
+            target = target.resolve() if isinstance(target, _OpName) else target
+            built.append(graph.create_node(op, target, torch.fx.node.map_aggregate(args, node), torch.fx.node.map_aggregate(kwargs, node), name=name))
+        return GraphModule(torch.nn.Module(), graph)
+
+
+def _compile_portable(key: str, code: PortableGraph, metas: Sequence[TensorMeta], cache_dir: Path) -> tuple[str, str | None]:
+    """`compile_one` in a compile worker."""
+    return compile_one(key, code.module(), metas, cache_dir)
 
 
 def _worker_setup() -> None:
