@@ -266,11 +266,12 @@ class MaskedLinear(torch.nn.Module):
         return self.linear(x).masked_fill(keep, 0.0).softmax(-1)
 
 
-def test_code_a_worker_compiled_runs_where_it_is_loaded_even_with_input_free_tensors(tmp_path):
+def test_code_a_worker_compiled_runs_where_it_is_loaded_even_with_input_free_tensors(tmp_path, monkeypatch):
     # A pickled GraphModule is rebuilt by tracing its code, which computes `keep` and keeps it
     # as a tensor constant; Inductor then takes it as an input the saved artifact lacks, and the
     # code loaded in the building process expected more inputs than it got (session 28: BERT's
     # and T5's whole-model segments, every one compiled twice). Workers get the graph node by node.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the workers' too: no earlier test's entries
     torch.manual_seed(7)
     module = MaskedLinear().eval()
     x = torch.randn(4, 16)
@@ -286,6 +287,17 @@ def test_code_a_worker_compiled_runs_where_it_is_loaded_even_with_input_free_ten
         for key in ("a", "b"):
             got = torch._inductor.CompiledArtifact.load(path=str(tmp_path / f"{key}.bin"), format="binary")(x, *segment.weights)
             assert len(got) == len(want) and all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want))
+    # on lanes of their own the mask's operators are a segment that reads no input: rebuilt from
+    # pickled code it only returned a constant, which Inductor saved nothing for (BERT's four
+    # "not saved" segments, compiled again by every build)
+    fused, _ = _fused(module, x)
+    free = [m for m in fused.module.children() if isinstance(m, CompiledSegment) and not any(n.op == "placeholder" and not n.name.startswith("w") for n in m.code.graph.nodes)]
+    assert free, fused.module.code
+    metas = [TensorMeta.of(w) for w in free[0].weights]
+    assert segment_compiler.compile_all([("c", free[0].code, metas), ("d", free[0].code, metas)], tmp_path, workers=2) == set()
+    with torch.inference_mode():
+        got = torch._inductor.CompiledArtifact.load(path=str(tmp_path / "c.bin"), format="binary")(*free[0].weights)
+        assert all(torch.equal(g, w) for g, w in zip(got, free[0].eager()))
 
 
 def test_tensor_meta_round_trips_through_json_and_gives_the_layout_of_its_tensor():
