@@ -3,7 +3,7 @@
 Each op registers itself on first use (no side effects at import), which is
 when a fusion pass puts it in a graph. A process that receives such a graph
 without having run the pass, a segment-compile worker (engine.segment_compiler)
-unpickling its segment, must register them first: a NASNet build's workers
+rebuilding its segment from operator names, must register them first: a NASNet build's workers
 met `torch.ops.opara.depthwise_conv2d` unregistered, broke the pool, and left
 every segment to the building process (H200, docs/benchmarks.md run 27).
 """
