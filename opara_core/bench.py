@@ -32,7 +32,7 @@ import torch
 from opara_core import zoo
 from opara_core.engine.build import FUSED_GRAPHS, BuildReport, Candidate, EngineSettings, build_runner, candidates, capture_fastest, plan_capture, traced_graphs
 from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, capture_module, pool_mb
-from opara_core.engine.inductor_cache import INDUCTOR_ENV
+from opara_core.engine.inductor_cache import INDUCTOR_ENV, TRITON_ENV
 from opara_core.engine.interpreter import plan_graph
 from opara_core.engine.trace import trace_zoo
 
@@ -132,6 +132,7 @@ def bench_model(
     columns: Collection[str] = (),
     cache_dir: Path | None = None,
     cudnn_benchmark: bool = True,
+    compile_here: bool = False,
 ) -> list[Row]:
     """Every variant of one model at each batch size (see the module docstring);
     `on_row` gets each row as soon as it is measured (a cut run keeps its rows);
@@ -142,7 +143,9 @@ def bench_model(
     `cudnn_benchmark`: cuDNN times its convolution algorithms per shape (on:
     every column but the fused-lanes ones, which always take the heuristics,
     engine.fused_lanes) or takes its heuristics' pick (off, every column: the
-    engine's `autotune` setting off, torch.compile with the flag off).
+    engine's `autotune` setting off, torch.compile with the flag off);
+    `compile_here`: time the torch.compile columns in this process (the
+    process `compiled_elsewhere` starts), not in a process of their own.
 
     Policy columns use the NCHW graph (NHWC with --layout nhwc); `auto` chooses
     among the layouts `--layout` allows, as serving does.
@@ -184,10 +187,14 @@ def bench_model(
             with torch.inference_mode():
                 row.timings["eager"] = time_calls(lambda i: module(*inputs[i % len(inputs)]))
         progress.update()
-        if compile_ and "compile" in wanted:
-            row.timings["compile"] = _time_compiled(module, inputs, row, "default")
-        if compile_autotune and "compile max-autotune" in wanted:
-            row.timings["compile max-autotune"] = _time_compiled(module, inputs, row, "max-autotune-no-cudagraphs")
+        compile_columns = [c for c, on in (("compile", compile_), ("compile max-autotune", compile_autotune)) if on and c in wanted]
+        if compile_here:
+            if "compile" in compile_columns:
+                row.timings["compile"] = _time_compiled(module, inputs, row, "default")
+            if "compile max-autotune" in compile_columns:
+                row.timings["compile max-autotune"] = _time_compiled(module, inputs, row, "max-autotune-no-cudagraphs")
+        elif compile_columns:
+            compiled_elsewhere(name, batch, compile_columns, row, cache_dir, cudnn_benchmark)
         progress.update()
         if graph is None:  # eager and compile columns only
             _keep(row, rows, on_row)
@@ -244,6 +251,37 @@ def _keep(row: Row, rows: list[Row], on_row: Callable[[Row], None] | None) -> No
     rows.append(row)
     if on_row is not None:
         on_row(row)
+
+
+def compiled_elsewhere(name: str, batch: int, columns: Sequence[str], row: Row, cache_dir: Path | None, cudnn_benchmark: bool) -> None:
+    """Time the torch.compile `columns` of one row in a process of their own
+    and put them (and their notes) into `row`. cuDNN keeps the first plan it
+    made for a convolution's parameters for the whole process, whichever way it
+    made it, and Inductor's channels-last convolutions have the fused lanes'
+    parameters: in one process the serving build's heuristic plans (fused
+    lanes take the heuristics) became torch.compile's at the rows timed after
+    it, and torch.compile's benchmarked plans the fused columns' at the rows
+    timed before them (run 29). Its own process gives torch.compile what its
+    user gets (`cudnn.benchmark` as the bench sets it) and leaves the engine's
+    columns what serving replays. Its Inductor cache is its own (`compile`
+    under `cache_dir`, reused with it), never the engine's, whose cold build it
+    would warm."""
+    with tempfile.TemporaryDirectory(prefix=f"opara-bench-compile-{name}-") as tmp:
+        out = Path(tmp) / "rows.json"
+        command = [sys.executable, "-m", "opara_core.bench", "--models", name, "--batch", str(batch), "--columns", ",".join(columns),
+                   "--no-plan-capture", "--compile-here", "--json", str(out), "--cache-dir", str((cache_dir or Path(tmp)) / "compile")]  # fmt: skip
+        command += ["--compile-autotune", name] if "compile max-autotune" in columns else []
+        command += [] if cudnn_benchmark else ["--no-cudnn-benchmark"]
+        env = {k: v for k, v in os.environ.items() if k not in ("OPARA_CACHE_DIR", INDUCTOR_ENV, TRITON_ENV)}
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        measured = _read_json(out) if out.exists() else []
+    for got in measured:
+        row.timings.update(got.timings)
+        row.notes += [f"{note} (in a process of its own)" for note in got.notes]
+    missing = [c for c in columns if c not in row.timings]
+    if missing:
+        row.notes.append(f"{', '.join(missing)}: its process ended with {done.returncode}: {done.stderr.strip()[-500:]}")
+        log.warning("%s b%d: %s not measured: %s", name, batch, ", ".join(missing), done.stderr.strip()[-2000:])
 
 
 def _time_compiled(module: torch.nn.Module, inputs, row: Row, mode: str) -> Timing | None:
@@ -466,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="PNG of speedups over the sequential graph")
     parser.add_argument("--timeline", type=Path, help="PNG of the first model's stream timeline at batch 1")
     parser.add_argument("--report", type=Path, nargs="+", help="no run: print the table (and --plot) of these JSON files")
+    parser.add_argument("--compile-here", action="store_true", help=argparse.SUPPRESS)  # the torch.compile columns in this process (compiled_elsewhere's)
     parser.add_argument("--build-only", metavar="MODEL", help=argparse.SUPPRESS)  # one serving build, its report as JSON (the warm build)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -513,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
             progress.set_postfix_str(name)
             compile_ = args.compile_models is None or name in args.compile_models.split(",")
             autotune = name in args.compile_autotune.split(",")
-            bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns, args.cache_dir, not args.no_cudnn_benchmark)
+            bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns, args.cache_dir, not args.no_cudnn_benchmark, args.compile_here)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"fp32 (cuDNN TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'}, cuDNN benchmark {'on' if torch.backends.cudnn.benchmark else 'off'}), times in ms: median (p99)")
     print(table(rows))

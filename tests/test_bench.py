@@ -84,3 +84,28 @@ def test_run_as_a_module_its_own_info_lines_reach_stderr(tmp_path):
     done = subprocess.run([sys.executable, "-m", "opara_core.bench", "--report", str(path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "INFO opara_core.bench: 2 rows from 1 files, 1 after merging" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the failure path: the child process needs no GPU to fail")
+def test_a_compile_column_its_own_process_could_not_measure_is_a_note_naming_why(tmp_path):
+    """The torch.compile columns run in a process of their own (cuDNN's plans
+    are per process, run 29); when that process fails, the row says which
+    columns are missing and what the process said, and nothing else breaks."""
+    row = Row("deepfm", 1)
+    bench.compiled_elsewhere("deepfm", 1, ["compile"], row, tmp_path, cudnn_benchmark=True)
+    assert "compile" not in row.timings
+    assert any(note.startswith("compile: its process ended with 2") and "needs a CUDA GPU" in note for note in row.notes), row.notes
+    assert not (tmp_path / "inductor").exists()  # its cache is its own, never the engine's
+
+
+@pytest.mark.gpu
+def test_the_compile_column_is_timed_in_a_process_of_its_own(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    row = Row("deepfm", 1)
+    bench.compiled_elsewhere("deepfm", 1, ["compile"], row, tmp_path, cudnn_benchmark=True)
+    assert row.timings["compile"].median_ms > 0, row.notes
+    assert any(note.endswith("(in a process of its own)") and "compile and warm-up" in note for note in row.notes), row.notes
+    assert (tmp_path / "compile" / "inductor").is_dir() and not (tmp_path / "inductor").exists()
