@@ -257,11 +257,11 @@ def compiled_elsewhere(name: str, batch: int, columns: Sequence[str], row: Row, 
     """Time the torch.compile `columns` of one row in a process of their own
     and put them (and their notes) into `row`. cuDNN keeps the first plan it
     made for a convolution's parameters for the whole process, whichever way it
-    made it, and Inductor's channels-last convolutions have the fused lanes'
-    parameters: in one process the serving build's heuristic plans (fused
-    lanes take the heuristics) became torch.compile's at the rows timed after
-    it, and torch.compile's benchmarked plans the fused columns' at the rows
-    timed before them (run 29). Its own process gives torch.compile what its
+    made it, and Inductor's channels-last convolutions can have the fused
+    lanes' parameters: in one process the serving build's heuristic plans
+    (fused lanes take the heuristics) could become torch.compile's at the rows
+    timed after it, and torch.compile's benchmarked plans the fused columns'
+    at rows timed without that build (run 29's NASNet 8/32, ResNet-50 1/32). Its own process gives torch.compile what its
     user gets (`cudnn.benchmark` as the bench sets it) and leaves the engine's
     columns what serving replays. Its Inductor cache is its own (`compile`
     under `cache_dir`, reused with it), never the engine's, whose cold build it
