@@ -1,6 +1,6 @@
 """auto's remembered choices: keyed by everything they depend on, read back as
-written, and a file that cannot be read is ignored (CPU); a second build on the
-GPU captures only the remembered candidates."""
+written, a file that cannot be read is ignored, and only the remembered
+candidates get captures (CPU); a second build on the GPU captures only them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from opara_core import zoo
 from opara_core.engine import choices
-from opara_core.engine.build import Candidate, EngineSettings, build_runner
+from opara_core.engine.build import Candidate, EngineSettings, build_runner, needed
 
 CPU = torch.device("cpu")
 GRAPHS = {"nchw": "sha256:aaa", "nhwc": "sha256:aaa"}
@@ -53,6 +53,14 @@ def test_candidate_text_round_trips():
         assert Candidate.parse(str(candidate)) == candidate
     with pytest.raises(ValueError):
         Candidate.parse("opara/8")
+
+
+def test_a_build_makes_captures_of_the_remembered_candidates_only_when_every_bucket_has_one():
+    plans = {Candidate.parse(text): text for text in ("nchw:sequential/1", "nchw:opara/8", "inductor:sequential/1", "inductor-cudnn:opara/8")}
+    fused, aten = Candidate.parse("inductor-cudnn:opara/8"), Candidate.parse("nchw:opara/8")
+    assert needed(plans, {1: fused, 8: aten, 32: fused}, (1, 8, 32)) == {aten: "nchw:opara/8", fused: "inductor-cudnn:opara/8"}
+    assert needed(plans, {1: fused, 8: aten}, (1, 8, 32)) == plans  # bucket 32 is timed: every candidate
+    assert needed(plans, None, (1, 8, 32)) == plans
 
 
 @pytest.mark.gpu
