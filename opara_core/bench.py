@@ -261,11 +261,11 @@ def compiled_elsewhere(name: str, batch: int, columns: Sequence[str], row: Row, 
     lanes' parameters: in one process the serving build's heuristic plans
     (fused lanes take the heuristics) could become torch.compile's at the rows
     timed after it, and torch.compile's benchmarked plans the fused columns'
-    at rows timed without that build (run 29's NASNet 8/32, ResNet-50 1/32). Its own process gives torch.compile what its
-    user gets (`cudnn.benchmark` as the bench sets it) and leaves the engine's
-    columns what serving replays. Its Inductor cache is its own (`compile`
-    under `cache_dir`, reused with it), never the engine's, whose cold build it
-    would warm."""
+    at rows timed without that build (run 29's NASNet 8/32, ResNet-50 1/32).
+    Its own process gives torch.compile what its user gets (`cudnn.benchmark`
+    as the bench sets it) and leaves the engine's columns what serving
+    replays. Its Inductor cache is its own (`compile` under `cache_dir`,
+    reused with it), never the engine's, whose cold build it would warm."""
     with tempfile.TemporaryDirectory(prefix=f"opara-bench-compile-{name}-") as tmp:
         out = Path(tmp) / "rows.json"
         command = [sys.executable, "-m", "opara_core.bench", "--models", name, "--batch", str(batch), "--columns", ",".join(columns),
