@@ -215,7 +215,9 @@ def build_runner(
     compiled: list[CompileCount] = []  # what preparing fused lanes up front loaded and compiled
 
     def make_captures(wanted: Mapping[Candidate, Plan]) -> None:
+        start = time.perf_counter()
         captures.update({c: plan_capture(c, graphs[c.graph], plan, lane_pool, segment_cache) for c, plan in wanted.items() if c not in captures})
+        report.seconds["captures made"] = report.seconds.get("captures made", 0.0) + time.perf_counter() - start
 
     def multi_stream() -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
         if settings.fail_capture:
@@ -268,7 +270,9 @@ def build_runner(
             if settings.guard:
                 fused = {b for b, c in report.choices.items() if isinstance(c, Candidate) and c.fused}
                 tolerances = {b: settings.fused_tolerance if b in fused else settings.guard_tolerance for b in report.choices}
+                guard_start = time.perf_counter()
                 check_against_eager(runner, references, entry, tolerances)
+                report.seconds["guard"] = time.perf_counter() - guard_start
         except (CaptureError, GuardError, RuntimeError) as error:
             if report.remembered:
                 choices.forget(key)
