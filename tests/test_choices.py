@@ -9,7 +9,7 @@ import torch
 
 from opara_core import zoo
 from opara_core.engine import choices
-from opara_core.engine.build import Candidate, EngineSettings, build_runner, needed
+from opara_core.engine.build import BuildReport, Candidate, EngineSettings, build_runner, needed, recipe_key, trace_for_build, traced_graphs
 
 CPU = torch.device("cpu")
 GRAPHS = {"nchw": "sha256:aaa", "nhwc": "sha256:aaa"}
@@ -48,6 +48,40 @@ def test_an_unreadable_file_is_ignored(tmp_path):
     assert choices.load("k", tmp_path) is None
 
 
+def test_a_recipe_reads_back_and_forget_removes_it(tmp_path):
+    choices.store_recipe("r", "k", {"inductor-cudnn": "sha256:aaa"}, tmp_path)
+    assert choices.load_recipe("r", tmp_path) == ("k", {"inductor-cudnn": "sha256:aaa"})
+    choices.forget_recipe("r", tmp_path)
+    assert choices.load_recipe("r", tmp_path) is None
+    (tmp_path / "recipe-r.json").write_text('{"key": "k"}')  # no graphs: unreadable, ignored
+    assert choices.load_recipe("r", tmp_path) is None
+
+
+def test_the_recipe_key_changes_with_the_traced_graph_and_every_setting():
+    entry = zoo.get("deepfm")
+    module = entry.build().eval()
+    traced = traced_graphs(module, entry, CPU, EngineSettings(fusion=False, layout="nchw"), BuildReport())["nchw"]
+    key = recipe_key(traced, EngineSettings(), CPU)
+    assert key == recipe_key(traced, EngineSettings(), CPU)
+    assert key != recipe_key(traced, EngineSettings(max_streams=4), CPU)
+    assert key != recipe_key(traced, EngineSettings(buckets=(1, 8)), CPU)
+    assert key != recipe_key(traced, EngineSettings(fused_lanes=True), CPU)
+    other = zoo.get("googlenet")
+    graph = traced_graphs(other.build().eval(), other, CPU, EngineSettings(fusion=False, layout="nchw"), BuildReport())["nchw"]
+    assert key != recipe_key(graph, EngineSettings(), CPU)
+
+
+def test_only_the_graphs_asked_for_are_made():
+    entry = zoo.get("googlenet")
+    module = entry.build().eval()
+    settings = EngineSettings(fusion=False)
+    assert sorted(traced_graphs(module, entry, CPU, settings, BuildReport())) == ["nchw", "nhwc"]
+    report = BuildReport()
+    assert sorted(traced_graphs(module, entry, CPU, settings, report, only={"nhwc"})) == ["nhwc"]
+    assert traced_graphs(module, entry, CPU, EngineSettings(), report, only={"inductor"}) == {}  # fused graphs: GPU only
+    assert report.fusion is None  # the ATen graph was not fused for it
+
+
 def test_candidate_text_round_trips():
     for candidate in (Candidate("nchw", "opara", 8), Candidate("inductor", "sequential", 1)):
         assert Candidate.parse(str(candidate)) == candidate
@@ -74,6 +108,11 @@ def test_a_second_build_captures_only_the_remembered_choices(tmp_path, monkeypat
     second_runner, second = build_runner(entry.build(), entry, device, 4, settings)
     assert second.remembered and second.choices == first.choices, second.summary()
     assert not any(k.startswith("timing") for k in second.seconds), second.seconds
+    # the second build made only the graphs its choices use (engine.choices' recipe)
+    used = {c.graph for c in first.choices.values()}
+    _, graphs = choices.load_recipe(recipe_key(trace_for_build(entry.build().to(device).eval(), entry, device, BuildReport()), settings, device))
+    assert set(graphs) == used, graphs
+    assert (second.fusion is None) == used.isdisjoint({"nchw", "nhwc"}), (used, second.fusion)
     inputs = entry.example_inputs(3, seed=11)
     for a, b in zip(first_runner.run(inputs), second_runner.run(inputs)):
         assert torch.allclose(a.cpu(), b.cpu(), rtol=1e-4, atol=1e-5)

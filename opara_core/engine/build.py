@@ -12,6 +12,8 @@ multi-stream graph -> sequential graph -> eager. On a CPU: eager.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import logging
 import operator
 import time
@@ -206,13 +208,29 @@ def build_runner(
         return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
     module = module.to(device).eval()
     torch.backends.cudnn.benchmark = settings.autotune
-    graphs = traced_graphs(module, entry, device, settings, report)
+    traced = trace_for_build(module, entry, device, report)
+    recipe = recipe_key(traced, settings, device) if traced is not None and settings.remember_choices else None
+    # a build whose choices are remembered fuses and profiles only the graphs they use
+    graphs, key = _remembered_graphs(recipe, module, entry, device, settings, report, traced) if recipe else ({}, "")
+    from_recipe = bool(graphs)
+    if not graphs and traced is not None:
+        graphs = traced_graphs(module, entry, device, settings, report, traced=traced)
     lane_pool = LanePool(device) if pool is None else pool.lanes
-    segment_cache = Path(report.inductor) / "segments" if any(g in graphs for g in FUSED_GRAPHS) else None
+    segment_cache = Path(report.inductor) / "segments" if report.inductor else None  # set where fused lanes are on
     plans = candidates(graphs, settings)
-    key = choices.choices_key({k: g.fingerprint for k, g in graphs.items()}, map(str, plans), settings.buckets, device)
+    key = key or choices.choices_key({k: g.fingerprint for k, g in graphs.items()}, map(str, plans), settings.buckets, device)
     captures: dict[Candidate, PlanCapture] = {}
     compiled: list[CompileCount] = []  # what preparing fused lanes up front loaded and compiled
+
+    def every_graph() -> None:
+        """Every graph, its candidates and the full key, as a build without a
+        recipe has them: for timing every candidate again, or the sequential fallback."""
+        nonlocal graphs, plans, key, from_recipe
+        if from_recipe:
+            graphs = traced_graphs(module, entry, device, settings, report, traced=traced)
+            plans = candidates(graphs, settings)
+            key = choices.choices_key({k: g.fingerprint for k, g in graphs.items()}, map(str, plans), settings.buckets, device)
+            from_recipe = False
 
     def make_captures(wanted: Mapping[Candidate, Plan]) -> None:
         start = time.perf_counter()
@@ -223,8 +241,13 @@ def build_runner(
         if settings.fail_capture:
             raise CaptureError("capture failure forced by the fail_capture switch")
         handle = None if pool is None else pool.handle
-        known = choices.load(key) if settings.remember_choices else None
-        known = _remembered(known, plans, report) if known is not None else None
+        known = remembered()
+        if from_recipe and (known is None or not set(known) >= set(settings.buckets)):  # a recipe without its choices
+            report.remembered = False
+            report.choices.clear()
+            report.timings_ms.clear()
+            every_graph()
+            known = remembered()
         make_captures(needed(plans, known, settings.buckets))
         start = time.perf_counter()
         compiled.append(_prepare_fused(captures, entry, device, settings.buckets, known))
@@ -236,15 +259,26 @@ def build_runner(
             if not report.remembered:
                 raise
             log.warning("the remembered choices failed (%s); timing every candidate again", error)
-            choices.forget(key)
+            forget()
             report.remembered = False
             report.choices.clear()
             report.timings_ms.clear()
+            every_graph()
             make_captures(plans)
             chosen = capture_fastest(captures, entry, device, settings.buckets, report, handle)
         return chosen, {b: graphs[c.graph].module for b, c in report.choices.items()}
 
+    def remembered() -> dict[int, Candidate] | None:
+        known = choices.load(key) if settings.remember_choices else None
+        return _remembered(known, plans, report) if known is not None else None
+
+    def forget() -> None:
+        choices.forget(key)
+        if recipe:
+            choices.forget_recipe(recipe)
+
     def sequential() -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
+        every_graph()  # its graph is the ATen one
         shared = torch.cuda.graph_pool_handle() if pool is None else pool.handle
         with torch.inference_mode():  # no autograd state in the graphs or their outputs
             if graphs:
@@ -275,7 +309,7 @@ def build_runner(
                 report.seconds["guard"] = time.perf_counter() - guard_start
         except (CaptureError, GuardError, RuntimeError) as error:
             if report.remembered:
-                choices.forget(key)
+                forget()
             report.fallbacks.append(f"{kind}: {error}")
             log.warning("%s failed, falling back to %s: %s", kind, "a sequential graph" if kind != "sequential graph" else "eager", error)
             report.choices.clear()
@@ -285,12 +319,50 @@ def build_runner(
         report.runner = kind
         if kind == "multi-stream graph" and settings.remember_choices and not report.remembered:
             choices.store(key, report.choices, report.timings_ms)
+        if kind == "multi-stream graph" and recipe and not from_recipe:
+            choices.store_recipe(recipe, key, {c.graph: graphs[c.graph].fingerprint for c in report.choices.values() if isinstance(c, Candidate)})
         if segment_cache is not None:
             counts = [*compiled, *(c.count for c in captures.values() if isinstance(c, InductorCapture))]
             report.inductor += f": {sum(counts, CompileCount())}"
         return runner, report
     report.runner = "eager"
     return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
+
+
+@functools.cache
+def _code_digest() -> str:
+    """The engine's and the planners' code: a change anywhere times the candidates again."""
+    digest = hashlib.sha256()
+    for path in sorted([*Path(__file__).parent.glob("*.py"), *(Path(__file__).parents[1] / "planning").rglob("*.py")]):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def recipe_key(traced: OpGraph, settings: EngineSettings, device: torch.device) -> str:
+    """The key of what a build starts from: the traced graph, the settings and
+    the code that fuses, plans and chooses (engine.choices' recipe)."""
+    return choices.choices_key({"traced": traced.fingerprint, "code": _code_digest()}, [repr(settings)], settings.buckets, device)
+
+
+def _remembered_graphs(
+    recipe: str, module, entry: zoo.ZooModel, device: torch.device, settings: EngineSettings, report: BuildReport, traced: OpGraph
+) -> tuple[dict[str, OpGraph], str]:
+    """Only the graphs an earlier build's remembered choices use, and the key
+    they are stored under; ({}, "") where there is no recipe, or a graph came
+    out other than it was then (the build then makes every graph)."""
+    found = choices.load_recipe(recipe)
+    if found is None:
+        return {}, ""
+    key, fingerprints = found
+    try:
+        graphs = traced_graphs(module, entry, device, settings, report, traced=traced, only=fingerprints)
+    except Exception as error:  # noqa: BLE001 - every graph is still made
+        log.warning("the remembered graphs could not be made (%s: %s); making every graph", type(error).__name__, error)
+        return {}, ""
+    if {name: graph.fingerprint for name, graph in graphs.items()} != fingerprints:
+        log.info("the remembered choices' graphs changed; making every graph")
+        return {}, ""
+    return graphs, key
 
 
 def static_inputs(entry: zoo.ZooModel, bucket: int, device: torch.device) -> list[torch.Tensor]:
@@ -368,8 +440,24 @@ def capture_fastest(
     return chosen
 
 
-def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: EngineSettings, report: BuildReport) -> dict[str, OpGraph]:
+def trace_for_build(module, entry: zoo.ZooModel, device: torch.device, report: BuildReport) -> OpGraph | None:
+    """The model traced (through the trace cache); None, with the reason in the report, if tracing fails."""
+    start = time.perf_counter()
+    try:
+        graph = trace_zoo(entry, module, device, cache=trace_cache.cache_dir())
+    except Exception as error:  # noqa: BLE001 - any tracing failure falls back
+        report.fallbacks.append(f"tracing: {error}")
+        return None
+    report.seconds["trace"] = time.perf_counter() - start
+    return graph
+
+
+def traced_graphs(
+    module, entry: zoo.ZooModel, device: torch.device, settings: EngineSettings, report: BuildReport, traced: OpGraph | None = None, only: Collection[str] | None = None
+) -> dict[str, OpGraph]:
     """The model traced (and fused) in each layout to try; empty if tracing fails.
+    `traced`: the model already traced (trace_for_build); `only`: just these of
+    the graphs (a build whose remembered choices use only them).
 
     The guard later compares each replay with its own graph run eagerly (same
     kernels): fusion is checked on its own here, against the unfused graph in
@@ -380,17 +468,15 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
     """
     has_convs = any(isinstance(m, torch.nn.Conv2d) for m in module.modules())
     layouts = {"auto": ("nchw", "nhwc") if has_convs else ("nchw",), "nchw": ("nchw",), "nhwc": ("nhwc",)}[settings.layout]
-    start = time.perf_counter()
-    try:
-        graph = trace_zoo(entry, module, device, cache=trace_cache.cache_dir())
-    except Exception as error:  # noqa: BLE001 - any tracing failure falls back
-        report.fallbacks.append(f"tracing: {error}")
+    if only is not None:
+        layouts = tuple(layout for layout in layouts if layout in only)
+    traced = traced if traced is not None else trace_for_build(module, entry, device, report)
+    if traced is None:
         return {}
-    report.seconds["trace"] = time.perf_counter() - start
-    traced = graph
+    graph = traced
     buckets = sorted({min(settings.buckets), max(settings.buckets)})
     checks = [tuple(t.to(device) for t in entry.example_inputs(b, seed=7)) for b in buckets]
-    if settings.fusion:
+    if settings.fusion and layouts:
         start = time.perf_counter()
         try:
             graph, report.fusion = fuse_graph(graph, device, check_inputs=checks, cache=fusion_checks_dir())
@@ -400,7 +486,7 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
     # kernels measured on the GPU at the smallest bucket, the latency-bound one
     on_gpu = torch.device(device).type == "cuda"
     profile_inputs = [t.to(device) for t in entry.example_inputs(min(settings.buckets), seed=5)]
-    if settings.profile and on_gpu:
+    if settings.profile and on_gpu and layouts:
         graph = profiled(graph, profile_inputs, device, report)
     # NHWC is the same traced and fused graph with channels-last convolution
     # weights (tracing and fusing it again took as long as the first time)
@@ -413,6 +499,8 @@ def traced_graphs(module, entry: zoo.ZooModel, device: torch.device, settings: E
             return graphs
         passes = {"inductor": INDUCTOR_PASSES, "inductor-cudnn": INDUCTOR_CUDNN_PASSES} if settings.fusion and has_convs else {"inductor": INDUCTOR_PASSES}
         for name, wanted in passes.items():
+            if only is not None and name not in only:
+                continue
             start = time.perf_counter()
             inductor, fusion = fuse_graph(traced, device, passes=wanted, check_inputs=checks, cache=fusion_checks_dir()) if settings.fusion else (traced, None)
             report.seconds["fusion"] = report.seconds.get("fusion", 0.0) + time.perf_counter() - start  # every graph's fusion is the build's

@@ -7,6 +7,8 @@ time the same replays, so it takes the earlier choice and captures only it (the
 guard still checks every bucket against eager). The choices lie as JSON under
 $OPARA_CACHE_DIR/choices (default ~/.cache/opara/choices), one file per key;
 delete the directory, or set `remember_choices` false, to time everything again.
+Beside them, a recipe per traced graph and settings names the graphs the
+choices use, so that such a build fuses and profiles only those.
 """
 
 from __future__ import annotations
@@ -70,6 +72,31 @@ def store(key: str, choices: Mapping[int, object], timings_ms: Mapping[int, Mapp
         "timings_ms": {str(b): {str(c): t for c, t in times.items()} for b, times in timings_ms.items()},
     }
     return write_json_atomically((directory or cache_dir()) / f"{key}.json", data, indent=1, sort_keys=True)
+
+
+def store_recipe(recipe: str, key: str, graphs: Mapping[str, str], directory: Path | None = None) -> Path:
+    """Remember, under a key of what a build starts from (its traced graph, its
+    settings and the engine's code), the key its choices are stored under and
+    the fingerprint of each graph they use: a later build then fuses only those
+    graphs (engine.build)."""
+    return write_json_atomically((directory or cache_dir()) / f"recipe-{recipe}.json", {"key": key, "graphs": dict(graphs)}, indent=1, sort_keys=True)
+
+
+def load_recipe(recipe: str, directory: Path | None = None) -> tuple[str, dict[str, str]] | None:
+    """The choices' key and the fingerprints of the graphs they use, or None."""
+    path = (directory or cache_dir()) / f"recipe-{recipe}.json"
+    try:
+        data = json.loads(path.read_text())
+        return str(data["key"]), {str(name): str(fingerprint) for name, fingerprint in data["graphs"].items()}
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        log.warning("ignoring unreadable remembered recipe %s: %s", path, error)
+        return None
+
+
+def forget_recipe(recipe: str, directory: Path | None = None) -> None:
+    ((directory or cache_dir()) / f"recipe-{recipe}.json").unlink(missing_ok=True)
 
 
 def forget(key: str, directory: Path | None = None) -> None:
