@@ -218,7 +218,12 @@ def build_runner(
     lane_pool = LanePool(device) if pool is None else pool.lanes
     segment_cache = Path(report.inductor) / "segments" if report.inductor else None  # set where fused lanes are on
     plans = candidates(graphs, settings)
-    key = key or choices.choices_key({k: g.fingerprint for k, g in graphs.items()}, map(str, plans), settings.buckets, device)
+
+    def full_key() -> str:
+        """The choices' key from every graph and candidate (engine.choices)."""
+        return choices.choices_key({k: g.fingerprint for k, g in graphs.items()}, map(str, plans), settings.buckets, device)
+
+    key = key or full_key()
     captures: dict[Candidate, PlanCapture] = {}
     compiled: list[CompileCount] = []  # what preparing fused lanes up front loaded and compiled
 
@@ -229,7 +234,7 @@ def build_runner(
         if from_recipe:
             graphs = traced_graphs(module, entry, device, settings, report, traced=traced)
             plans = candidates(graphs, settings)
-            key = choices.choices_key({k: g.fingerprint for k, g in graphs.items()}, map(str, plans), settings.buckets, device)
+            key = full_key()
             from_recipe = False
 
     def make_captures(wanted: Mapping[Candidate, Plan]) -> None:
