@@ -109,3 +109,16 @@ def test_the_compile_column_is_timed_in_a_process_of_its_own(tmp_path):
     assert row.timings["compile"].median_ms > 0, row.notes
     assert any(note.endswith("(in a process of its own)") and "compile and warm-up" in note for note in row.notes), row.notes
     assert (tmp_path / "compile" / "inductor").is_dir() and not (tmp_path / "inductor").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the failure path: the child process needs no GPU to fail")
+def test_a_warm_build_that_fails_is_none_and_its_own_error_reaches_stderr(capfd, caplog):
+    """The warm builds run in processes of their own, their logs on the bench's
+    stderr (where a warm build's seconds went); one that fails costs the row its
+    warm seconds, not the benchmark."""
+    import sys
+
+    with caplog.at_level("WARNING", logger="opara_core.bench"):
+        assert bench._warm_build([sys.executable, "-m", "opara_core.bench", "--build-only", "deepfm"]) is None
+    assert "the serving build's timing needs a CUDA GPU" in capfd.readouterr().err
+    assert "a warm build failed with exit status 2" in caplog.text
