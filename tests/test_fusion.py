@@ -11,6 +11,7 @@ import torch
 from engine_helpers import traced
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves
 
 from opara_core import zoo
 from opara_core.engine import fusion
@@ -426,8 +427,18 @@ def test_the_cudnn_probe_keeps_only_configurations_that_run_and_match(patterns, 
 def test_fuse_graph_copies_and_reports(patterns):
     module, graph = patterns
     code = graph.module.code
+    weights = {n.target: operator.attrgetter(n.target)(graph.module) for n in graph.module.graph.nodes if n.op == "get_attr"}
+    values = {target: tensor.clone() for target, tensor in weights.items()}
+    with torch.no_grad():
+        before = graph.module(*patterns_inputs(2))
     fused, report = fusion.fuse_graph(graph, "cpu", check_inputs=[patterns_inputs(1), patterns_inputs(3)])
     assert graph.module.code == code, "the input graph must be left as it was"
+    for target, tensor in weights.items():  # its weights too: the same tensors, the same values
+        assert operator.attrgetter(target)(graph.module) is tensor and torch.equal(tensor, values[target]), target
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(tree_leaves(graph.module(*patterns_inputs(2))), tree_leaves(before)))
+    kept = [n.target for n in fused.module.graph.nodes if n.op == "get_attr" and n.target in weights]
+    assert kept and all(operator.attrgetter(t)(fused.module) is weights[t] for t in kept), "weights the passes kept are shared, not copied"
     assert fused is not graph and fused.fingerprint != graph.fingerprint
     assert report.note == "" and len(fused.dag) == report.kernels_after < len(graph.dag)
     assert str(report).startswith(f"{len(graph.dag)} -> {len(fused.dag)} kernels (")
