@@ -49,6 +49,25 @@ def test_segments_read_only_graph_inputs_and_results_of_segments_before_them():
     assert done == set(segment_plan.order)
 
 
+def test_each_segments_code_is_generated_once(monkeypatch):
+    """Making the top module after its segments made every segment's code a
+    second time (fx recompiles a GraphModule's GraphModule children): ~0.5 s of
+    NASNet's 1.4-1.7 s per fused plan on the 2-core CPU machine, in every build."""
+    graph = traced("googlenet")
+    made: dict[int, int] = {}
+    recompile = torch.fx.GraphModule.recompile
+
+    def counted(module):
+        made[id(module)] = made.get(id(module), 0) + 1
+        return recompile(module)
+
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", counted)
+    fused, segment_plan = fused_lanes(graph, plan_graph(graph, "opara", 8), compile_segments=False)
+    segments = [fused.module.get_submodule(name) for name in segment_plan.order]
+    assert len(segments) > 10 and all(isinstance(m, torch.fx.GraphModule) for m in segments)
+    assert [made.get(id(m)) for m in segments] == [1] * len(segments)
+
+
 class Branches(torch.nn.Module):
     """Two convolution branches and a join: the smallest graph with parallel lanes."""
 

@@ -79,7 +79,12 @@ def split_into_segments(graph: OpGraph, segmentation: Segmentation) -> GraphModu
     output = next(n for n in nodes if n.op == "output")
     top.node_copy(output, lambda n: _copied(top, top_env, n))
     attributes = {n.target: operator.attrgetter(n.target)(gm) for n in top.nodes if n.op == "get_attr"}
-    return GraphModule({**attributes, **modules}, top)
+    # the segments put in after the top module's code is made: made with them,
+    # it would generate every segment's code a second time (NASNet: 361 of them)
+    result = GraphModule({**attributes, **{name: torch.nn.Module() for name in modules}}, top)
+    for name, module in modules.items():
+        setattr(result, name, module)
+    return result
 
 
 def _consumers(nodes: list[Node], home: dict[Node, str]) -> dict[Node, set[str]]:
