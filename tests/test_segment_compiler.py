@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.fx import Graph, GraphModule
 
@@ -98,10 +99,11 @@ sys.path.insert(0, sys.argv[2])
 from test_segment_compiler import Twins, _fused
 from opara_core.engine.segment_compiler import prepare
 from opara_core.engine.interpreter import run_plan
+device = sys.argv[4] if len(sys.argv) > 4 else "cpu"
 torch.manual_seed(2)
-module = Twins().eval()
-fused, plan = _fused(module, torch.randn(2, 16))
-x = torch.randn(4, 16)
+module = Twins().eval().to(device)
+fused, plan = _fused(module, torch.randn(2, 16, device=device))
+x = torch.randn(4, 16, device=device)
 count = prepare([(fused.module, [x])], __import__("pathlib").Path(sys.argv[1]), workers=int(sys.argv[3]))
 with torch.inference_mode():
     error = (run_plan(fused, plan, x) - module(x)).abs().max().item()
@@ -109,14 +111,16 @@ print(json.dumps({"loaded": count.loaded, "compiled": count.compiled, "distinct"
 """
 
 
-def _build(cache: Path, workers: int) -> dict:
+def _build(cache: Path, workers: int, device: str = "cpu") -> dict:
+    """The segments built in a new process (Triton's kernels under Inductor's cache directory)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
     done = subprocess.run(
-        [sys.executable, "-c", WORKER, str(cache), str(Path(__file__).parent), str(workers)],
+        [sys.executable, "-c", WORKER, str(cache), str(Path(__file__).parent), str(workers), device],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")},
+        env={**env, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -130,6 +134,22 @@ def test_a_second_process_loads_every_segment_and_compiles_none(tmp_path):
     assert warm["compiled"] == 0 and warm["loaded"] == cold["distinct"], (cold, warm)
     assert cold["records_read"] == 0 and warm["records_read"] == 1, (cold, warm)  # the record's key is the same in another process
     assert warm["error"] < 1e-5, warm
+
+
+@pytest.mark.gpu
+def test_a_second_process_on_the_gpu_compiles_no_triton_kernel(tmp_path):
+    """What a warm build loads must find every Triton kernel where the cold one
+    left it: T5's first warm build compiled 18 kernels again, each the same
+    machine code as one the cold build had saved, under a new key (run 31)."""
+    cold = _build(tmp_path / "segments", workers=2, device="cuda")
+    assert cold["compiled"] == cold["distinct"] > 1 and cold["error"] < 1e-3, cold
+    kernels = tmp_path / "segments" / "inductor" / "triton"
+    before = {p for p in kernels.rglob("*") if p.is_file()}
+    assert any(p.suffix == ".cubin" for p in before), "no Triton kernel in the cache"
+    warm = _build(tmp_path / "segments", workers=2, device="cuda")
+    assert warm["compiled"] == 0 and warm["loaded"] == cold["distinct"] and warm["error"] < 1e-3, warm
+    written = sorted(str(p.relative_to(kernels)) for p in {p for p in kernels.rglob("*") if p.is_file()} - before)
+    assert not written, f"the warm build compiled {len(written)} files of kernels: {written[:8]}"
 
 
 def _segment_with_weights():

@@ -244,25 +244,28 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
             _unsaved_marker(cache_dir, key).touch()
             unsaved.add(key)
     seconds["compile"] = time.perf_counter() - start
-    for key in wrong:  # an earlier build found its code wrong (the marker says how)
-        loaded[key] = wanted[key][0][0].code
-    for key in (*on_disk, *missing):
-        segment = wanted[key][0][0]
-        start = time.perf_counter()
-        if key in unsaved:  # Inductor compiled it but could not save it: compile it again here, kept in memory
-            code = _compile(*jobs[key])
-            seconds["compile"] += time.perf_counter() - start
-        else:
-            code = torch._inductor.CompiledArtifact.load(path=str(_path(cache_dir, key)), format="binary")
-            seconds["load"] += time.perf_counter() - start
-        start = time.perf_counter()
-        fresh = key in missing and key not in unsaved  # compiled by a worker just now: one more try here if wrong
-        loaded[key] = _checked(segment, code, samples.get(key), cache_dir, key, saved=key not in unsaved, retry=fresh)
-        seconds["check"] += time.perf_counter() - start
-        if loaded[key] is segment.code and fresh:
+    # loading and checking compile what they still need here, one kernel at a time, as the
+    # workers do (_worker_setup): see in_this_process
+    with in_this_process():
+        for key in wrong:  # an earlier build found its code wrong (the marker says how)
+            loaded[key] = wanted[key][0][0].code
+        for key in (*on_disk, *missing):
+            segment = wanted[key][0][0]
             start = time.perf_counter()
-            loaded[key] = _compiled_here(segment, jobs[key], samples[key], cache_dir, key)
-            seconds["compile"] += time.perf_counter() - start
+            if key in unsaved:  # Inductor compiled it but could not save it: compile it again here, kept in memory
+                code = _compile(*jobs[key])
+                seconds["compile"] += time.perf_counter() - start
+            else:
+                code = torch._inductor.CompiledArtifact.load(path=str(_path(cache_dir, key)), format="binary")
+                seconds["load"] += time.perf_counter() - start
+            start = time.perf_counter()
+            fresh = key in missing and key not in unsaved  # compiled by a worker just now: one more try here if wrong
+            loaded[key] = _checked(segment, code, samples.get(key), cache_dir, key, saved=key not in unsaved, retry=fresh)
+            seconds["check"] += time.perf_counter() - start
+            if loaded[key] is segment.code and fresh:
+                start = time.perf_counter()
+                loaded[key] = _compiled_here(segment, jobs[key], samples[key], cache_dir, key)
+                seconds["compile"] += time.perf_counter() - start
     for key, uses in wanted.items():
         for segment, shapes in uses:
             segment.compiled[shapes] = loaded[key]
@@ -549,6 +552,19 @@ class PortableGraph:
 def _compile_portable(key: str, code: PortableGraph, metas: Sequence[TensorMeta], cache_dir: Path) -> tuple[str, str | None]:
     """`compile_one` in a compile worker."""
     return compile_one(key, code.module(), metas, cache_dir)
+
+
+def in_this_process():
+    """Inductor's config while a building process loads and checks segments: it
+    compiles any Triton kernel it still needs itself, not in its pool of compile
+    workers. That pool (a process per core, each importing torch) otherwise starts
+    at the first load, in a process that compiles nothing, a warm build or a
+    server, beside the replays it times or serves. And the kernels the building
+    process compiled with the pool up got other Triton cache keys than the same
+    code compiled in the workers, with compile_threads 1: T5's first warm build
+    compiled 18 kernels again, each the same machine code as one the cold build
+    had saved, under a new key (docs/benchmarks.md run 31)."""
+    return torch._inductor.config.patch(compile_threads=1)
 
 
 def _worker_setup() -> None:
