@@ -559,11 +559,10 @@ def in_this_process():
     compiles any Triton kernel it still needs itself, not in its pool of compile
     workers. That pool (a process per core, each importing torch) otherwise starts
     at the first load, in a process that compiles nothing, a warm build or a
-    server, beside the replays it times or serves. And the kernels the building
-    process compiled with the pool up got other Triton cache keys than the same
-    code compiled in the workers, with compile_threads 1: T5's first warm build
-    compiled 18 kernels again, each the same machine code as one the cold build
-    had saved, under a new key (docs/benchmarks.md run 31)."""
+    server, beside the replays it times or serves. And T5's first warm build, its
+    pool starting, compiled 18 kernels again, each the same machine code as one
+    the cold build had saved, under a new Triton key (docs/benchmarks.md run 31):
+    the compile workers run with compile_threads 1, and so does this now."""
     return torch._inductor.config.patch(compile_threads=1)
 
 
