@@ -4,14 +4,11 @@ tests/test_segment_compiler.py)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from opara_core.engine.inductor_cache import INDUCTOR_ENV, TRITON_ENV, cache_root, inductor_cache_dir, use_inductor_cache, write_json_atomically
-
 
 def test_the_parameter_wins_then_torchs_variable_then_the_projects_cache(tmp_path):
     env = {INDUCTOR_ENV: "/from/torch", "OPARA_CACHE_DIR": "/from/opara"}
@@ -74,31 +71,3 @@ def test_a_json_write_replaces_the_file_whole_and_a_failed_one_leaves_the_old_fi
     with pytest.raises(TypeError, match="not JSON serializable"):
         write_json_atomically(path, {"a": object()})
     assert path.read_text().startswith('{\n "a"') and [p.name for p in path.parent.iterdir()] == ["table.json"]
-
-
-BUILD_GRAPHS = """
-import torch
-from opara_core import zoo
-from opara_core.engine.build import BuildReport, EngineSettings, traced_graphs
-entry = zoo.get("deepfm")
-report = BuildReport()
-graphs = traced_graphs(entry.build().cuda().eval(), entry, torch.device("cuda"), EngineSettings(fused_lanes=True), report)
-assert "inductor" in graphs and report.fusion.rewrites.get("skinny_linears"), (sorted(graphs), report.fusion, report.fallbacks)
-"""
-
-
-@pytest.mark.gpu
-def test_a_builds_own_triton_kernels_compile_into_the_cache_from_its_start(tmp_path):
-    """Fusion's checks and the profile run the engine's own kernels (DeepFM's
-    linears as skinny_gemm's) before the fused-lanes graphs are made: those
-    must compile into the cache too, or the first warm build compiles them again
-    (T5: 9 such kernels, ~3 s, docs/benchmarks.md run 31)."""
-    home, cache = tmp_path / "home", tmp_path / "cache"
-    env = {k: v for k, v in os.environ.items() if k not in (INDUCTOR_ENV, TRITON_ENV, "TRITON_HOME")}
-    env.update(HOME=str(home), OPARA_CACHE_DIR=str(cache))
-    done = subprocess.run([sys.executable, "-c", BUILD_GRAPHS], cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    def skinny(root: Path) -> list[Path]:
-        return [p for p in root.rglob("skinny_mm*") if p.is_file()] if root.exists() else []
-    assert skinny(cache / "inductor" / "triton" / "0"), "skinny_gemm's kernel is not in the cache"
-    assert not skinny(home), f"compiled outside the cache: {skinny(home)[:3]}"

@@ -481,16 +481,6 @@ def traced_graphs(
     graph = traced
     buckets = sorted({min(settings.buckets), max(settings.buckets)})
     checks = [tuple(t.to(device) for t in entry.example_inputs(b, seed=7)) for b in buckets]
-    on_gpu = torch.device(device).type == "cuda"
-    # before fusion's checks and the profile run the engine's own Triton kernels: those
-    # compiled earlier in the process went to ~/.triton, not to the cache a warm build
-    # reads, and the first warm build compiled them again (T5: 9 kernels, run 31)
-    inductor_dir, no_inductor = None, ""
-    if settings.fused_lanes and on_gpu:
-        try:
-            inductor_dir = use_inductor_cache(settings.inductor_cache)
-        except ValueError as error:  # the ATen candidates still serve
-            no_inductor = f"fused lanes: {error}"
     if settings.fusion and layouts:
         start = time.perf_counter()
         try:
@@ -499,17 +489,19 @@ def traced_graphs(
             report.fallbacks.append(f"fusion: {error}")
         report.seconds["fusion"] = time.perf_counter() - start
     # kernels measured on the GPU at the smallest bucket, the latency-bound one
+    on_gpu = torch.device(device).type == "cuda"
     profile_inputs = [t.to(device) for t in entry.example_inputs(min(settings.buckets), seed=5)]
     if settings.profile and on_gpu and layouts:
         graph = profiled(graph, profile_inputs, device, report)
     # NHWC is the same traced and fused graph with channels-last convolution
     # weights (tracing and fusing it again took as long as the first time)
     graphs = {layout: graph if layout == "nchw" else channels_last_graph(graph) for layout in layouts}
-    if no_inductor:
-        report.fallbacks.append(no_inductor)
-        return graphs
-    if inductor_dir is not None:
-        report.inductor = str(inductor_dir)
+    if settings.fused_lanes and on_gpu:
+        try:
+            report.inductor = str(use_inductor_cache(settings.inductor_cache))
+        except ValueError as error:  # the ATen candidates still serve
+            report.fallbacks.append(f"fused lanes: {error}")
+            return graphs
         passes = {"inductor": INDUCTOR_PASSES, "inductor-cudnn": INDUCTOR_CUDNN_PASSES} if settings.fusion and has_convs else {"inductor": INDUCTOR_PASSES}
         for name, wanted in passes.items():
             if only is not None and name not in only:
