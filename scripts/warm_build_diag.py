@@ -1,0 +1,175 @@
+"""Why a model's first warm build does work that later ones do not (GPU).
+
+T5's first build in a new process after its cold build took 13.1-14.8 s, the
+next one 5.5-6.3 s (docs/benchmarks.md runs 30-32): it compiled 27 Triton
+kernels the cold build had not left in the cache, 18 of Inductor's while
+loading (the same machine code as kernels the cold build saved, under new
+keys) and 9 of the engine's own (`skinny_mm`, `sum_splits`) at its first
+capture (new code). This runs the model's serving build three times in an
+empty cache, each in a new process (`python -m opara_core.bench --build-only`):
+cold, warm, warm again; and reports
+
+- each build's seconds and what it loaded or compiled (the bench's report);
+- the Triton cache folders each warm build added;
+- for every kernel of those folders, how its Triton metadata (options,
+  specialization, target) differs from the cold build's kernels of the same
+  name, field by field: which of the key's inputs changed;
+- every specialization of a `@triton.jit` kernel (the engine's own) that a
+  build asked for, logged by Triton's JIT cache hook, and those the first warm
+  build asked for that the cold one never did.
+
+    python scripts/warm_build_diag.py t5 --out diag/        # about 4 minutes for T5 on an H200
+
+Writes OUT/MODEL_diag.json and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+BUILDS = ("cold", "warm1", "warm2")
+JIT_LOG_ENV = "OPARA_DIAG_JIT_LOG"
+
+
+def install_jit_log(path: str) -> None:
+    """Append one JSON line per in-memory cache miss of a `@triton.jit` kernel
+    (before Triton looks on disk): its name and specialization data."""
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 - Triton's keyword names
+        with open(path, "a") as log:
+            log.write(json.dumps({"name": fn.name, "repr": repr, "specialization": compile.get("specialization_data")}) + "\n")
+        return False  # True would tell Triton to skip the compile
+
+    try:
+        from triton import knobs
+
+        knobs.runtime.jit_cache_hook = hook
+    except ImportError:  # Triton before 3.4
+        from triton.runtime.jit import JITFunction
+
+        JITFunction.cache_hook = hook
+
+
+def triton_folders(cache: Path) -> dict[str, list[str]]:
+    """Triton cache folder (relative path) -> the names of its files."""
+    folders: dict[str, list[str]] = defaultdict(list)
+    for path in cache.rglob("*"):
+        if path.is_file() and path.parent.parent.name == "0" and path.parent.parent.parent.name == "triton":
+            folders[str(path.parent.relative_to(cache))].append(path.name)
+    return dict(folders)
+
+
+def kernel_metadata(folder: Path) -> dict[str, dict]:
+    """Kernel name -> its Triton metadata (the folder's `NAME.json`, not the
+    `__grp__` group file)."""
+    found = {}
+    for path in folder.glob("*.json"):
+        if not path.name.startswith("__grp__"):
+            try:
+                found[path.stem] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+    return found
+
+
+def differing_fields(new: dict, old: dict, ignore: tuple[str, ...] = ("hash",)) -> dict[str, list]:
+    """Top-level fields whose values differ: field -> [new, old]."""
+    return {k: [new.get(k), old.get(k)] for k in sorted(set(new) | set(old)) if k not in ignore and new.get(k) != old.get(k)}
+
+
+def compare_new_kernels(cache: Path, new_folders: list[str], cold_folders: list[str]) -> list[dict]:
+    """For each kernel of `new_folders`: the fields in which it differs from
+    each cold-build kernel of the same name (fewest differences first)."""
+    cold_by_name: dict[str, list[tuple[str, dict]]] = defaultdict(list)
+    for folder in cold_folders:
+        for name, meta in kernel_metadata(cache / folder).items():
+            cold_by_name[name].append((folder, meta))
+    out = []
+    for folder in new_folders:
+        for name, meta in kernel_metadata(cache / folder).items():
+            against = sorted(({"cold_folder": f, "differs": differing_fields(meta, m)} for f, m in cold_by_name.get(name, [])), key=lambda d: len(d["differs"]))
+            out.append({"kernel": name, "folder": folder, "cold_kernels_of_that_name": len(against), "closest": against[:3]})
+    return out
+
+
+def read_jit_log(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def new_specializations(warm: list[dict], cold: list[dict]) -> list[dict]:
+    """Entries of `warm` whose (name, specialization) the cold build never asked for."""
+    seen = {(e["name"], e["specialization"]) for e in cold}
+    return [e for e in warm if (e["name"], e["specialization"]) not in seen]
+
+
+def _child(argv: list[str]) -> None:
+    """A build process: the JIT log installed, then the bench's `--build-only`."""
+    if os.environ.get(JIT_LOG_ENV):
+        install_jit_log(os.environ[JIT_LOG_ENV])
+    sys.argv = ["opara_core.bench", *argv]
+    runpy.run_module("opara_core.bench", run_name="__main__", alter_sys=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cache", type=Path, help="the build cache to use (emptied first; default: a new temporary folder)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cache = args.cache or Path(tempfile.mkdtemp(prefix=f"warmdiag_{args.model}_"))
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir(parents=True)
+    env = {**os.environ, "OPARA_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+    env.pop("TRITON_CACHE_DIR", None)  # the engine points Triton at the Inductor cache's triton/0
+    result: dict = {"model": args.model, "cache": str(cache), "builds": {}}
+    folders: dict[str, dict[str, list[str]]] = {}
+    logs: dict[str, list[dict]] = {}
+    for build in BUILDS:
+        jit_log = args.out / f"{args.model}_{build}_jit.jsonl"
+        jit_log.unlink(missing_ok=True)
+        command = [sys.executable, __file__, "--child", "--build-only", args.model]
+        with open(args.out / f"{args.model}_{build}.log", "w") as stderr:
+            run = subprocess.run(command, env={**env, JIT_LOG_ENV: str(jit_log)}, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=1800)
+        if run.returncode != 0:
+            print(f"{build} build failed (exit {run.returncode}); its log: {args.out / f'{args.model}_{build}.log'}", file=sys.stderr)
+            return 1
+        result["builds"][build] = json.loads(run.stdout.strip().splitlines()[-1])
+        folders[build] = triton_folders(cache)
+        logs[build] = read_jit_log(jit_log)
+    for before, after in zip(BUILDS, BUILDS[1:]):
+        added = sorted(set(folders[after]) - set(folders[before]))
+        result[f"added_by_{after}"] = {"folders": len(added), "kernels": compare_new_kernels(cache, added, list(folders["cold"]))}
+        result[f"new_jit_specializations_{after}"] = new_specializations(logs[after], [e for b in BUILDS[: BUILDS.index(after)] for e in logs[b]])
+    result["jit_requests"] = {build: len(entries) for build, entries in logs.items()}
+    path = args.out / f"{args.model}_diag.json"
+    path.write_text(json.dumps(result, indent=1))
+    for build in BUILDS:
+        seconds = result["builds"][build]["seconds"]
+        print(f"{build}: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + f"; {result['builds'][build]['inductor']}")
+    for after in BUILDS[1:]:
+        added = result[f"added_by_{after}"]
+        print(f"{after}: {added['folders']} new Triton folders, {len(result[f'new_jit_specializations_{after}'])} new @triton.jit specializations")
+        for kernel in added["kernels"]:
+            closest = kernel["closest"][0]["differs"] if kernel["closest"] else "no cold kernel of that name"
+            print(f"  {kernel['kernel']}: {closest}")
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        _child(sys.argv[2:])
+    else:
+        sys.exit(main())

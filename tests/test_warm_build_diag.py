@@ -1,0 +1,63 @@
+"""scripts/warm_build_diag.py's comparisons, on Triton cache folders laid out as Triton writes them (CPU)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import warm_build_diag as diag  # noqa: E402
+
+
+def _kernel(cache: Path, folder: str, name: str, **meta) -> str:
+    path = cache / "inductor" / "triton" / "0" / folder
+    path.mkdir(parents=True)
+    (path / f"{name}.json").write_text(json.dumps({"name": name, "hash": folder, **meta}))
+    (path / f"__grp__{name}.json").write_text(json.dumps({"child_paths": {}}))
+    (path / f"{name}.cubin").write_bytes(b"\0" * 8)
+    return f"inductor/triton/0/{folder}"
+
+
+def test_a_new_kernel_is_compared_field_by_field_with_the_cold_kernels_of_its_name(tmp_path):
+    cold = [
+        _kernel(tmp_path, "A", "triton_poi_fused_add_0", num_warps=4, debug=False, constants={"XBLOCK": 128}),
+        _kernel(tmp_path, "B", "triton_poi_fused_add_0", num_warps=8, debug=True, constants={"XBLOCK": 64}),
+        _kernel(tmp_path, "C", "skinny_mm", num_warps=4),
+    ]
+    assert sorted(diag.triton_folders(tmp_path)) == sorted(cold)
+    new = _kernel(tmp_path, "D", "triton_poi_fused_add_0", num_warps=4, debug=True, constants={"XBLOCK": 128})
+    (found,) = diag.compare_new_kernels(tmp_path, [new], cold)
+    assert found["kernel"] == "triton_poi_fused_add_0" and found["cold_kernels_of_that_name"] == 2
+    # closest first: A differs only in `debug`; the hash never counts
+    assert found["closest"][0] == {"cold_folder": cold[0], "differs": {"debug": [True, False]}}
+    assert set(found["closest"][1]["differs"]) == {"num_warps", "constants"}
+
+
+def test_a_kernel_name_the_cold_build_never_compiled_has_nothing_to_compare():
+    assert diag.differing_fields({"a": 1, "hash": "x"}, {"a": 1, "hash": "y"}) == {}
+    assert diag.differing_fields({"a": 1}, {"b": 2}) == {"a": [1, None], "b": [None, 2]}
+
+
+def test_new_specializations_are_those_no_earlier_build_asked_for():
+    cold = [{"name": "skinny_mm", "specialization": '{"attrs": [16]}'}]
+    warm = [{"name": "skinny_mm", "specialization": '{"attrs": [16]}'}, {"name": "skinny_mm", "specialization": '{"attrs": []}'}, {"name": "sum_splits", "specialization": '{"attrs": [16]}'}]
+    assert diag.new_specializations(warm, cold) == warm[1:]
+
+
+def test_the_jit_log_hook_records_a_request_and_lets_triton_compile(tmp_path):
+    from triton import knobs
+
+    log = tmp_path / "jit.jsonl"
+    before = knobs.runtime.jit_cache_hook
+    try:
+        diag.install_jit_log(str(log))
+
+        class Info:
+            name = "skinny_mm"
+
+        skip = knobs.runtime.jit_cache_hook(key=("k",), repr="skinny_mm[num_warps=4]", fn=Info(), compile={"specialization_data": "{}"}, is_manual_warmup=False, already_compiled=False)
+    finally:
+        knobs.runtime.jit_cache_hook = before
+    assert not skip, "a true answer would make Triton skip the compile"
+    assert diag.read_jit_log(log) == [{"name": "skinny_mm", "repr": "skinny_mm[num_warps=4]", "specialization": "{}"}]
