@@ -4,9 +4,12 @@ measured column by column in several runs into one row per batch."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import asdict
 
 import pytest
+import torch
 
 from opara_core import bench
 from opara_core.bench import COLUMNS, Row, Timing, merge_rows, parse_columns
@@ -76,9 +79,6 @@ def test_run_as_a_module_its_own_info_lines_reach_stderr(tmp_path):
     """`python -m opara_core.bench` runs this module as `__main__`: its logger
     must still be under "opara_core", whose INFO level main() sets (run 28's
     bench logs lacked the build seconds logged for runs cut before their row)."""
-    import subprocess
-    import sys
-
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"meta": {}, "rows": [asdict(_row("bert", 1, compile=1.5)), asdict(_row("bert", 1, auto=1.2))]}))
     done = subprocess.run([sys.executable, "-m", "opara_core.bench", "--report", str(path)], capture_output=True, text=True, timeout=300)
@@ -86,7 +86,7 @@ def test_run_as_a_module_its_own_info_lines_reach_stderr(tmp_path):
     assert "INFO opara_core.bench: 2 rows from 1 files, 1 after merging" in done.stderr, done.stderr[-2000:]
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the failure path: the child process needs no GPU to fail")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure path: the child process needs no GPU to fail")
 def test_a_compile_column_its_own_process_could_not_measure_is_a_note_naming_why(tmp_path):
     """The torch.compile columns run in a process of their own (cuDNN's plans
     are per process, run 29); when that process fails, the row says which
@@ -100,8 +100,6 @@ def test_a_compile_column_its_own_process_could_not_measure_is_a_note_naming_why
 
 @pytest.mark.gpu
 def test_the_compile_column_is_timed_in_a_process_of_its_own(tmp_path):
-    import torch
-
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     row = Row("deepfm", 1)
@@ -111,13 +109,11 @@ def test_the_compile_column_is_timed_in_a_process_of_its_own(tmp_path):
     assert (tmp_path / "compile" / "inductor").is_dir() and not (tmp_path / "inductor").exists()
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the failure path: the child process needs no GPU to fail")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure path: the child process needs no GPU to fail")
 def test_a_warm_build_that_fails_is_none_and_its_own_error_reaches_stderr(capfd, caplog):
     """The warm builds run in processes of their own, their logs on the bench's
     stderr (where a warm build's seconds went); one that fails costs the row its
     warm seconds, not the benchmark."""
-    import sys
-
     with caplog.at_level("WARNING", logger="opara_core.bench"):
         assert bench._warm_build([sys.executable, "-m", "opara_core.bench", "--build-only", "deepfm"]) is None
     assert "the serving build's timing needs a CUDA GPU" in capfd.readouterr().err
