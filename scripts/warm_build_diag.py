@@ -14,6 +14,9 @@ cold, warm, warm again; and reports
 - for every kernel of those folders, how its Triton metadata (options,
   specialization, target) differs from the cold build's kernels of the same
   name, field by field: which of the key's inputs changed;
+- the kernels each build compiled into Triton's default cache (~/.triton/cache)
+  instead, where a kernel compiled before the engine points Triton at the
+  Inductor cache lands and a later process does not look;
 - every specialization of a `@triton.jit` kernel (the engine's own) that a
   build asked for, logged by Triton's JIT cache hook, and those the first warm
   build asked for that the cold one never did.
@@ -33,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import traceback
 from collections import defaultdict
 from pathlib import Path
 
@@ -42,10 +46,12 @@ JIT_LOG_ENV = "OPARA_DIAG_JIT_LOG"
 
 def install_jit_log(path: str) -> None:
     """Append one JSON line per in-memory cache miss of a `@triton.jit` kernel
-    (before Triton looks on disk): its name and specialization data."""
+    (before Triton looks on disk): its name, specialization data and the
+    engine's functions it was called from (innermost last)."""
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 - Triton's keyword names
         with open(path, "a") as log:
-            log.write(json.dumps({"name": fn.name, "repr": repr, "specialization": compile.get("specialization_data")}) + "\n")
+            where = [f"{Path(f.filename).stem}.{f.name}" for f in traceback.extract_stack() if "opara_core" in f.filename][-6:]
+            log.write(json.dumps({"name": fn.name, "repr": repr, "specialization": compile.get("specialization_data"), "where": where}) + "\n")
         return False  # True would tell Triton to skip the compile
 
     try:
@@ -65,6 +71,14 @@ def triton_folders(cache: Path) -> dict[str, list[str]]:
         if path.is_file() and path.parent.parent.name == "0" and path.parent.parent.parent.name == "triton":
             folders[str(path.parent.relative_to(cache))].append(path.name)
     return dict(folders)
+
+
+def default_cache_kernels(home: Path = Path.home()) -> dict[str, list[str]]:
+    """Folder -> kernel names in Triton's default cache, ~/.triton/cache."""
+    root = home / ".triton" / "cache"
+    if not root.is_dir():
+        return {}
+    return {folder.name: sorted(kernel_metadata(folder)) for folder in root.iterdir() if folder.is_dir()}
 
 
 def kernel_metadata(folder: Path) -> dict[str, dict]:
@@ -135,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"model": args.model, "cache": str(cache), "builds": {}}
     folders: dict[str, dict[str, list[str]]] = {}
     logs: dict[str, list[dict]] = {}
+    outside = default_cache_kernels()
     for build in BUILDS:
         jit_log = args.out / f"{args.model}_{build}_jit.jsonl"
         jit_log.unlink(missing_ok=True)
@@ -146,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         result["builds"][build] = json.loads(run.stdout.strip().splitlines()[-1])
         folders[build] = triton_folders(cache)
+        now = default_cache_kernels()
+        result[f"default_cache_added_by_{build}"] = sorted(name for folder in set(now) - set(outside) for name in now[folder])
+        outside = now
         logs[build] = read_jit_log(jit_log)
     for before, after in zip(BUILDS, BUILDS[1:]):
         added = sorted(set(folders[after]) - set(folders[before]))
@@ -157,9 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     for build in BUILDS:
         seconds = result["builds"][build]["seconds"]
         print(f"{build}: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + f"; {result['builds'][build]['inductor']}")
+    for build in BUILDS:
+        print(f"{build}: {len(result[f'default_cache_added_by_{build}'])} kernels into ~/.triton/cache: {', '.join(sorted(set(result[f'default_cache_added_by_{build}'])))}")
     for after in BUILDS[1:]:
         added = result[f"added_by_{after}"]
         print(f"{after}: {added['folders']} new Triton folders, {len(result[f'new_jit_specializations_{after}'])} new @triton.jit specializations")
+        for entry in result[f"new_jit_specializations_{after}"]:
+            print(f"  jit {entry['repr']} from {' < '.join(reversed(entry['where']))}")
         for kernel in added["kernels"]:
             closest = kernel["closest"][0]["differs"] if kernel["closest"] else "no cold kernel of that name"
             print(f"  {kernel['kernel']}: {closest}")

@@ -60,4 +60,14 @@ def test_the_jit_log_hook_records_a_request_and_lets_triton_compile(tmp_path):
     finally:
         knobs.runtime.jit_cache_hook = before
     assert not skip, "a true answer would make Triton skip the compile"
-    assert diag.read_jit_log(log) == [{"name": "skinny_mm", "repr": "skinny_mm[num_warps=4]", "specialization": "{}"}]
+    assert diag.read_jit_log(log) == [{"name": "skinny_mm", "repr": "skinny_mm[num_warps=4]", "specialization": "{}", "where": []}]
+
+
+def test_the_default_triton_cache_is_listed_by_kernel_name(tmp_path):
+    assert diag.default_cache_kernels(tmp_path) == {}
+    folder = tmp_path / ".triton" / "cache" / "HASH"
+    folder.mkdir(parents=True)
+    (folder / "skinny_mm.json").write_text("{}")
+    (folder / "__grp__skinny_mm.json").write_text("{}")
+    (folder / "skinny_mm.cubin").write_bytes(b"")
+    assert diag.default_cache_kernels(tmp_path) == {"HASH": ["skinny_mm"]}
