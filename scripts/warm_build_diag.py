@@ -83,14 +83,21 @@ def default_cache_kernels(home: Path = Path.home()) -> dict[str, list[str]]:
 
 def kernel_metadata(folder: Path) -> dict[str, dict]:
     """Kernel name -> its Triton metadata (the folder's `NAME.json`, not the
-    `__grp__` group file)."""
+    `__grp__` group file), plus two fields of ours: the `tt.func` lines of its
+    `.ttir` (the arguments' specialization, e.g. `tt.divisibility`) and its
+    `.cubin`'s size in bytes (the same size: very likely the same machine code)."""
     found = {}
     for path in folder.glob("*.json"):
-        if not path.name.startswith("__grp__"):
-            try:
-                found[path.stem] = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
+        if path.name.startswith("__grp__"):
+            continue
+        try:
+            meta = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        ttir, cubin = path.with_suffix(".ttir"), path.with_suffix(".cubin")
+        meta["_ttir_signature"] = [line.strip() for line in ttir.read_text().splitlines() if "tt.func" in line] if ttir.exists() else None
+        meta["_cubin_bytes"] = cubin.stat().st_size if cubin.exists() else None
+        found[path.stem] = meta
     return found
 
 

@@ -10,12 +10,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import warm_build_diag as diag  # noqa: E402
 
 
-def _kernel(cache: Path, folder: str, name: str, **meta) -> str:
+def _kernel(cache: Path, folder: str, name: str, cubin_bytes: int = 8, ttir: str = "", **meta) -> str:
     path = cache / "inductor" / "triton" / "0" / folder
     path.mkdir(parents=True)
     (path / f"{name}.json").write_text(json.dumps({"name": name, "hash": folder, **meta}))
     (path / f"__grp__{name}.json").write_text(json.dumps({"child_paths": {}}))
-    (path / f"{name}.cubin").write_bytes(b"\0" * 8)
+    (path / f"{name}.cubin").write_bytes(b"\0" * cubin_bytes)
+    if ttir:
+        (path / f"{name}.ttir").write_text(f"module {{\n  {ttir} {{\n  }}\n}}\n")
     return f"inductor/triton/0/{folder}"
 
 
@@ -23,7 +25,7 @@ def test_a_new_kernel_is_compared_field_by_field_with_the_cold_kernels_of_its_na
     cold = [
         _kernel(tmp_path, "A", "triton_poi_fused_add_0", num_warps=4, debug=False, constants={"XBLOCK": 128}),
         _kernel(tmp_path, "B", "triton_poi_fused_add_0", num_warps=8, debug=True, constants={"XBLOCK": 64}),
-        _kernel(tmp_path, "C", "skinny_mm", num_warps=4),
+        _kernel(tmp_path, "C", "skinny_mm", num_warps=4, ttir="tt.func public @skinny_mm(%x: !tt.ptr<f32> {tt.divisibility = 16 : i32})"),
     ]
     assert sorted(diag.triton_folders(tmp_path)) == sorted(cold)
     new = _kernel(tmp_path, "D", "triton_poi_fused_add_0", num_warps=4, debug=True, constants={"XBLOCK": 128})
@@ -32,6 +34,13 @@ def test_a_new_kernel_is_compared_field_by_field_with_the_cold_kernels_of_its_na
     # closest first: A differs only in `debug`; the hash never counts
     assert found["closest"][0] == {"cold_folder": cold[0], "differs": {"debug": [True, False]}}
     assert set(found["closest"][1]["differs"]) == {"num_warps", "constants"}
+    # the arguments' specialization and the machine code's size count too
+    new = _kernel(tmp_path, "E", "skinny_mm", cubin_bytes=16, num_warps=4, ttir="tt.func public @skinny_mm(%x: !tt.ptr<f32>)")
+    (found,) = diag.compare_new_kernels(tmp_path, [new], cold)
+    assert found["closest"][0]["differs"] == {
+        "_cubin_bytes": [16, 8],
+        "_ttir_signature": [["tt.func public @skinny_mm(%x: !tt.ptr<f32>) {"], ["tt.func public @skinny_mm(%x: !tt.ptr<f32> {tt.divisibility = 16 : i32}) {"]],
+    }
 
 
 def test_a_kernel_name_the_cold_build_never_compiled_has_nothing_to_compare():
