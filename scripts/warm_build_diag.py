@@ -29,6 +29,7 @@ Writes OUT/MODEL_diag.json and prints a summary.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import runpy
@@ -46,12 +47,14 @@ JIT_LOG_ENV = "OPARA_DIAG_JIT_LOG"
 
 def install_jit_log(path: str) -> None:
     """Append one JSON line per in-memory cache miss of a `@triton.jit` kernel
-    (before Triton looks on disk): its name, specialization data and the
-    engine's functions it was called from (innermost last)."""
+    (before Triton looks on disk): its name, specialization data, the
+    engine's functions it was called from (innermost last) and the TRITON_*
+    environment variables at that moment."""
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 - Triton's keyword names
         with open(path, "a") as log:
             where = [f"{Path(f.filename).stem}.{f.name}" for f in traceback.extract_stack() if "opara_core" in f.filename][-6:]
-            log.write(json.dumps({"name": fn.name, "repr": repr, "specialization": compile.get("specialization_data"), "where": where}) + "\n")
+            env = {k: v for k, v in os.environ.items() if k.startswith("TRITON_")}  # e.g. a PTXAS or LIBDEVICE path Inductor set meanwhile
+            log.write(json.dumps({"name": fn.name, "repr": repr, "specialization": compile.get("specialization_data"), "where": where, "env": env}) + "\n")
         return False  # True would tell Triton to skip the compile
 
     try:
@@ -153,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     cache.mkdir(parents=True)
     env = {**os.environ, "OPARA_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
     env.pop("TRITON_CACHE_DIR", None)  # the engine points Triton at the Inductor cache's triton/0
-    result: dict = {"model": args.model, "cache": str(cache), "builds": {}}
+    torch_dir = Path(importlib.util.find_spec("torch").origin).parent
+    # Inductor points Triton at torch's own ptxas, where the wheel has one, at its first compile in a process
+    result: dict = {"model": args.model, "cache": str(cache), "torch_bundled_ptxas": (torch_dir / "bin" / "ptxas").exists(), "builds": {}}
     folders: dict[str, dict[str, list[str]]] = {}
     logs: dict[str, list[dict]] = {}
     outside = default_cache_kernels()
@@ -182,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     for build in BUILDS:
         seconds = result["builds"][build]["seconds"]
         print(f"{build}: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + f"; {result['builds'][build]['inductor']}")
+    print(f"torch's own ptxas: {'yes' if result['torch_bundled_ptxas'] else 'no'}")
     for build in BUILDS:
         print(f"{build}: {len(result[f'default_cache_added_by_{build}'])} kernels into ~/.triton/cache: {', '.join(sorted(set(result[f'default_cache_added_by_{build}'])))}")
     for after in BUILDS[1:]:

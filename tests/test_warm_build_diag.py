@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -54,9 +55,10 @@ def test_new_specializations_are_those_no_earlier_build_asked_for():
     assert diag.new_specializations(warm, cold) == warm[1:]
 
 
-def test_the_jit_log_hook_records_a_request_and_lets_triton_compile(tmp_path):
+def test_the_jit_log_hook_records_a_request_and_lets_triton_compile(tmp_path, monkeypatch):
     from triton import knobs
 
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/ptxas")
     log = tmp_path / "jit.jsonl"
     before = knobs.runtime.jit_cache_hook
     try:
@@ -69,7 +71,7 @@ def test_the_jit_log_hook_records_a_request_and_lets_triton_compile(tmp_path):
     finally:
         knobs.runtime.jit_cache_hook = before
     assert not skip, "a true answer would make Triton skip the compile"
-    assert diag.read_jit_log(log) == [{"name": "skinny_mm", "repr": "skinny_mm[num_warps=4]", "specialization": "{}", "where": []}]
+    assert diag.read_jit_log(log) == [{"name": "skinny_mm", "repr": "skinny_mm[num_warps=4]", "specialization": "{}", "where": [], "env": {**{k: v for k, v in os.environ.items() if k.startswith("TRITON_")}, "TRITON_PTXAS_PATH": "/opt/ptxas"}}]
 
 
 def test_the_default_triton_cache_is_listed_by_kernel_name(tmp_path):
