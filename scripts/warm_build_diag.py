@@ -50,11 +50,16 @@ def install_jit_log(path: str) -> None:
     (before Triton looks on disk): its name, specialization data, the
     engine's functions it was called from (innermost last) and the TRITON_*
     environment variables at that moment."""
-    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 - Triton's keyword names
-        with open(path, "a") as log:
+
+    def hook(**call) -> bool:  # Triton's keywords: key, repr, fn, compile, is_manual_warmup, already_compiled
+        try:
             where = [f"{Path(f.filename).stem}.{f.name}" for f in traceback.extract_stack() if "opara_core" in f.filename][-6:]
             env = {k: v for k, v in os.environ.items() if k.startswith("TRITON_")}  # e.g. a PTXAS or LIBDEVICE path Inductor set meanwhile
-            log.write(json.dumps({"name": fn.name, "repr": repr, "specialization": compile.get("specialization_data"), "where": where, "env": env}) + "\n")
+            entry = {"name": call["fn"].name, "repr": call.get("repr"), "specialization": (call.get("compile") or {}).get("specialization_data"), "where": where, "env": env}
+            with open(path, "a") as log:
+                log.write(json.dumps(entry, default=str) + "\n")
+        except Exception as error:  # noqa: BLE001 - a diagnostic must not break the build it watches
+            print(f"warm_build_diag: JIT log entry not written: {error!r}", file=sys.stderr)
         return False  # True would tell Triton to skip the compile
 
     try:
@@ -132,8 +137,13 @@ def read_jit_log(path: Path) -> list[dict]:
 
 def new_specializations(warm: list[dict], cold: list[dict]) -> list[dict]:
     """Entries of `warm` whose (name, specialization) the cold build never asked for."""
-    seen = {(e["name"], e["specialization"]) for e in cold}
-    return [e for e in warm if (e["name"], e["specialization"]) not in seen]
+    seen = {_identity(e) for e in cold}
+    return [e for e in warm if _identity(e) not in seen]
+
+
+def _identity(entry: dict) -> tuple:
+    """A request's kernel and specialization (its repr where this Triton gives no specialization data)."""
+    return entry["name"], entry["specialization"] or entry["repr"]
 
 
 def _child(argv: list[str]) -> None:

@@ -53,6 +53,10 @@ def test_new_specializations_are_those_no_earlier_build_asked_for():
     cold = [{"name": "skinny_mm", "specialization": '{"attrs": [16]}'}]
     warm = [{"name": "skinny_mm", "specialization": '{"attrs": [16]}'}, {"name": "skinny_mm", "specialization": '{"attrs": []}'}, {"name": "sum_splits", "specialization": '{"attrs": [16]}'}]
     assert diag.new_specializations(warm, cold) == warm[1:]
+    # a Triton without specialization data: the repr (argument types, options) tells them apart
+    cold = [{"name": "skinny_mm", "specialization": None, "repr": "skinny_mm[num_warps=4](x: *fp32)"}]
+    warm = [*cold, {"name": "skinny_mm", "specialization": None, "repr": "skinny_mm[num_warps=8](x: *fp32)"}]
+    assert diag.new_specializations(warm, cold) == warm[1:]
 
 
 def test_the_jit_log_hook_records_a_request_and_lets_triton_compile(tmp_path, monkeypatch):
@@ -68,6 +72,8 @@ def test_the_jit_log_hook_records_a_request_and_lets_triton_compile(tmp_path, mo
             name = "skinny_mm"
 
         skip = knobs.runtime.jit_cache_hook(key=("k",), repr="skinny_mm[num_warps=4]", fn=Info(), compile={"specialization_data": "{}"}, is_manual_warmup=False, already_compiled=False)
+        # a call this hook does not understand is reported, never raised into the build
+        assert knobs.runtime.jit_cache_hook(key=("k",)) is False
     finally:
         knobs.runtime.jit_cache_hook = before
     assert not skip, "a true answer would make Triton skip the compile"
