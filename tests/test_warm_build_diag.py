@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import warm_build_diag as diag  # noqa: E402
+from conftest import load_script
+
+diag = load_script("warm_build_diag")
 
 
 def _kernel(cache: Path, folder: str, name: str, cubin_bytes: int = 8, ttir: str = "", **meta) -> str:

@@ -559,10 +559,10 @@ def in_this_process():
     compiles any Triton kernel it still needs itself, not in its pool of compile
     workers. That pool (a process per core, each importing torch) otherwise starts
     at the first load, in a process that compiles nothing, a warm build or a
-    server, beside the replays it times or serves. And T5's first warm build, its
-    pool starting, compiled 18 kernels again, each the same machine code as one
-    the cold build had saved, under a new Triton key (docs/benchmarks.md run 31):
-    the compile workers run with compile_threads 1, and so does this now."""
+    server, beside the replays it times or serves. (T5's first warm build compiled
+    18 kernels again that the cold build's workers, at compile_threads 1, had saved
+    under other Triton keys, docs/benchmarks.md run 31; loading at compile_threads 1
+    did not remove that first build's extra work, run 32: its cause is still open.)"""
     return torch._inductor.config.patch(compile_threads=1)
 
 
