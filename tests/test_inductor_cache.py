@@ -71,3 +71,46 @@ def test_a_json_write_replaces_the_file_whole_and_a_failed_one_leaves_the_old_fi
     with pytest.raises(TypeError, match="not JSON serializable"):
         write_json_atomically(path, {"a": object()})
     assert path.read_text().startswith('{\n "a"') and [p.name for p in path.parent.iterdir()] == ["table.json"]
+
+
+_KERNEL_AFTER = """
+import json, os, sys
+import torch
+from opara_core.engine.inductor_cache import use_inductor_cache
+from opara_core.engine.skinny_gemm import SkinnyConfig, skinny_mm
+use_inductor_cache(sys.argv[1])
+if sys.argv[2] == "inductor-first":  # a warm build: Inductor loads its segments before the engine's kernels run
+    torch._inductor.config.compile_threads = 1
+    torch.compile(lambda t: (t * 2).relu())(torch.randn(8, device="cuda"))
+ptxas = os.environ.get("TRITON_PTXAS_PATH")
+skinny_mm(torch.randn(4, 256, device="cuda"), torch.randn(256, 128, device="cuda"), SkinnyConfig(32, 64, 2))
+torch.cuda.synchronize()
+print(json.dumps({"ptxas": ptxas}))
+"""
+
+
+def _kernel_after(cache: Path, order: str) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in (INDUCTOR_ENV, TRITON_ENV, "TRITON_PTXAS_PATH")}
+    done = subprocess.run([sys.executable, "-c", _KERNEL_AFTER, str(cache), order], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+def test_an_engine_kernel_compiled_before_inductor_ran_is_found_in_a_process_where_it_ran_first(tmp_path):
+    """Inductor sets Triton's ptxas at its first compile in a process, and Triton
+    keys its cache by the ptxas: a cold build compiles the skinny kernels before
+    Inductor runs, a warm build after (T5's first warm build compiled 9 of them
+    again, run 33)."""
+    cold = _kernel_after(tmp_path, "engine-first")
+    kernels = tmp_path / "triton"
+    before = {p for p in kernels.rglob("*") if p.is_file()}
+    assert any(p.suffix == ".cubin" for p in before), "the kernel was not compiled into the cache"
+    warm = _kernel_after(tmp_path, "inductor-first")
+    assert cold["ptxas"] == warm["ptxas"], (cold, warm)
+    written = sorted(p.name for p in {p for p in kernels.rglob("*") if p.is_file()} - before if "skinny" in p.name)
+    assert not written, f"the second process compiled the engine's kernel again: {written}"

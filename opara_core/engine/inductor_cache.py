@@ -13,6 +13,8 @@ puts its own once it runs: also the engine's hand-written kernels
 (skinny_gemm, depthwise_conv, short_attention), which otherwise compile into
 ~/.triton before Inductor first runs in the process, outside the cache that
 `make warm` fills for a container image. A TRITON_CACHE_DIR the user set is kept.
+Triton's ptxas is pinned to the one Inductor picks, for the same reason
+(`pin_triton_ptxas`).
 """
 
 from __future__ import annotations
@@ -96,4 +98,22 @@ def use_inductor_cache(configured: str = "") -> Path:
     # unset, or Inductor's default under the directory this process used before: not the user's
     if triton is None or (moved and previous and Path(triton).is_relative_to(previous)):
         os.environ[TRITON_ENV] = str(directory / "triton" / "0")  # where Inductor puts it (device 0 as the process sees it)
+    pin_triton_ptxas()
     return directory
+
+
+def pin_triton_ptxas() -> None:
+    """Give every Triton compile of this process the ptxas Inductor gives its own.
+
+    Where the torch wheel ships a ptxas (torch/bin/ptxas), Inductor points
+    TRITON_PTXAS_PATH at it at its first compile in a process. Triton keys its
+    cache by the ptxas, so an engine kernel compiled before that moment (a cold
+    build's skinny-GEMM timing) was not found by a process where Inductor ran
+    first (a warm build): T5's first warm build compiled 27 kernels again, 9 of
+    the engine's and the Inductor kernels of its segments (run 33). Inductor's
+    own function, so the choice stays Inductor's; it keeps a path the user set."""
+    try:
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    except ImportError:  # a torch without it does not set the path either
+        return
+    _set_triton_ptxas_path()
