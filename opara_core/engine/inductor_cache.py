@@ -109,8 +109,8 @@ def pin_triton_ptxas() -> None:
     TRITON_PTXAS_PATH at it at its first compile in a process. Triton keys its
     cache by the ptxas, so an engine kernel compiled before that moment (a cold
     build's skinny-GEMM timing) was not found by a process where Inductor ran
-    first (a warm build): T5's first warm build compiled 27 kernels again, 9 of
-    the engine's and the Inductor kernels of its segments (run 33). Inductor's
+    first (a warm build): T5's first warm build compiled 27 kernels again, the
+    engine's 9 and 18 of Inductor's (docs/benchmarks.md run 33). Inductor's
     own function, so the choice stays Inductor's; it keeps a path the user set."""
     try:
         from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
