@@ -1,13 +1,12 @@
-"""Why a model's first warm build does work that later ones do not (GPU).
+"""Why a model's warm build does work a cold build should have left done (GPU).
 
 T5's first build in a new process after its cold build took 13.1-14.8 s, the
 next one 5.5-6.3 s (docs/benchmarks.md runs 30-32): it compiled 27 Triton
-kernels the cold build had not left in the cache, 18 of Inductor's while
-loading (the same machine code as kernels the cold build saved, under new
-keys) and 9 of the engine's own (`skinny_mm`, `sum_splits`) at its first
-capture (new code). This runs the model's serving build three times in an
-empty cache, each in a new process (`python -m opara_core.bench --build-only`):
-cold, warm, warm again; and reports
+kernels the cold build had not left in the cache. This script named the cause
+(run 33: the cold build compiled the engine's kernels under another ptxas than
+Inductor's, fixed in `inductor_cache.pin_triton_ptxas`). It runs the model's
+serving build three times in an empty cache, each in a new process (`python -m
+opara_core.bench --build-only`): cold, warm, warm again; and reports
 
 - each build's seconds and what it loaded or compiled (the bench's report);
 - the Triton cache folders each warm build added;
@@ -19,7 +18,13 @@ cold, warm, warm again; and reports
   Inductor cache lands and a later process does not look;
 - every specialization of a `@triton.jit` kernel (the engine's own) that a
   build asked for, logged by Triton's JIT cache hook, and those the first warm
-  build asked for that the cold one never did.
+  build asked for that the cold one never did;
+- every Inductor kernel a build benchmarked at its first call (a runtime
+  autotune, which Inductor's autotune cache should spare a warm build), with
+  its configurations and seconds;
+- with --profile, where each warm build's time went (cProfile:
+  OUT/MODEL_BUILD.prof, its top functions by cumulative time in
+  OUT/MODEL_BUILD_profile.txt).
 
     python scripts/warm_build_diag.py t5 --out diag/        # about 4 minutes for T5 on an H200
 
@@ -29,20 +34,27 @@ Writes OUT/MODEL_diag.json and prints a summary.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import importlib.util
+import io
 import json
 import os
+import pstats
 import runpy
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections import defaultdict
 from pathlib import Path
 
 BUILDS = ("cold", "warm1", "warm2")
 JIT_LOG_ENV = "OPARA_DIAG_JIT_LOG"
+AUTOTUNE_LOG_ENV = "OPARA_DIAG_AUTOTUNE_LOG"
+PROFILE_ENV = "OPARA_DIAG_PROFILE"
+PROFILE_LINES = 40
 
 
 def install_jit_log(path: str) -> None:
@@ -70,6 +82,44 @@ def install_jit_log(path: str) -> None:
         from triton.runtime.jit import JITFunction
 
         JITFunction.cache_hook = hook
+
+
+def timed_benchmarks(benchmark_all_configs, path: str):
+    """`CachingAutotuner.benchmark_all_configs` that also appends a JSON line per
+    call: the kernel, how many configurations it timed, the seconds, and whether
+    Inductor had an autotune cache for it (where a warm build finds the choice)."""
+
+    def benchmark(self, *args, **kwargs):
+        start = time.perf_counter()
+        timings = benchmark_all_configs(self, *args, **kwargs)
+        try:
+            meta = getattr(self, "inductor_meta", None) or {}
+            entry = {"kernel": meta.get("kernel_name", getattr(getattr(self, "fn", None), "__name__", "?")), "configs": len(timings),
+                     "seconds": round(time.perf_counter() - start, 4), "autotune_cache": getattr(self, "autotune_cache", None) is not None}  # fmt: skip
+            with open(path, "a") as log:
+                log.write(json.dumps(entry) + "\n")
+        except Exception as error:  # noqa: BLE001 - a diagnostic must not break the build it watches
+            print(f"warm_build_diag: autotune log entry not written: {error!r}", file=sys.stderr)
+        return timings
+
+    return benchmark
+
+
+def install_autotune_log(path: str) -> None:
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    CachingAutotuner.benchmark_all_configs = timed_benchmarks(CachingAutotuner.benchmark_all_configs, path)
+
+
+def top_functions(profile: Path, lines: int = PROFILE_LINES) -> str:
+    """pstats' table of a profile's functions by cumulative time (what went
+    wrong instead, where the file holds none: the rest of the report stands)."""
+    text = io.StringIO()
+    try:
+        pstats.Stats(str(profile), stream=text).sort_stats("cumulative").print_stats(lines)
+    except (TypeError, ValueError, EOFError, OSError) as error:
+        return f"no profile in {profile}: {error}\n"
+    return text.getvalue()
 
 
 def triton_folders(cache: Path) -> dict[str, list[str]]:
@@ -129,7 +179,7 @@ def compare_new_kernels(cache: Path, new_folders: list[str], cold_folders: list[
     return out
 
 
-def read_jit_log(path: Path) -> list[dict]:
+def read_json_lines(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -147,11 +197,22 @@ def _identity(entry: dict) -> tuple:
 
 
 def _child(argv: list[str]) -> None:
-    """A build process: the JIT log installed, then the bench's `--build-only`."""
+    """A build process: the logs installed, then the bench's `--build-only`
+    (under cProfile where asked)."""
     if os.environ.get(JIT_LOG_ENV):
         install_jit_log(os.environ[JIT_LOG_ENV])
+    if os.environ.get(AUTOTUNE_LOG_ENV):
+        install_autotune_log(os.environ[AUTOTUNE_LOG_ENV])
     sys.argv = ["opara_core.bench", *argv]
-    runpy.run_module("opara_core.bench", run_name="__main__", alter_sys=True)
+    profiler = cProfile.Profile() if os.environ.get(PROFILE_ENV) else None
+    if profiler:
+        profiler.enable()
+    try:
+        runpy.run_module("opara_core.bench", run_name="__main__", alter_sys=True)
+    finally:
+        if profiler:
+            profiler.disable()
+            profiler.dump_stats(os.environ[PROFILE_ENV])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cache", type=Path, help="the build cache to use (emptied first; default: a new temporary folder)")
+    parser.add_argument("--profile", action="store_true", help="run the warm builds under cProfile (slower: their seconds are then not the build's)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     cache = args.cache or Path(tempfile.mkdtemp(prefix=f"warmdiag_{args.model}_"))
@@ -171,13 +233,16 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"model": args.model, "cache": str(cache), "torch_bundled_ptxas": (torch_dir / "bin" / "ptxas").exists(), "builds": {}}
     folders: dict[str, dict[str, list[str]]] = {}
     logs: dict[str, list[dict]] = {}
+    autotuned: dict[str, list[dict]] = {}
     outside = default_cache_kernels()
     for build in BUILDS:
-        jit_log = args.out / f"{args.model}_{build}_jit.jsonl"
-        jit_log.unlink(missing_ok=True)
+        jit_log, autotune_log, profile = (args.out / f"{args.model}_{build}{suffix}" for suffix in ("_jit.jsonl", "_autotune.jsonl", ".prof"))
+        for stale in (jit_log, autotune_log, profile):
+            stale.unlink(missing_ok=True)
+        logged = {JIT_LOG_ENV: str(jit_log), AUTOTUNE_LOG_ENV: str(autotune_log), **({PROFILE_ENV: str(profile)} if args.profile and build != "cold" else {})}
         command = [sys.executable, __file__, "--child", "--build-only", args.model]
         with open(args.out / f"{args.model}_{build}.log", "w") as stderr:
-            run = subprocess.run(command, env={**env, JIT_LOG_ENV: str(jit_log)}, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=1800)
+            run = subprocess.run(command, env={**env, **logged}, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=1800)
         if run.returncode != 0:
             print(f"{build} build failed (exit {run.returncode}); its log: {args.out / f'{args.model}_{build}.log'}", file=sys.stderr)
             return 1
@@ -186,12 +251,16 @@ def main(argv: list[str] | None = None) -> int:
         now = default_cache_kernels()
         result[f"default_cache_added_by_{build}"] = sorted(name for folder in set(now) - set(outside) for name in now[folder])
         outside = now
-        logs[build] = read_jit_log(jit_log)
+        logs[build] = read_json_lines(jit_log)
+        autotuned[build] = read_json_lines(autotune_log)
+        if profile.exists():
+            (args.out / f"{args.model}_{build}_profile.txt").write_text(top_functions(profile))
     for before, after in zip(BUILDS, BUILDS[1:]):
         added = sorted(set(folders[after]) - set(folders[before]))
         result[f"added_by_{after}"] = {"folders": len(added), "kernels": compare_new_kernels(cache, added, list(folders["cold"]))}
         result[f"new_jit_specializations_{after}"] = new_specializations(logs[after], [e for b in BUILDS[: BUILDS.index(after)] for e in logs[b]])
     result["jit_requests"] = {build: len(entries) for build, entries in logs.items()}
+    result["autotuned_at_first_call"] = autotuned
     path = args.out / f"{args.model}_diag.json"
     path.write_text(json.dumps(result, indent=1))
     for build in BUILDS:
@@ -200,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch's own ptxas: {'yes' if result['torch_bundled_ptxas'] else 'no'}")
     for build in BUILDS:
         print(f"{build}: {len(result[f'default_cache_added_by_{build}'])} kernels into ~/.triton/cache: {', '.join(sorted(set(result[f'default_cache_added_by_{build}'])))}")
+    for build in BUILDS:
+        timed = autotuned[build]
+        uncached = sum(not entry["autotune_cache"] for entry in timed)
+        print(f"{build}: {len(timed)} Inductor kernels autotuned at their first call ({sum(e['seconds'] for e in timed):.1f} s; {uncached} without an autotune cache)")
     for after in BUILDS[1:]:
         added = result[f"added_by_{after}"]
         print(f"{after}: {added['folders']} new Triton folders, {len(result[f'new_jit_specializations_{after}'])} new @triton.jit specializations")

@@ -77,7 +77,7 @@ def test_the_jit_log_hook_records_a_request_and_lets_triton_compile(tmp_path, mo
     finally:
         knobs.runtime.jit_cache_hook = before
     assert not skip, "a true answer would make Triton skip the compile"
-    assert diag.read_jit_log(log) == [{"name": "skinny_mm", "repr": "skinny_mm[num_warps=4]", "specialization": "{}", "where": [], "env": {**{k: v for k, v in os.environ.items() if k.startswith("TRITON_")}, "TRITON_PTXAS_PATH": "/opt/ptxas"}}]
+    assert diag.read_json_lines(log) == [{"name": "skinny_mm", "repr": "skinny_mm[num_warps=4]", "specialization": "{}", "where": [], "env": {**{k: v for k, v in os.environ.items() if k.startswith("TRITON_")}, "TRITON_PTXAS_PATH": "/opt/ptxas"}}]
 
 
 def test_the_default_triton_cache_is_listed_by_kernel_name(tmp_path):
@@ -88,3 +88,89 @@ def test_the_default_triton_cache_is_listed_by_kernel_name(tmp_path):
     (folder / "__grp__skinny_mm.json").write_text("{}")
     (folder / "skinny_mm.cubin").write_bytes(b"")
     assert diag.default_cache_kernels(tmp_path) == {"HASH": ["skinny_mm"]}
+
+
+class _Autotuner:
+    """What `timed_benchmarks` reads of Inductor's CachingAutotuner."""
+
+    def __init__(self, cache: object = None):
+        self.inductor_meta = {"kernel_name": "triton_per_fused_mean_0"}
+        self.autotune_cache = cache
+
+    def benchmark_all_configs(self, *args):
+        return {"config a": 0.01, "config b": 0.02}
+
+
+def test_a_runtime_autotune_is_logged_with_its_kernel_and_the_timings_pass_through(tmp_path):
+    log = tmp_path / "autotune.jsonl"
+    benchmark = diag.timed_benchmarks(_Autotuner.benchmark_all_configs, str(log))
+    assert benchmark(_Autotuner(), 1, 2) == {"config a": 0.01, "config b": 0.02}
+    assert benchmark(_Autotuner(cache=object())) == {"config a": 0.01, "config b": 0.02}
+    first, second = diag.read_json_lines(log)
+    assert (first["kernel"], first["configs"], first["autotune_cache"]) == ("triton_per_fused_mean_0", 2, False)
+    assert second["autotune_cache"] is True and first["seconds"] >= 0
+    # a log it cannot write never reaches the build
+    unwritable = diag.timed_benchmarks(_Autotuner.benchmark_all_configs, str(tmp_path / "missing" / "autotune.jsonl"))
+    assert unwritable(_Autotuner()) == {"config a": 0.01, "config b": 0.02}
+
+
+def test_a_profile_is_summarised_by_cumulative_time(tmp_path):
+    import cProfile
+
+    def slow_part():
+        return sum(i * i for i in range(20000))
+
+    def build():
+        return [slow_part() for _ in range(3)]
+
+    profiler = cProfile.Profile()
+    profiler.runcall(build)
+    profiler.dump_stats(tmp_path / "build.prof")
+    table = diag.top_functions(tmp_path / "build.prof", lines=5)
+    assert "cumulative" in table and table.index("(build)") < table.index("(slow_part)")  # the caller first: it holds its callee's time
+    cProfile.Profile().dump_stats(tmp_path / "empty.prof")  # a build that died before profiling anything
+    assert diag.top_functions(tmp_path / "empty.prof").startswith("no profile in")
+
+
+def test_the_whole_report_from_three_builds_each_logging_as_a_build_process_does(tmp_path, monkeypatch, capsys):
+    """main() over three stand-in build processes (the real ones need a GPU): each
+    writes what the hooks in a build write, and the bench's report line."""
+    import cProfile
+    import subprocess
+
+    calls = []
+
+    def build_process(command, env, **kwargs):
+        build = Path(env[diag.JIT_LOG_ENV]).name.split("_")[1]
+        calls.append((build, diag.PROFILE_ENV in env))
+        if build != "warm2":  # the cold build and the first warm one compile the kernel
+            _kernel(Path(env["OPARA_CACHE_DIR"]), f"F{build}", "skinny_mm", num_warps=4 if build == "cold" else 8)
+        Path(env[diag.AUTOTUNE_LOG_ENV]).write_text(json.dumps({"kernel": "triton_red_0", "configs": 3, "seconds": 0.5, "autotune_cache": build == "cold"}) + "\n")
+        if diag.PROFILE_ENV in env:
+            profiler = cProfile.Profile()
+            profiler.runcall(sorted, range(100))
+            profiler.dump_stats(env[diag.PROFILE_ENV])
+        report = {"seconds": {"fusion": 1.0}, "inductor": f"{build}: 6 segment calls"}
+        return subprocess.CompletedProcess(command, 0, stdout="log line\n" + json.dumps(report) + "\n")
+
+    monkeypatch.setattr(diag.subprocess, "run", build_process)
+    monkeypatch.setattr(diag, "default_cache_kernels", lambda: {})
+    assert diag.main(["t5", "--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--profile"]) == 0
+    assert calls == [("cold", False), ("warm1", True), ("warm2", True)]  # only the warm builds profiled
+    result = json.loads((tmp_path / "out" / "t5_diag.json").read_text())
+    assert result["added_by_warm1"]["folders"] == 1 and result["added_by_warm2"]["folders"] == 0
+    assert result["added_by_warm1"]["kernels"][0]["closest"][0]["differs"] == {"num_warps": [8, 4]}
+    assert [len(result["autotuned_at_first_call"][b]) for b in diag.BUILDS] == [1, 1, 1]
+    assert (tmp_path / "out" / "t5_warm1_profile.txt").exists() and not (tmp_path / "out" / "t5_cold_profile.txt").exists()
+    printed = capsys.readouterr().out
+    assert "warm1: 1 Inductor kernels autotuned at their first call (0.5 s; 1 without an autotune cache)" in printed
+    assert "warm1: 1 new Triton folders" in printed and "warm2: 0 new Triton folders" in printed
+
+
+def test_the_autotune_log_wraps_the_method_of_this_torchs_autotuner(tmp_path, monkeypatch):
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    original = CachingAutotuner.benchmark_all_configs
+    monkeypatch.setattr(CachingAutotuner, "benchmark_all_configs", original)  # restored after the test
+    diag.install_autotune_log(str(tmp_path / "autotune.jsonl"))
+    assert CachingAutotuner.benchmark_all_configs is not original and CachingAutotuner.benchmark_all_configs.__name__ == "benchmark"
