@@ -560,9 +560,10 @@ def in_this_process():
     workers. That pool (a process per core, each importing torch) otherwise starts
     at the first load, in a process that compiles nothing, a warm build or a
     server, beside the replays it times or serves. (T5's first warm build compiled
-    18 kernels again that the cold build's workers, at compile_threads 1, had saved
-    under other Triton keys, docs/benchmarks.md run 31; loading at compile_threads 1
-    did not remove that first build's extra work, run 32: its cause is still open.)"""
+    18 kernels again that the cold build had saved under other Triton keys,
+    docs/benchmarks.md run 31; not this setting's doing, run 32: the cold build
+    compiled without the ptxas Inductor picks, run 33, fixed where the build points
+    Triton at the cache, inductor_cache.pin_triton_ptxas.)"""
     return torch._inductor.config.patch(compile_threads=1)
 
 
