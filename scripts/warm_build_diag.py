@@ -21,7 +21,7 @@ opara_core.bench --build-only`): cold, warm, warm again; and reports
   build asked for that the cold one never did;
 - every Inductor kernel a build benchmarked at its first call (a runtime
   autotune, which Inductor's autotune cache should spare a warm build), with
-  its configurations and seconds;
+  its configurations, seconds and what that cache said of it;
 - with --profile, where each warm build's time went (cProfile:
   OUT/MODEL_BUILD.prof, its top functions by cumulative time in
   OUT/MODEL_BUILD_profile.txt).
@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 BUILDS = ("cold", "warm1", "warm2")
@@ -86,8 +86,10 @@ def install_jit_log(path: str) -> None:
 
 def timed_benchmarks(benchmark_all_configs, path: str):
     """`CachingAutotuner.benchmark_all_configs` that also appends a JSON line per
-    call: the kernel, how many configurations it timed, the seconds, and whether
-    Inductor had an autotune cache for it (where a warm build finds the choice)."""
+    call: the kernel, how many configurations it timed, the seconds, what
+    Inductor's autotune cache said of it when the kernel was set up ("miss"; none
+    where it was not consulted) and whether the choice will be saved there (where
+    a warm build would find it)."""
 
     def benchmark(self, *args, **kwargs):
         start = time.perf_counter()
@@ -95,7 +97,8 @@ def timed_benchmarks(benchmark_all_configs, path: str):
         try:
             meta = getattr(self, "inductor_meta", None) or {}
             entry = {"kernel": meta.get("kernel_name", getattr(getattr(self, "fn", None), "__name__", "?")), "configs": len(timings),
-                     "seconds": round(time.perf_counter() - start, 4), "autotune_cache": getattr(self, "autotune_cache", None) is not None}  # fmt: skip
+                     "seconds": round(time.perf_counter() - start, 4), "cache_state": (getattr(self, "autotune_cache_info", None) or {}).get("autotune_cache_state"),
+                     "saved": getattr(self, "save_cache_hook", None) is not None}  # fmt: skip
             with open(path, "a") as log:
                 log.write(json.dumps(entry) + "\n")
         except Exception as error:  # noqa: BLE001 - a diagnostic must not break the build it watches
@@ -271,8 +274,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{build}: {len(result[f'default_cache_added_by_{build}'])} kernels into ~/.triton/cache: {', '.join(sorted(set(result[f'default_cache_added_by_{build}'])))}")
     for build in BUILDS:
         timed = autotuned[build]
-        uncached = sum(not entry["autotune_cache"] for entry in timed)
-        print(f"{build}: {len(timed)} Inductor kernels autotuned at their first call ({sum(e['seconds'] for e in timed):.1f} s; {uncached} without an autotune cache)")
+        states = Counter(str(entry["cache_state"]) for entry in timed)
+        unsaved = sum(not entry["saved"] for entry in timed)
+        print(f"{build}: {len(timed)} Inductor kernels autotuned at their first call ({sum(e['seconds'] for e in timed):.1f} s; autotune cache "
+              + ", ".join(f"{state} {n}" for state, n in sorted(states.items())) + f"; {unsaved} whose choice is not saved)")
     for after in BUILDS[1:]:
         added = result[f"added_by_{after}"]
         print(f"{after}: {added['folders']} new Triton folders, {len(result[f'new_jit_specializations_{after}'])} new @triton.jit specializations")

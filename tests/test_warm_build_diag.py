@@ -93,9 +93,10 @@ def test_the_default_triton_cache_is_listed_by_kernel_name(tmp_path):
 class _Autotuner:
     """What `timed_benchmarks` reads of Inductor's CachingAutotuner."""
 
-    def __init__(self, cache: object = None):
+    def __init__(self, state: str | None = None, save=None):
         self.inductor_meta = {"kernel_name": "triton_per_fused_mean_0"}
-        self.autotune_cache = cache
+        self.autotune_cache_info = {"autotune_cache_state": state} if state else {}
+        self.save_cache_hook = save
 
     def benchmark_all_configs(self, *args):
         return {"config a": 0.01, "config b": 0.02}
@@ -105,10 +106,10 @@ def test_a_runtime_autotune_is_logged_with_its_kernel_and_the_timings_pass_throu
     log = tmp_path / "autotune.jsonl"
     benchmark = diag.timed_benchmarks(_Autotuner.benchmark_all_configs, str(log))
     assert benchmark(_Autotuner(), 1, 2) == {"config a": 0.01, "config b": 0.02}
-    assert benchmark(_Autotuner(cache=object())) == {"config a": 0.01, "config b": 0.02}
+    assert benchmark(_Autotuner("miss", save=print)) == {"config a": 0.01, "config b": 0.02}
     first, second = diag.read_json_lines(log)
-    assert (first["kernel"], first["configs"], first["autotune_cache"]) == ("triton_per_fused_mean_0", 2, False)
-    assert second["autotune_cache"] is True and first["seconds"] >= 0
+    assert (first["kernel"], first["configs"], first["cache_state"], first["saved"]) == ("triton_per_fused_mean_0", 2, None, False)
+    assert (second["cache_state"], second["saved"]) == ("miss", True) and first["seconds"] >= 0
     # a log it cannot write never reaches the build
     unwritable = diag.timed_benchmarks(_Autotuner.benchmark_all_configs, str(tmp_path / "missing" / "autotune.jsonl"))
     assert unwritable(_Autotuner()) == {"config a": 0.01, "config b": 0.02}
@@ -145,7 +146,7 @@ def test_the_whole_report_from_three_builds_each_logging_as_a_build_process_does
         calls.append((build, diag.PROFILE_ENV in env))
         if build != "warm2":  # the cold build and the first warm one compile the kernel
             _kernel(Path(env["OPARA_CACHE_DIR"]), f"F{build}", "skinny_mm", num_warps=4 if build == "cold" else 8)
-        Path(env[diag.AUTOTUNE_LOG_ENV]).write_text(json.dumps({"kernel": "triton_red_0", "configs": 3, "seconds": 0.5, "autotune_cache": build == "cold"}) + "\n")
+        Path(env[diag.AUTOTUNE_LOG_ENV]).write_text(json.dumps({"kernel": "triton_red_0", "configs": 3, "seconds": 0.5, "cache_state": "miss", "saved": build == "cold"}) + "\n")
         if diag.PROFILE_ENV in env:
             profiler = cProfile.Profile()
             profiler.runcall(sorted, range(100))
@@ -163,7 +164,7 @@ def test_the_whole_report_from_three_builds_each_logging_as_a_build_process_does
     assert [len(result["autotuned_at_first_call"][b]) for b in diag.BUILDS] == [1, 1, 1]
     assert (tmp_path / "out" / "t5_warm1_profile.txt").exists() and not (tmp_path / "out" / "t5_cold_profile.txt").exists()
     printed = capsys.readouterr().out
-    assert "warm1: 1 Inductor kernels autotuned at their first call (0.5 s; 1 without an autotune cache)" in printed
+    assert "warm1: 1 Inductor kernels autotuned at their first call (0.5 s; autotune cache miss 1; 1 whose choice is not saved)" in printed
     assert "warm1: 1 new Triton folders" in printed and "warm2: 0 new Triton folders" in printed
 
 
@@ -174,3 +175,8 @@ def test_the_autotune_log_wraps_the_method_of_this_torchs_autotuner(tmp_path, mo
     monkeypatch.setattr(CachingAutotuner, "benchmark_all_configs", original)  # restored after the test
     diag.install_autotune_log(str(tmp_path / "autotune.jsonl"))
     assert CachingAutotuner.benchmark_all_configs is not original and CachingAutotuner.benchmark_all_configs.__name__ == "benchmark"
+    # the attributes the log reads are this torch's (a missing one would log None, silently)
+    import inspect
+
+    setup = inspect.getsource(CachingAutotuner.__init__)
+    assert all(f"self.{name} =" in setup for name in ("inductor_meta", "autotune_cache_info", "save_cache_hook")), "CachingAutotuner changed"
