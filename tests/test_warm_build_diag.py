@@ -179,4 +179,4 @@ def test_the_autotune_log_wraps_the_method_of_this_torchs_autotuner(tmp_path, mo
     import inspect
 
     setup = inspect.getsource(CachingAutotuner.__init__)
-    assert all(f"self.{name} =" in setup for name in ("inductor_meta", "autotune_cache_info", "save_cache_hook")), "CachingAutotuner changed"
+    assert all(f"self.{name}" in setup for name in ("inductor_meta", "autotune_cache_info", "save_cache_hook")), "CachingAutotuner changed"
