@@ -162,13 +162,23 @@ def test_cancelled_and_disconnected_clients_lose_no_other_request(server):
 def test_overload_gets_a_clear_error_and_the_others_are_served(server):
     """4 slots and a queue of 6: of 16 long requests sent at once, those past
     the queue are refused with 'overloaded' at once; every accepted one is
-    answered in full."""
-    cases = [([i + 1, i + 2], 16) for i in range(16)]
+    answered in full. Each stream is open before any request is sent, and each
+    asks for 64 tokens, so that the first four are still generating when the
+    last arrives (16 tokens and a stream opened per request raced: on a busy
+    two-core machine the first answers ended before the last request came).
+    Not more: at its 67th token prompt [1, 2]'s two best logits are 3e-6 apart,
+    which a batch of four rows may order either way; over the first 64 every
+    prompt here leads by 3.5e-4 or more."""
+    cases = [([i + 1, i + 2], 64) for i in range(16)]
     results: list = [None] * len(cases)
+    all_open = threading.Barrier(len(cases))
 
     def one(i: int) -> None:
         try:
-            results[i] = generate(server.grpc_url, *cases[i])
+            with TokenStream(server.grpc_url) as stream:
+                all_open.wait(60)
+                stream.send("gpt2", *cases[i])
+                results[i] = [token for _, token in tokens(stream.events)]
         except ClientError as error:
             results[i] = error
 
