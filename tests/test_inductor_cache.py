@@ -3,7 +3,10 @@ tests/test_segment_compiler.py)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,10 +93,6 @@ print(json.dumps({"ptxas": ptxas}))
 
 
 def _kernel_after(cache: Path, order: str) -> dict:
-    import json
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k not in (INDUCTOR_ENV, TRITON_ENV, "TRITON_PTXAS_PATH")}
     done = subprocess.run([sys.executable, "-c", _KERNEL_AFTER, str(cache), order], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
