@@ -89,17 +89,25 @@ def timed_benchmarks(benchmark_all_configs, path: str):
     """`CachingAutotuner.benchmark_all_configs` that also appends a JSON line per
     call: the kernel, how many configurations it timed, the seconds, what
     Inductor's autotune cache said of it when the kernel was set up ("miss"; none
-    where it was not consulted) and whether the choice will be saved there (where
-    a warm build would find it)."""
+    where it was not consulted), whether the choice will be saved there (where
+    a warm build would find it), and the file it is kept in: its path, the
+    kernel's configurations' hash, and the file's content before and after the
+    call (NASNet's warm builds timed the same 5 kernels again although the cold
+    build saved its choices, run 34: absent, overwritten or another hash)."""
 
     def benchmark(self, *args, **kwargs):
+        cache = getattr(getattr(self, "save_cache_hook", None), "__self__", None)  # the hook is AutotuneCache.save
+        local = getattr(cache, "local_cache", None)
+        kept_in = local[1] if local else None
+        before = best_config_file(kept_in)
         start = time.perf_counter()
         timings = benchmark_all_configs(self, *args, **kwargs)
         try:
             meta = getattr(self, "inductor_meta", None) or {}
             entry = {"kernel": meta.get("kernel_name", getattr(getattr(self, "fn", None), "__name__", "?")), "configs": len(timings),
                      "seconds": round(time.perf_counter() - start, 4), "cache_state": (getattr(self, "autotune_cache_info", None) or {}).get("autotune_cache_state"),
-                     "saved": getattr(self, "save_cache_hook", None) is not None}  # fmt: skip
+                     "saved": getattr(self, "save_cache_hook", None) is not None, "kept_in": kept_in, "configs_hash": getattr(cache, "configs_hash", None),
+                     "file_before": before, "file_after": best_config_file(kept_in)}  # fmt: skip
             with open(path, "a") as log:
                 log.write(json.dumps(entry) + "\n")
         except Exception as error:  # noqa: BLE001 - a diagnostic must not break the build it watches
@@ -107,6 +115,18 @@ def timed_benchmarks(benchmark_all_configs, path: str):
         return timings
 
     return benchmark
+
+
+def best_config_file(path: str | None):
+    """An autotune cache file's content (JSON where it parses), or None where there is none."""
+    try:
+        text = Path(path).read_text() if path else None
+    except OSError:
+        return None
+    try:
+        return json.loads(text) if text is not None else None
+    except ValueError:
+        return text[:300]
 
 
 def install_autotune_log(path: str) -> None:
@@ -279,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         unsaved = sum(not entry["saved"] for entry in timed)
         print(f"{build}: {len(timed)} Inductor kernels autotuned at their first call ({sum(e['seconds'] for e in timed):.1f} s; autotune cache "
               + ", ".join(f"{state} {n}" for state, n in sorted(states.items())) + f"; {unsaved} whose choice is not saved)")
+        for entry in timed:
+            if entry.get("file_before") is not None:  # a choice was kept for it, and it was timed anyway
+                kept = entry["file_before"]
+                print(f"  {entry['kernel']}: its file held {kept} (configs hash now {entry.get('configs_hash')})")
     for after in BUILDS[1:]:
         added = result[f"added_by_{after}"]
         print(f"{after}: {added['folders']} new Triton folders, {len(result[f'new_jit_specializations_{after}'])} new @triton.jit specializations")

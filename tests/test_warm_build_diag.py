@@ -102,6 +102,22 @@ class _Autotuner:
         return {"config a": 0.01, "config b": 0.02}
 
 
+class _KeptChoice:
+    """What the log reads of Inductor's AutotuneCache: `save` bound to it, its local file and hash."""
+
+    def __init__(self, path):
+        self.path, self.configs_hash = path, "abc"
+        self.local_cache = (object(), str(path))
+
+    def save(self, *args):
+        self.path.write_text(json.dumps({"XBLOCK": 8, "configs_hash": self.configs_hash}))
+
+
+def _benchmark_and_save(self, *args):
+    self.save_cache_hook()
+    return {"config a": 0.01, "config b": 0.02}
+
+
 def test_a_runtime_autotune_is_logged_with_its_kernel_and_the_timings_pass_through(tmp_path):
     log = tmp_path / "autotune.jsonl"
     benchmark = diag.timed_benchmarks(_Autotuner.benchmark_all_configs, str(log))
@@ -110,6 +126,13 @@ def test_a_runtime_autotune_is_logged_with_its_kernel_and_the_timings_pass_throu
     first, second = diag.read_json_lines(log)
     assert (first["kernel"], first["configs"], first["cache_state"], first["saved"]) == ("triton_per_fused_mean_0", 2, None, False)
     assert (second["cache_state"], second["saved"]) == ("miss", True) and first["seconds"] >= 0
+    # where the choice is kept: the file before and after the call (here the stand-in's save writes it)
+    kept = _KeptChoice(tmp_path / "k.best_config")
+    assert diag.timed_benchmarks(_benchmark_and_save, str(log))(_Autotuner("miss", save=kept.save)) == {"config a": 0.01, "config b": 0.02}
+    third = diag.read_json_lines(log)[2]
+    assert (third["kept_in"], third["configs_hash"], third["file_before"]) == (str(kept.path), "abc", None)
+    assert third["file_after"] == {"XBLOCK": 8, "configs_hash": "abc"}
+    assert first["kept_in"] is None and first["file_after"] is None
     # a log it cannot write never reaches the build
     unwritable = diag.timed_benchmarks(_Autotuner.benchmark_all_configs, str(tmp_path / "missing" / "autotune.jsonl"))
     assert unwritable(_Autotuner()) == {"config a": 0.01, "config b": 0.02}
@@ -180,3 +203,7 @@ def test_the_autotune_log_wraps_the_method_of_this_torchs_autotuner(tmp_path, mo
 
     setup = inspect.getsource(CachingAutotuner.__init__)
     assert all(f"self.{name}" in setup for name in ("inductor_meta", "autotune_cache_info", "save_cache_hook")), "CachingAutotuner changed"
+    from torch._inductor.runtime.autotune_cache import AutotuneCache
+
+    cache = inspect.getsource(AutotuneCache)
+    assert all(f"self.{name}" in cache for name in ("local_cache", "configs_hash")) and "def save(" in cache, "AutotuneCache changed"
