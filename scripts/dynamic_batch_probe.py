@@ -25,6 +25,7 @@ Prints a table and writes OUT/dynamic_batch_probe.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -178,6 +179,20 @@ def table(result: dict, cells: int, batches: tuple[int, ...]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def inductor_cache(directory: str):
+    """Inductor's cache directory for this process while the block runs (then as it was)."""
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -194,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(batches) < 2:
         parser.error("--batches: every batch size must be at least 2 (Inductor specializes a dimension of size 1)")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(args.out / "inductor")}
-    os.environ.update(env)  # this process compiles into the same cache the loading one reads
-    compiled = compile_artifacts(folder, device, args.cells, batches)
+    with inductor_cache(env["TORCHINDUCTOR_CACHE_DIR"]):  # the cache the loading process reads
+        compiled = compile_artifacts(folder, device, args.cells, batches)
     command = [sys.executable, __file__, "--out", str(args.out), "--batches", args.batches, "--child"]
     child = subprocess.run(command, env=env, capture_output=True, text=True)
     if child.returncode != 0:

@@ -3,6 +3,7 @@ size and every artifact computes what the eager cell does (CPU; the replay times
 are the GPU's)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -20,7 +21,10 @@ def test_only_the_batch_dimension_of_the_traced_cell_is_a_symbol():
 
 
 def test_each_artifact_answers_as_the_eager_cell_at_every_batch_it_serves(tmp_path, capsys):
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     assert probe.main(["--out", str(tmp_path), "--cells", "1", "--batches", "2,3"]) == 0
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before  # the test process's cache is left as it was
+    assert any((tmp_path / "inductor").iterdir())  # compiled into the probe's own
     result = json.loads((tmp_path / "dynamic_batch_probe.json").read_text())
     assert sorted(result["runs"]) == ["d0@2", "d0@3", "s0_2@2", "s0_3@3"]  # one dynamic artifact for both sizes
     assert all(run["relative_error"] < 1e-4 for run in result["runs"].values())
