@@ -121,7 +121,7 @@ def best_config_file(path: str | None):
     """An autotune cache file's content (JSON where it parses), or None where there is none."""
     try:
         text = Path(path).read_text() if path else None
-    except OSError:
+    except (OSError, TypeError):  # read before the benchmark, outside its guard: never raises into the build
         return None
     try:
         return json.loads(text) if text is not None else None
