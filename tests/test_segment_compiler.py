@@ -251,8 +251,8 @@ def test_code_from_a_compile_worker_that_fails_its_check_is_compiled_again_here(
     def broken(*args):
         raise IndexError("list index out of range")
 
-    real_load = torch._inductor.CompiledArtifact.load
-    monkeypatch.setattr(torch._inductor.CompiledArtifact, "load", staticmethod(lambda **kwargs: broken))
+    real_load = segment_compiler.load_saved
+    monkeypatch.setattr(segment_compiler, "load_saved", lambda path: broken)
     with caplog.at_level(logging.INFO, logger=segment_compiler.__name__):
         count = prepare([(fused.module, [x])], tmp_path, workers=1)
     assert count.compiled == count.distinct > 0, count
@@ -264,7 +264,7 @@ def test_code_from_a_compile_worker_that_fails_its_check_is_compiled_again_here(
     with torch.inference_mode():
         assert torch.allclose(run_plan(fused, plan, x), module(x), rtol=1e-5, atol=1e-6)
     # what it saved is what a later build loads, checked already: nothing compiled again
-    monkeypatch.setattr(torch._inductor.CompiledArtifact, "load", real_load)
+    monkeypatch.setattr(segment_compiler, "load_saved", real_load)
     monkeypatch.setattr(segment_compiler, "_loaded", {})
     fused, plan = _fused(module, torch.randn(2, 16))
     again = prepare([(fused.module, [x])], tmp_path, workers=1)
@@ -318,6 +318,27 @@ def test_code_a_worker_compiled_runs_where_it_is_loaded_even_with_input_free_ten
     with torch.inference_mode():
         got = torch._inductor.CompiledArtifact.load(path=str(tmp_path / "c.bin"), format="binary")(*free[0].weights)
         assert all(torch.equal(g, w) for g, w in zip(got, free[0].eager()))
+
+
+def test_a_saved_segment_is_looked_up_in_inductors_cache_and_loaded_whole_where_that_lacks_it(tmp_path, monkeypatch):
+    # a warm build's Inductor cache holds what the cold build compiled there: nothing is written
+    # again (load_cache_artifacts, a third of each load); a cache without the entries gets them from the file
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the worker's too
+    segment = _segment_with_weights()
+    x = torch.randn(4, 16)
+    metas = [TensorMeta.of(x), *map(TensorMeta.of, segment.weights)]
+    assert segment_compiler.compile_all([("a", segment.code, metas)], tmp_path, workers=1) == set()
+    real = torch.compiler.load_cache_artifacts
+    writes = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda *a, **k: writes.append(1) or real(*a, **k))
+    with torch.inference_mode():
+        want = segment.eager(x)
+        got = segment_compiler.load_saved(tmp_path / "a.bin")(x, *segment.weights)
+        assert writes == [] and all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want))
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))  # e.g. a cache filled on another machine
+        got = segment_compiler.load_saved(tmp_path / "a.bin")(x, *segment.weights)
+    assert writes == [1] and any((tmp_path / "elsewhere").rglob("*")), "the whole artifact was not loaded"
+    assert all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want))
 
 
 def test_tensor_meta_round_trips_through_json_and_gives_the_layout_of_its_tensor():

@@ -12,7 +12,7 @@ every name made canonical) with `torch._inductor.standalone_compile`:
   at the same shapes (BERT's twelve layers) compile once, and new weights for a
   model reuse its code;
 - each compilation is saved under that key in the cache directory; a later
-  build loads it (`CompiledArtifact.load`) without tracing or compiling;
+  build loads it (`load_saved`) without tracing or compiling;
 - what is missing compiles in parallel worker processes, one segment each:
   Inductor's own compile is mostly single-threaded Python;
 - which segments a plan calls with which input layouts is found by running it
@@ -26,6 +26,7 @@ compile the channels-last graph of convolutional models (engine.build).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -51,7 +52,7 @@ from opara_core.engine.inductor_cache import write_json_atomically
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when what a key covers changes
+FORMAT = 2  # bump when what a key covers changes (2: compiled without dynamic_scale_rblock)
 MAX_WORKERS = 8
 CHECK_TOLERANCE = 5e-2  # a segment's code against its ATen operators (TF32 either side)
 
@@ -166,7 +167,7 @@ class CompileCount:
     unsaved: int = 0  # of those, not saved (Inductor's cache bypassed them): compiled again by every build
     record_s: float = 0.0  # running each module once to find its segments' inputs
     compile_s: float = 0.0  # the compile workers (and compiling unsaved segments here)
-    load_s: float = 0.0  # CompiledArtifact.load
+    load_s: float = 0.0  # load_saved
     check_s: float = 0.0  # each new code's check against its ATen operators
     records_read: int = 0  # runs whose segments' inputs came from the cache directory, not a run
 
@@ -256,7 +257,7 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
                 code = _compile(*jobs[key])
                 seconds["compile"] += time.perf_counter() - start
             else:
-                code = torch._inductor.CompiledArtifact.load(path=str(_path(cache_dir, key)), format="binary")
+                code = load_saved(_path(cache_dir, key))
                 seconds["load"] += time.perf_counter() - start
             start = time.perf_counter()
             fresh = key in missing and key not in unsaved  # compiled by a worker just now: one more try here if wrong
@@ -395,6 +396,36 @@ def _compiled_here(segment: CompiledSegment, job: tuple[GraphModule, Sequence[Te
     return code
 
 
+def load_saved(path: Path) -> Callable[..., Any]:
+    """A saved segment's code. Where the cold build compiled it into this same
+    Inductor cache, the cache holds every entry the file carries, and the code
+    is looked up there directly; `CompiledArtifact.load` first writes all of
+    them again (`load_cache_artifacts`): 14.1 against 8.9 ms per artifact, on
+    NASNet-like cells on an H200 (scripts/artifact_load_probe.py, docs/benchmarks.md
+    run 35), and NASNet's warm build loads 451. Where the lookup finds nothing
+    (a cache filled elsewhere, entries evicted) or this torch lays its files out
+    otherwise, the public load."""
+    try:
+        return _looked_up(path)
+    except Exception as error:  # noqa: BLE001 - the public load does the same in full
+        log.debug("segment %s not found in Inductor's cache (%s: %s); loading the whole artifact", path.name, type(error).__name__, error)
+    return torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
+
+
+def _looked_up(path: Path) -> Callable[..., Any]:
+    """`CompiledArtifact.load` of a file `standalone_compile` saved, without
+    its `load_cache_artifacts` (torch's private `CacheCompiledArtifact._load_impl`;
+    it raises where Inductor's cache lacks an entry)."""
+    from torch._inductor.codecache import torch_key
+    from torch._inductor.standalone_compile import CacheCompiledArtifact
+    from torch.utils._appending_byte_serializer import BytesReader
+
+    reader = BytesReader(path.read_bytes())
+    if reader.read_bytes() != CacheCompiledArtifact.CACHE_HEADER or reader.read_bytes() != torch_key():
+        raise ValueError("not a standalone_compile artifact of this torch")
+    return CacheCompiledArtifact._load_impl(contextlib.nullcontext(), reader.read_str())
+
+
 def _path(cache_dir: Path, key: str) -> Path:
     return cache_dir / f"{key}.bin"
 
@@ -412,7 +443,14 @@ def _passed_marker(cache_dir: Path, key: str) -> Path:
 
 
 def _compile(code: GraphModule, metas: Sequence[TensorMeta]) -> Any:
-    with torch.inference_mode():
+    """Inductor's code for the segment, without `dynamic_scale_rblock`: that
+    adds halved-R0_BLOCK variants of a reduction's configurations at its first
+    call, and where one of them wins, torch 2.11 never finds the saved choice
+    again (its autotune cache wants the choice among the kernel's original
+    configurations), so every warm build timed those kernels again: NASNet's
+    classifier-tail reductions, 5 of them, 1.2-1.4 s of each warm build
+    (docs/benchmarks.md run 35)."""
+    with torch.inference_mode(), torch._inductor.config.patch(dynamic_scale_rblock=False):
         return torch._inductor.standalone_compile(code, [m.empty() for m in metas], dynamic_shapes="from_example_inputs")
 
 
