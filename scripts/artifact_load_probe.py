@@ -10,11 +10,11 @@ needs nothing from Inductor's caches), in one Inductor cache directory, as a
 cold build leaves it. Then, each in a new process on that cache, as a warm
 build loads them:
 
-- `public`: `CompiledArtifact.load`, today's path: it writes every entry of the
-  artifact into Inductor's caches again (`load_cache_artifacts`), then looks
-  the compiled graph up there;
-- `lookup`: the same files, only the lookup (Inductor's private
-  `CacheCompiledArtifact._load_impl`), the cache entries being there already;
+- `public`: `CompiledArtifact.load` (segment_compiler's load until run 35): it
+  writes every entry of the artifact into Inductor's caches again
+  (`load_cache_artifacts`), then looks the compiled graph up there;
+- `lookup`: the same files, only the lookup (`segment_compiler.load_from_cache`,
+  what a warm build does since run 35), the cache entries being there already;
 - `aot`: the `aot=True` artifacts through `CompiledArtifact.load`.
 
 For each artifact: its load seconds, its first call's seconds (work a loader
@@ -36,10 +36,13 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from opara_core.engine.segment_compiler import load_from_cache  # noqa: E402
 
 MODES = ("public", "lookup", "aot")
 
@@ -74,25 +77,12 @@ def compile_artifacts(folder: Path, device: str, cells: int, batch: int) -> dict
     return seconds
 
 
-def load_by_lookup(path: Path):
-    """A saved CacheCompiledArtifact loaded from the entries already in Inductor's
-    caches: `CompiledArtifact.load` without its `load_cache_artifacts`."""
-    from torch._inductor.codecache import torch_key
-    from torch._inductor.standalone_compile import CacheCompiledArtifact
-    from torch.utils._appending_byte_serializer import BytesReader
-
-    reader = BytesReader(path.read_bytes())
-    if reader.read_bytes() != CacheCompiledArtifact.CACHE_HEADER or reader.read_bytes() != torch_key():
-        raise ValueError(f"{path}: not a CacheCompiledArtifact of this torch")
-    return CacheCompiledArtifact._load_impl(nullcontext(), reader.read_str())
-
-
 def load_and_run(folder: Path, device: str, batch: int, mode: str) -> dict:
     """In a new process: load every artifact of `mode`, call it once, check it
     against the eager cell and time its replays on a GPU."""
     probe = _cells()
     prefix = "a" if mode == "aot" else "c"
-    load = load_by_lookup if mode == "lookup" else (lambda path: torch._inductor.CompiledArtifact.load(path=str(path), format="binary"))
+    load = load_from_cache if mode == "lookup" else (lambda path: torch._inductor.CompiledArtifact.load(path=str(path), format="binary"))
     with torch.inference_mode():
         torch._inductor.CompiledArtifact.load(path=str(folder / f"w{prefix}.bin"), format="binary")(*probe.example_inputs(batch, device))
     result = {}

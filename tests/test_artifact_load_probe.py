@@ -34,7 +34,7 @@ def test_the_lookup_leaves_inductors_cache_as_it_found_it(tmp_path, monkeypatch)
     cells = probe._cells()
     inputs = cells.example_inputs(2, "cpu")
     with torch.inference_mode():
-        got = probe.load_by_lookup(tmp_path / "artifacts" / "c0.bin")(*inputs)[0]
+        got = probe.load_from_cache(tmp_path / "artifacts" / "c0.bin")(*inputs)[0]
         assert torch.allclose(got, cells.cell(0)(*inputs)[0], rtol=1e-5, atol=1e-5)
     assert files() == before
 

@@ -406,13 +406,13 @@ def load_saved(path: Path) -> Callable[..., Any]:
     (a cache filled elsewhere, entries evicted) or this torch lays its files out
     otherwise, the public load."""
     try:
-        return _looked_up(path)
+        return load_from_cache(path)
     except Exception as error:  # noqa: BLE001 - the public load does the same in full
         log.debug("segment %s not found in Inductor's cache (%s: %s); loading the whole artifact", path.name, type(error).__name__, error)
     return torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
 
 
-def _looked_up(path: Path) -> Callable[..., Any]:
+def load_from_cache(path: Path) -> Callable[..., Any]:
     """`CompiledArtifact.load` of a file `standalone_compile` saved, without
     its `load_cache_artifacts` (torch's private `CacheCompiledArtifact._load_impl`;
     it raises where Inductor's cache lacks an entry)."""
