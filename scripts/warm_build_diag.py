@@ -22,10 +22,16 @@ opara_core.bench --build-only`): cold, warm, warm again; and reports
 - every Inductor kernel a build benchmarked at its first call (a runtime
   autotune, which Inductor's autotune cache should spare a warm build), with
   its configurations, seconds and what that cache said of it;
-- with --profile, where the second warm build's time went (cProfile:
-  OUT/MODEL_warm2.prof, its top functions by cumulative time in
-  OUT/MODEL_warm2_profile.txt); the first warm build, what a server started
-  on a cache filled ahead of time does, keeps its real seconds.
+- each build's garbage collections: how many, their seconds, and the
+  seconds of the slower ones (generations 1 and 2) by the engine's function
+  they interrupted;
+- with --profile, where the second warm build's time went (its main thread's
+  stack sampled every millisecond: OUT/MODEL_warm2.stacks, collapsed stacks
+  in milliseconds as flame graph tools read them, and its functions by
+  inclusive seconds in OUT/MODEL_warm2_profile.txt); the first warm build,
+  what a server started on a cache filled ahead of time does, keeps its real
+  seconds. (cProfile's cumulative times of NASNet's warm build under Python
+  3.12 were wrong: 0 s in segment_compiler.load_saved of a 6.3 s load, run 36.)
 
     python scripts/warm_build_diag.py t5 --out diag/        # about 4 minutes for T5 on an H200
 
@@ -35,17 +41,18 @@ Writes OUT/MODEL_diag.json and prints a summary.
 from __future__ import annotations
 
 import argparse
-import cProfile
+import contextlib
+import functools
+import gc
 import importlib.util
-import io
 import json
 import os
-import pstats
 import runpy
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import Counter, defaultdict
@@ -55,7 +62,9 @@ BUILDS = ("cold", "warm1", "warm2")
 JIT_LOG_ENV = "OPARA_DIAG_JIT_LOG"
 AUTOTUNE_LOG_ENV = "OPARA_DIAG_AUTOTUNE_LOG"
 PROFILE_ENV = "OPARA_DIAG_PROFILE"
+GC_LOG_ENV = "OPARA_DIAG_GC_LOG"
 PROFILE_LINES = 40
+REPO = str(Path(__file__).resolve().parents[1])
 
 
 def install_jit_log(path: str) -> None:
@@ -135,15 +144,113 @@ def install_autotune_log(path: str) -> None:
     CachingAutotuner.benchmark_all_configs = timed_benchmarks(CachingAutotuner.benchmark_all_configs, path)
 
 
-def top_functions(profile: Path, lines: int = PROFILE_LINES) -> str:
-    """pstats' table of a profile's functions by cumulative time (what went
-    wrong instead, where the file holds none: the rest of the report stands)."""
-    text = io.StringIO()
+class StackSampler:
+    """The calling thread's Python stack sampled from a thread of its own every
+    `interval` seconds, each sample weighted by the seconds since the one
+    before (a sample waits for the GIL, and the wait counts for the stack it
+    then finds): seconds per stack, which stay right where cProfile's did not."""
+
+    def __init__(self, interval: float = 0.001):
+        self.interval = interval
+        self.seconds: Counter[tuple[str, ...]] = Counter()
+        self._target = threading.get_ident()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stack sampler", daemon=True)
+
+    def __enter__(self) -> StackSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.wait(self.interval):
+            frame = sys._current_frames().get(self._target)
+            now = time.perf_counter()
+            if frame is not None:
+                self.seconds[stack_of(frame)] += now - last
+            last = now
+
+    def write(self, path: Path) -> None:
+        """Collapsed stacks, root first, with their milliseconds."""
+        path.write_text("".join(f"{';'.join(stack)} {seconds * 1000:.1f}\n" for stack, seconds in self.seconds.most_common()))
+
+
+def stack_of(frame) -> tuple[str, ...]:
+    """`file:line(function)` of each frame, the outermost first; files under
+    site-packages or this repository by their path there. The code objects are
+    collected first: the main thread runs again at the first call that
+    releases the GIL, and a generator it finishes meanwhile loses its parents."""
+    codes = []
+    while frame is not None:
+        codes.append(frame.f_code)
+        frame = frame.f_back
+    return tuple(_frame_name(code) for code in reversed(codes))
+
+
+@functools.cache
+def _frame_name(code) -> str:
+    path = code.co_filename.split("site-packages/")[-1].removeprefix(f"{REPO}/")
+    return f"{path}:{code.co_firstlineno}({code.co_name})"
+
+
+def top_functions(stacks: Path, lines: int = PROFILE_LINES) -> str:
+    """The functions of a collapsed-stacks file by inclusive seconds (each
+    function once per stack, however deep it recurses), with their own; what
+    went wrong instead where the file holds none: the rest of the report stands."""
+    inclusive: Counter[str] = Counter()
+    own: Counter[str] = Counter()
     try:
-        pstats.Stats(str(profile), stream=text).sort_stats("cumulative").print_stats(lines)
-    except (TypeError, ValueError, EOFError, OSError) as error:
-        return f"no profile in {profile}: {error}\n"
-    return text.getvalue()
+        for line in stacks.read_text().splitlines():
+            stack, _, ms = line.rpartition(" ")
+            frames = stack.split(";")
+            for name in set(frames):
+                inclusive[name] += float(ms) / 1000
+            own[frames[-1]] += float(ms) / 1000
+    except (OSError, ValueError) as error:
+        return f"no profile in {stacks}: {error}\n"
+    if not inclusive:
+        return f"no profile in {stacks}: no samples\n"
+    rows = [f"{'inclusive s':>11} {'own s':>7}  function"]
+    rows += [f"{seconds:11.3f} {own[name]:7.3f}  {name}" for name, seconds in inclusive.most_common(lines)]
+    return "\n".join(rows) + "\n"
+
+
+class GarbageCollections:
+    """Every garbage collection of this process (gc.callbacks): how many and
+    their seconds per generation, and the seconds of those of generations 1
+    and 2 by the innermost function of this repository's engine they
+    interrupted (a collection runs at whatever allocation crossed its threshold)."""
+
+    def __init__(self):
+        self.count: Counter[int] = Counter()
+        self.seconds: Counter[int] = Counter()
+        self.by_function: Counter[str] = Counter()
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        spent = time.perf_counter() - self._start
+        generation = info["generation"]
+        self.count[generation] += 1
+        self.seconds[generation] += spent
+        if generation:
+            frame = sys._getframe(1)
+            while frame is not None and "opara_core" not in frame.f_code.co_filename:
+                frame = frame.f_back
+            self.by_function[f"{Path(frame.f_code.co_filename).stem}.{frame.f_code.co_name}" if frame else "(outside the engine)"] += spent
+
+    def report(self) -> dict:
+        return {
+            "collections": {str(g): n for g, n in sorted(self.count.items())},
+            "seconds": {str(g): round(s, 4) for g, s in sorted(self.seconds.items())},
+            "slow_ones_by_function": {name: round(s, 4) for name, s in self.by_function.most_common()},
+        }
 
 
 def triton_folders(cache: Path) -> dict[str, list[str]]:
@@ -222,21 +329,24 @@ def _identity(entry: dict) -> tuple:
 
 def _child(argv: list[str]) -> None:
     """A build process: the logs installed, then the bench's `--build-only`
-    (under cProfile where asked)."""
+    (its stack sampled where asked)."""
     if os.environ.get(JIT_LOG_ENV):
         install_jit_log(os.environ[JIT_LOG_ENV])
     if os.environ.get(AUTOTUNE_LOG_ENV):
         install_autotune_log(os.environ[AUTOTUNE_LOG_ENV])
+    collections = GarbageCollections()
+    gc.callbacks.append(collections)
     sys.argv = ["opara_core.bench", *argv]
-    profiler = cProfile.Profile() if os.environ.get(PROFILE_ENV) else None
-    if profiler:
-        profiler.enable()
+    sampler = StackSampler() if os.environ.get(PROFILE_ENV) else contextlib.nullcontext()
     try:
-        runpy.run_module("opara_core.bench", run_name="__main__", alter_sys=True)
+        with sampler:
+            runpy.run_module("opara_core.bench", run_name="__main__", alter_sys=True)
     finally:
-        if profiler:
-            profiler.disable()
-            profiler.dump_stats(os.environ[PROFILE_ENV])
+        gc.callbacks.remove(collections)
+        if os.environ.get(GC_LOG_ENV):
+            Path(os.environ[GC_LOG_ENV]).write_text(json.dumps(collections.report()))
+        if isinstance(sampler, StackSampler):
+            sampler.write(Path(os.environ[PROFILE_ENV]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cache", type=Path, help="the build cache to use (emptied first; default: a new temporary folder)")
-    parser.add_argument("--profile", action="store_true", help="run the second warm build under cProfile (slower: its seconds are then not the build's)")
+    parser.add_argument("--profile", action="store_true", help="sample the second warm build's stack (a little slower: its seconds are then not quite the build's)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     cache = args.cache or Path(tempfile.mkdtemp(prefix=f"warmdiag_{args.model}_"))
@@ -254,16 +364,17 @@ def main(argv: list[str] | None = None) -> int:
     env.pop("TRITON_CACHE_DIR", None)  # the engine points Triton at the Inductor cache's triton/0
     torch_dir = Path(importlib.util.find_spec("torch").origin).parent
     # Inductor points Triton at torch's own ptxas, where the wheel has one, at its first compile in a process
-    result: dict = {"model": args.model, "cache": str(cache), "torch_bundled_ptxas": (torch_dir / "bin" / "ptxas").exists(), "builds": {}}
+    result: dict = {"model": args.model, "cache": str(cache), "torch_bundled_ptxas": (torch_dir / "bin" / "ptxas").exists(), "builds": {}, "garbage_collections": {}}
     folders: dict[str, dict[str, list[str]]] = {}
     logs: dict[str, list[dict]] = {}
     autotuned: dict[str, list[dict]] = {}
     outside = default_cache_kernels()
     for build in BUILDS:
-        jit_log, autotune_log, profile = (args.out / f"{args.model}_{build}{suffix}" for suffix in ("_jit.jsonl", "_autotune.jsonl", ".prof"))
-        for stale in (jit_log, autotune_log, profile):
+        jit_log, autotune_log, gc_log, profile = (args.out / f"{args.model}_{build}{suffix}" for suffix in ("_jit.jsonl", "_autotune.jsonl", "_gc.json", ".stacks"))
+        for stale in (jit_log, autotune_log, gc_log, profile):
             stale.unlink(missing_ok=True)
-        logged = {JIT_LOG_ENV: str(jit_log), AUTOTUNE_LOG_ENV: str(autotune_log), **({PROFILE_ENV: str(profile)} if args.profile and build == BUILDS[-1] else {})}
+        logged = {JIT_LOG_ENV: str(jit_log), AUTOTUNE_LOG_ENV: str(autotune_log), GC_LOG_ENV: str(gc_log)}
+        logged |= {PROFILE_ENV: str(profile)} if args.profile and build == BUILDS[-1] else {}
         command = [sys.executable, __file__, "--child", "--build-only", args.model]
         with open(args.out / f"{args.model}_{build}.log", "w") as stderr:
             run = subprocess.run(command, env={**env, **logged}, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=1800)
@@ -277,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         outside = now
         logs[build] = read_json_lines(jit_log)
         autotuned[build] = read_json_lines(autotune_log)
+        result["garbage_collections"][build] = json.loads(gc_log.read_text()) if gc_log.exists() else None
         if profile.exists():
             (args.out / f"{args.model}_{build}_profile.txt").write_text(top_functions(profile))
     for before, after in zip(BUILDS, BUILDS[1:]):
@@ -290,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     for build in BUILDS:
         seconds = result["builds"][build]["seconds"]
         print(f"{build}: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + f"; {result['builds'][build]['inductor']}")
+    for build in BUILDS:
+        collected = result["garbage_collections"][build]
+        if collected:
+            slow = ", ".join(f"{name} {s:.2f}" for name, s in list(collected["slow_ones_by_function"].items())[:5])
+            print(f"{build}: garbage collections per generation {collected['collections']}, seconds {collected['seconds']}; generations 1-2 in {slow or 'none'}")
     print(f"torch's own ptxas: {'yes' if result['torch_bundled_ptxas'] else 'no'}")
     for build in BUILDS:
         print(f"{build}: {len(result[f'default_cache_added_by_{build}'])} kernels into ~/.triton/cache: {', '.join(sorted(set(result[f'default_cache_added_by_{build}'])))}")

@@ -109,3 +109,30 @@ def test_the_cudnn_fused_lanes_graph_is_offered_with_the_fused_policies_only():
     assert all(c.fused for c in cudnn) and not any(c.fused for c in found if c.graph == "nchw")
     for candidate in found:
         assert Candidate.parse(str(candidate)) == candidate
+
+
+@pytest.mark.gpu
+def test_the_cudnn_fused_lanes_graph_is_the_inductor_graph_with_the_cudnn_passes(strict_fp32, tmp_path, monkeypatch):
+    # made from the `inductor` graph (NASNet's warm build fused the traced graph twice
+    # before): the same kernels as the cuDNN passes run in one go, the same outputs as eager
+    from opara_core.engine import build
+    from opara_core.engine.compare import max_relative_error
+    from opara_core.engine.fusion import count_kernels, fuse_graph
+
+    monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))  # the fusion checks' markers
+    device = torch.device("cuda")
+    entry = zoo.get("resnet50")
+    module = entry.build().to(device).eval()
+    traced = trace_zoo(entry, module, device)
+    checks = [tuple(t.to(device) for t in entry.example_inputs(2, seed=7))]
+    graphs = build._fused_lanes_graphs(traced, device, EngineSettings(), BuildReport(), checks, True, None)
+    at_once, report = fuse_graph(traced, device, passes=build.INDUCTOR_CUDNN_PASSES)
+    assert report.rewrites["conv_add_relu"] > 0 and report.rewrites["conv_relu"] > 0
+    assert count_kernels(graphs["inductor-cudnn"].module) == count_kernels(at_once.module) < count_kernels(graphs["inductor"].module)
+    assert sorted(build._fused_lanes_graphs(traced, device, EngineSettings(), BuildReport(), checks, True, {"inductor-cudnn"})) == ["inductor-cudnn"]
+    with torch.inference_mode():
+        for batch in (1, 4):
+            inputs = tuple(x.to(device) for x in entry.example_inputs(batch, seed=batch))
+            want = module(*inputs)
+            for name, graph in graphs.items():
+                assert max_relative_error(graph.module(*inputs), want) <= 1e-4, (name, batch)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import time
 from pathlib import Path
 
 from conftest import load_script
@@ -139,28 +141,45 @@ def test_a_runtime_autotune_is_logged_with_its_kernel_and_the_timings_pass_throu
     assert unwritable(_Autotuner()) == {"config a": 0.01, "config b": 0.02}
 
 
-def test_a_profile_is_summarised_by_cumulative_time(tmp_path):
-    import cProfile
-
+def test_a_sampled_stack_is_summarised_by_inclusive_seconds(tmp_path):
     def slow_part():
-        return sum(i * i for i in range(20000))
+        end = time.perf_counter() + 0.15
+        while time.perf_counter() < end:
+            sum(i * i for i in range(2000))
 
     def build():
-        return [slow_part() for _ in range(3)]
+        for _ in range(2):
+            slow_part()
 
-    profiler = cProfile.Profile()
-    profiler.runcall(build)
-    profiler.dump_stats(tmp_path / "build.prof")
-    table = diag.top_functions(tmp_path / "build.prof", lines=5)
-    assert "cumulative" in table and table.index("(build)") < table.index("(slow_part)")  # the caller first: it holds its callee's time
-    cProfile.Profile().dump_stats(tmp_path / "empty.prof")  # a build that died before profiling anything
-    assert diag.top_functions(tmp_path / "empty.prof").startswith("no profile in")
+    with diag.StackSampler(interval=0.001) as sampler:
+        build()
+    sampler.write(tmp_path / "build.stacks")
+    table = diag.top_functions(tmp_path / "build.stacks", lines=200)  # pytest's frames hold it all too
+    rows = {line.split()[-1].rpartition("(")[2].rstrip(")"): float(line.split()[0]) for line in table.splitlines()[1:]}
+    assert table.index("(build)") < table.index("(slow_part)")  # the caller first: it holds its callee's time
+    assert 0.2 <= rows["slow_part"] <= rows["build"] <= 0.6  # ~0.3 s spent in it, however often sampled
+    (tmp_path / "empty.stacks").write_text("")  # a build that died before a sample
+    assert diag.top_functions(tmp_path / "empty.stacks").startswith("no profile in")
+    assert diag.top_functions(tmp_path / "missing.stacks").startswith("no profile in")
+
+
+def test_garbage_collections_are_counted_and_the_slow_ones_attributed():
+    collections = diag.GarbageCollections()
+    gc.callbacks.append(collections)
+    try:
+        gc.collect(2)
+        gc.collect(0)
+    finally:
+        gc.callbacks.remove(collections)
+    report = collections.report()
+    assert report["collections"]["2"] >= 1 and report["collections"]["0"] >= 1
+    assert report["seconds"]["2"] > 0
+    assert list(report["slow_ones_by_function"]) == ["(outside the engine)"]  # called from a test, not from opara_core
 
 
 def test_the_whole_report_from_three_builds_each_logging_as_a_build_process_does(tmp_path, monkeypatch, capsys):
     """main() over three stand-in build processes (the real ones need a GPU): each
     writes what the hooks in a build write, and the bench's report line."""
-    import cProfile
     import subprocess
 
     calls = []
@@ -172,9 +191,8 @@ def test_the_whole_report_from_three_builds_each_logging_as_a_build_process_does
             _kernel(Path(env["OPARA_CACHE_DIR"]), f"F{build}", "skinny_mm", num_warps=4 if build == "cold" else 8)
         Path(env[diag.AUTOTUNE_LOG_ENV]).write_text(json.dumps({"kernel": "triton_red_0", "configs": 3, "seconds": 0.5, "cache_state": "miss", "saved": build == "cold"}) + "\n")
         if diag.PROFILE_ENV in env:
-            profiler = cProfile.Profile()
-            profiler.runcall(sorted, range(100))
-            profiler.dump_stats(env[diag.PROFILE_ENV])
+            Path(env[diag.PROFILE_ENV]).write_text("bench.py:1(<module>);build.py:240(make_captures) 1500.0\nbench.py:1(<module>) 500.0\n")
+        Path(env[diag.GC_LOG_ENV]).write_text(json.dumps({"collections": {"0": 900, "2": 3}, "seconds": {"0": 0.1, "2": 0.9}, "slow_ones_by_function": {"segment_compiler.prepare": 0.8}}))
         report = {"seconds": {"fusion": 1.0}, "inductor": f"{build}: 6 segment calls"}
         return subprocess.CompletedProcess(command, 0, stdout="log line\n" + json.dumps(report) + "\n")
 
@@ -187,7 +205,10 @@ def test_the_whole_report_from_three_builds_each_logging_as_a_build_process_does
     assert result["added_by_warm1"]["kernels"][0]["closest"][0]["differs"] == {"num_warps": [8, 4]}
     assert [len(result["autotuned_at_first_call"][b]) for b in diag.BUILDS] == [1, 1, 1]
     assert (tmp_path / "out" / "t5_warm2_profile.txt").exists() and not (tmp_path / "out" / "t5_warm1_profile.txt").exists()
+    assert "2.000   0.500  bench.py:1(<module>)" in (tmp_path / "out" / "t5_warm2_profile.txt").read_text()
+    assert result["garbage_collections"]["cold"]["seconds"]["2"] == 0.9
     printed = capsys.readouterr().out
+    assert "warm1: garbage collections per generation {'0': 900, '2': 3}, seconds {'0': 0.1, '2': 0.9}; generations 1-2 in segment_compiler.prepare 0.80" in printed
     assert "warm1: 1 Inductor kernels autotuned at their first call (0.5 s; autotune cache miss 1; 1 whose choice is not saved)" in printed
     assert "warm1: 1 new Triton folders" in printed and "warm2: 0 new Triton folders" in printed
 

@@ -75,6 +75,7 @@ INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears", 
 # joins a residual add and its ReLU into the convolution (conv_add_relu): on
 # ResNet-50 (H200, 2026-11-28, docs/benchmarks.md run 24) its opara plan replayed
 # 2.41 -> 2.02 ms at batch 32, the same within 1.5% at 1 and 8.
+# Made from the `inductor` graph, with only the passes it lacks (_fused_lanes_graphs).
 INDUCTOR_CUDNN_PASSES = (*INDUCTOR_PASSES, "conv_add_relu", "conv_relu")
 FUSED_GRAPHS = ("inductor", "inductor-cudnn")  # graphs whose candidates are fused lanes
 
@@ -502,21 +503,39 @@ def traced_graphs(
         except ValueError as error:  # the ATen candidates still serve
             report.fallbacks.append(f"fused lanes: {error}")
             return graphs
-        passes = {"inductor": INDUCTOR_PASSES, "inductor-cudnn": INDUCTOR_CUDNN_PASSES} if settings.fusion and has_convs else {"inductor": INDUCTOR_PASSES}
-        for name, wanted in passes.items():
-            if only is not None and name not in only:
-                continue
-            start = time.perf_counter()
-            inductor, fusion = fuse_graph(traced, device, passes=wanted, check_inputs=checks, cache=fusion_checks_dir()) if settings.fusion else (traced, None)
-            report.seconds["fusion"] = report.seconds.get("fusion", 0.0) + time.perf_counter() - start  # every graph's fusion is the build's
-            if name == "inductor-cudnn" and not (fusion.rewrites.get("conv_relu") or fusion.rewrites.get("conv_add_relu")):
-                continue  # cuDNN fused nothing: the same graph as `inductor`
+        for name, inductor in _fused_lanes_graphs(traced, device, settings, report, checks, has_convs, only).items():
             if settings.profile:
                 inductor = profiled(inductor, profile_inputs, device, report)
             # segments take their weights as inputs, and Inductor converts a
             # convolution weight to channels-last at every call unless it already is
             graphs[name] = channels_last_graph(inductor) if has_convs else inductor
     return graphs
+
+
+def _fused_lanes_graphs(
+    traced: OpGraph, device: torch.device, settings: EngineSettings, report: BuildReport, checks: list, has_convs: bool, only: Collection[str] | None
+) -> dict[str, OpGraph]:
+    """The graphs fused lanes compile: `inductor` (INDUCTOR_PASSES) and, for a
+    convolutional model where cuDNN fuses some convolution, `inductor-cudnn`.
+    The second is the first with the cuDNN passes run on it (they touch only
+    ungrouped convolutions, depthwise_convs only grouped ones): fusing the
+    traced graph twice from scratch spent ~1.3 s per graph of NASNet's warm
+    build (docs/benchmarks.md run 35). `only`: the graphs a build needs (the
+    first is made anyway where the second is wanted)."""
+    wanted_names = [name for name in FUSED_GRAPHS if only is None or name in only]
+    if not settings.fusion or not wanted_names:
+        return {"inductor": traced} if "inductor" in wanted_names else {}
+    start = time.perf_counter()
+    made = {"inductor": fuse_graph(traced, device, passes=INDUCTOR_PASSES, check_inputs=checks, cache=fusion_checks_dir())[0]}
+    if has_convs and "inductor-cudnn" in wanted_names:
+        # passes left out of INDUCTOR_PASSES (scripts/pass_ab.py edits the lists) mean no chaining
+        chained = set(INDUCTOR_PASSES) <= set(INDUCTOR_CUDNN_PASSES)
+        base, wanted = (made["inductor"], [p for p in INDUCTOR_CUDNN_PASSES if p not in INDUCTOR_PASSES]) if chained else (traced, INDUCTOR_CUDNN_PASSES)
+        cudnn, fusion = fuse_graph(base, device, passes=wanted, check_inputs=checks, cache=fusion_checks_dir())
+        if fusion.rewrites.get("conv_relu") or fusion.rewrites.get("conv_add_relu"):  # else the same graph as `inductor`
+            made["inductor-cudnn"] = cudnn
+    report.seconds["fusion"] = report.seconds.get("fusion", 0.0) + time.perf_counter() - start  # every graph's fusion is the build's
+    return {name: graph for name, graph in made.items() if name in wanted_names}
 
 
 def profiled(graph: OpGraph, inputs: Sequence[torch.Tensor], device: torch.device, report: BuildReport) -> OpGraph:
