@@ -240,7 +240,7 @@ class GarbageCollections:
         self.count[generation] += 1
         self.seconds[generation] += spent
         if generation:
-            frame = sys._getframe(1)
+            frame = sys._getframe(0).f_back  # None where no Python frame triggered it
             while frame is not None and "opara_core" not in frame.f_code.co_filename:
                 frame = frame.f_back
             self.by_function[f"{Path(frame.f_code.co_filename).stem}.{frame.f_code.co_name}" if frame else "(outside the engine)"] += spent

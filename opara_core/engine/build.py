@@ -24,7 +24,7 @@ from typing import Any, Collection, Mapping, Sequence
 import torch
 
 from opara_core import zoo
-from opara_core.engine import choices, runtime, trace_cache
+from opara_core.engine import choices, heap, runtime, trace_cache
 from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, LanePool, PlanCapture, capture_module, time_replays
 from opara_core.engine.interpreter import reordered_graph
 from opara_core.engine.fused_lanes import InductorCapture, prepare_captures
@@ -204,18 +204,27 @@ def build_runner(
     `pool`: the graph memory pool and lane streams to capture into, shared
     with other runners whose graphs never replay concurrently with these
     (serving.varlen: one pool for every shape of a model); a new one if None."""
-    report = BuildReport()
     if device.type != "cuda":
-        return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
+        return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), BuildReport()
+    with heap.long_lived_frozen():  # full collections skip what the build keeps
+        return _build_on_gpu(module, entry, device, max_batch, settings, pool)
+
+
+def _build_on_gpu(
+    module: torch.nn.Module, entry: zoo.ZooModel, device: torch.device, max_batch: int, settings: EngineSettings, pool: GraphPool | None
+) -> tuple[runtime.Runner, BuildReport]:
+    report = BuildReport()
     module = module.to(device).eval()
     torch.backends.cudnn.benchmark = settings.autotune
     traced = trace_for_build(module, entry, device, report)
+    heap.freeze_more()
     recipe = recipe_key(traced, settings, device) if traced is not None and settings.remember_choices else None
     # a build whose choices are remembered fuses and profiles only the graphs they use
     graphs, key = _remembered_graphs(recipe, module, entry, device, settings, report, traced) if recipe else ({}, "")
     from_recipe = bool(graphs)
     if not graphs and traced is not None:
         graphs = traced_graphs(module, entry, device, settings, report, traced=traced)
+    heap.freeze_more()  # the graphs live as long as the runner
     lane_pool = LanePool(device) if pool is None else pool.lanes
     segment_cache = Path(report.inductor) / "segments" if report.inductor else None  # set where fused lanes are on
     plans = candidates(graphs, settings)
