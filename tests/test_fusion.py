@@ -398,14 +398,19 @@ def test_grouped_and_transposed_convolutions_are_not_fused_by_cudnn():
     assert count(gm, aten.relu.default) == 2
 
 
-def test_the_cudnn_probe_keeps_only_configurations_that_run_and_match(patterns, monkeypatch):
-    """On a GPU each distinct fused configuration is tried once; here the fused op is
-    stood in for by CPU functions that are right, wrong, or refuse."""
+def test_the_cudnn_probe_keeps_only_configurations_that_run_and_match(patterns, monkeypatch, tmp_path):
+    """On a GPU each distinct fused configuration is tried once, and the answer
+    kept on disk for later builds; here the fused op is stood in for by CPU
+    functions that are right, wrong, or refuse."""
+    from opara_core.engine.shape_choices import ShapeChoices
+
+    monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
     _, graph = patterns
     gm = copy.deepcopy(graph.module)
     fusion.fold_batchnorm(gm)
     conv = next(n for n in gm.graph.nodes if n.target is aten.convolution.default)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
     def right(x, w, b, stride, padding, dilation, groups):
         return torch.relu(aten.convolution.default(x, w, b, stride, padding, dilation, False, [0, 0], groups))
@@ -413,11 +418,13 @@ def test_the_cudnn_probe_keeps_only_configurations_that_run_and_match(patterns, 
     def refuses(*args):
         raise RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED")
 
-    for stand_in, accepted in ((right, True), (lambda *a: right(*a) * 1.01, False), (refuses, False)):
+    for n, (stand_in, accepted) in enumerate(((right, True), (lambda *a: right(*a) * 1.01, False), (refuses, False))):
         monkeypatch.setattr(fusion, "CONV_RELU", stand_in)
-        cache = {}
-        assert fusion._cudnn_probe(gm, conv, None, None, cache) is accepted
-        assert list(cache.values()) == [accepted]
+        known = ShapeChoices("cudnn_fusion", ["a GPU", n], str, "plain")
+        assert fusion._cudnn_probe(gm, conv, None, None, known) is accepted
+        assert list(known.known.values()) == ["fused" if accepted else "plain"]
+        monkeypatch.setattr(fusion, "CONV_RELU", refuses)  # a later build reads the answer, probes nothing
+        assert fusion._cudnn_probe(gm, conv, None, None, ShapeChoices("cudnn_fusion", ["a GPU", n], str, "plain")) is accepted
     assert fusion._concrete_shape(conv.meta["val"]) == [1, 8, 8, 8]  # the batch is symbolic: 1
 
 

@@ -41,6 +41,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from opara_core.engine import depthwise_conv, skinny_gemm
 from opara_core.engine import trace as graphs
 from opara_core.engine.compare import max_relative_error, no_cudnn_autotuning
+from opara_core.engine.inductor_cache import cache_root
+from opara_core.engine.shape_choices import ShapeChoices
 from opara_core.engine.trace import OpGraph
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ CONV_ADD_RELU = aten.cudnn_convolution_add_relu.default
 
 # dtypes cuDNN's fused convolutions take
 _CUDNN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+PROBE_TOLERANCE = 1e-4  # a fused convolution's relative error against conv + ReLU in strict fp32
 
 
 @dataclass(frozen=True)
@@ -707,12 +710,14 @@ def _concrete_shape(val: torch.Tensor) -> list[int]:
     return shape
 
 
-def _cudnn_probe(gm: GraphModule, conv: Node, z: Node | None, alpha: Any, cache: dict) -> bool:
+def _cudnn_probe(gm: GraphModule, conv: Node, z: Node | None, alpha: Any, known: ShapeChoices | None = None) -> bool:
     """Whether cuDNN runs this fused convolution and matches conv (+ z) + ReLU.
 
     cuDNN's runtime fusion does not take every shape (pytorch#62926), and a
     failure inside a captured graph would cost the whole multi-stream graph, so
-    each distinct configuration is run once on random data. Only with a real
+    each distinct configuration is run once on random data, and the answer kept
+    (`known`, by default on disk per GPU and software: `fused_convolutions`; the
+    probes took 0.6 s of each NASNet build on an H200, run 36). Only with a real
     CUDA device and real weights; otherwise (tests of the graph structure) True.
     """
     weight = _constant(gm, conv.args[1])
@@ -720,10 +725,11 @@ def _cudnn_probe(gm: GraphModule, conv: Node, z: Node | None, alpha: Any, cache:
         return True
     x_val, out_val = conv.args[0].meta["val"], conv.meta["val"]
     _, _, _, stride, padding, dilation, _, _, groups = conv.args
-    key = (tuple(_concrete_shape(x_val)), tuple(weight.shape), weight.dtype, str(weight.device), tuple(stride), tuple(padding), tuple(dilation), z is not None, alpha)
-    if key not in cache:
+    x_shape = _concrete_shape(x_val)
+
+    def probe() -> str:
         generator = torch.Generator(device=weight.device).manual_seed(0)
-        x = torch.randn(key[0], dtype=weight.dtype, device=weight.device, generator=generator)
+        x = torch.randn(x_shape, dtype=weight.dtype, device=weight.device, generator=generator)
         bias = torch.randn(weight.shape[0], dtype=weight.dtype, device=weight.device, generator=generator)
         try:
             with torch.no_grad(), _strict_fp32():
@@ -734,13 +740,28 @@ def _cudnn_probe(gm: GraphModule, conv: Node, z: Node | None, alpha: Any, cache:
                     zz = torch.randn(_concrete_shape(out_val), dtype=weight.dtype, device=weight.device, generator=generator)
                     want = want + alpha * zz
                     got = CONV_ADD_RELU(x, weight, zz, alpha, bias, stride, padding, dilation, groups)
-                cache[key] = max_relative_error(got, torch.relu(want)) <= 1e-4
+                accepted = max_relative_error(got, torch.relu(want)) <= PROBE_TOLERANCE
         except RuntimeError as error:
             log.info("cuDNN does not fuse %s: %s", conv.name, str(error).splitlines()[0])
-            cache[key] = False
-        if not cache[key]:
+            accepted = False
+        if not accepted:
             log.info("fusion: %s stays a plain convolution (cuDNN's fused kernel refused it)", conv.name)
-    return cache[key]
+        return "fused" if accepted else "plain"
+
+    shape = json.dumps([x_shape, list(weight.shape), str(weight.dtype), list(stride), list(padding), list(dilation), groups, "add" if z is not None else "", alpha])
+    known = known if known is not None else fused_convolutions(weight.device)
+    return known.choose(shape, probe) == "fused"
+
+
+def fused_convolutions(device: torch.device) -> ShapeChoices:
+    """What `_cudnn_probe` found per configuration on this GPU, kept under the cache directory."""
+    return _fused_convolutions(str(device), str(cache_root()))
+
+
+@functools.cache
+def _fused_convolutions(device: str, root: str) -> ShapeChoices:
+    key = [torch.cuda.get_device_name(device), torch.__version__, torch.backends.cudnn.version(), PROBE_TOLERANCE]
+    return ShapeChoices("cudnn_fusion", key, str, "plain")
 
 
 def fuse_conv_relu(gm: GraphModule) -> int:
@@ -751,12 +772,11 @@ def fuse_conv_relu(gm: GraphModule) -> int:
     convolution's only reader.
     """
     count = 0
-    probed: dict = {}
     for relu in list(gm.graph.nodes):
         if relu.op != "call_function" or relu.target is not RELU or not _cudnn_conv(relu.args[0]):
             continue
         conv = relu.args[0]
-        if not _cudnn_probe(gm, conv, None, None, probed):
+        if not _cudnn_probe(gm, conv, None, None):
             continue
         x, w, _, stride, padding, dilation, _, _, groups = conv.args
         with gm.graph.inserting_before(relu):
@@ -776,7 +796,6 @@ def fuse_conv_add_relu(gm: GraphModule) -> int:
     residual join in one cuDNN kernel. CUDA only, same conditions as `fuse_conv_relu`;
     `z` must have the convolution's shape, dtype and device (no broadcasting)."""
     count = 0
-    probed: dict = {}
     for relu in list(gm.graph.nodes):
         if relu.op != "call_function" or relu.target is not RELU:
             continue
@@ -794,7 +813,7 @@ def fuse_conv_add_relu(gm: GraphModule) -> int:
         cval, zval = conv.meta["val"], z.meta.get("val")
         if not isinstance(zval, torch.Tensor) or zval.dtype != cval.dtype or zval.device != cval.device or _shape(z) != _shape(conv):
             continue
-        if not _cudnn_probe(gm, conv, z, alpha, probed):
+        if not _cudnn_probe(gm, conv, z, alpha):
             continue
         x, w, _, stride, padding, dilation, _, _, groups = conv.args
         with gm.graph.inserting_before(relu):
