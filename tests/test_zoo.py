@@ -174,6 +174,18 @@ def test_random_respects_value_range():
     assert set(mask.unique().tolist()) == {0, 1}
 
 
+@pytest.mark.gpu
+def test_random_draws_on_the_gpu_within_the_same_bounds():
+    device = torch.device("cuda")
+    ids = SPARSE.random(4000, device=device)
+    assert ids.device.type == "cuda" and ids.dtype == torch.int64 and ids.shape == (4000, 26)
+    assert SPARSE.check(ids) is None and set(ids[:, 8].tolist()) == {0, 1, 2}
+    words = INPUT_IDS.random(64, device=device)
+    assert words.is_cuda and 0 <= words.min() and words.max() < 30522
+    image = _spec("nasnet", "image").random(2, device=device)
+    assert image.is_cuda and image.shape[0] == 2 and image.dtype == torch.float32
+
+
 def test_check_flags_an_id_beyond_its_fields_vocabulary():
     ids = SPARSE.random(4, torch.Generator().manual_seed(0)).numpy()
     assert SPARSE.check(ids) is None

@@ -382,7 +382,7 @@ def _remembered_graphs(
 
 def static_inputs(entry: zoo.ZooModel, bucket: int, device: torch.device) -> list[torch.Tensor]:
     """A bucket's static input tensors, filled with valid random values."""
-    return [spec.random(bucket).to(device) for spec in entry.inputs]
+    return [spec.random(bucket, device=device) for spec in entry.inputs]
 
 
 def capture_fastest(
