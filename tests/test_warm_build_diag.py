@@ -156,8 +156,8 @@ def test_a_sampled_stack_is_summarised_by_inclusive_seconds(tmp_path):
     sampler.write(tmp_path / "build.stacks")
     table = diag.top_functions(tmp_path / "build.stacks", lines=200)  # pytest's frames hold it all too
     rows = {line.split()[-1].rpartition("(")[2].rstrip(")"): float(line.split()[0]) for line in table.splitlines()[1:]}
-    assert table.index("(build)") < table.index("(slow_part)")  # the caller first: it holds its callee's time
-    assert 0.2 <= rows["slow_part"] <= rows["build"] <= 0.6  # ~0.3 s spent in it, however often sampled
+    # ~0.3 s spent in it, however often sampled; the caller holds its callee's time (equal here: ties in either order)
+    assert 0.2 <= rows["slow_part"] <= rows["build"] <= 0.6
     (tmp_path / "empty.stacks").write_text("")  # a build that died before a sample
     assert diag.top_functions(tmp_path / "empty.stacks").startswith("no profile in")
     assert diag.top_functions(tmp_path / "missing.stacks").startswith("no profile in")
