@@ -109,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.model or args.threshold is None or args.threshold < 1 or not args.cache or not args.json:
         parser.error("a run needs MODEL, --threshold (1 or more), --cache and --json")
-    result = measure(args.model, args.threshold, args.batch, args.cache, args.json.with_suffix(".rows.json"))
+    try:
+        result = measure(args.model, args.threshold, args.batch, args.cache, args.json.with_suffix(".rows.json"))
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     args.json.write_text(json.dumps(result, indent=1))
     print(table([result]))
     return 0

@@ -45,3 +45,12 @@ def test_a_run_without_what_it_needs_is_refused(argv, capsys):
     with pytest.raises(SystemExit) as stop:
         ab.main(argv)
     assert stop.value.code == 2 and "a run needs MODEL, --threshold" in capsys.readouterr().err
+
+
+def test_a_failed_step_is_an_error_naming_it_not_a_traceback(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    monkeypatch.setattr(ab.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(command, 2, stdout=""))
+    assert ab.main(["nasnet", "--threshold", "2", "--cache", str(tmp_path / "c"), "--json", str(tmp_path / "ab.json")]) == 1
+    assert "error: the bench with threshold 2 failed (exit 2)" in capsys.readouterr().err
+    assert not (tmp_path / "ab.json").exists()
