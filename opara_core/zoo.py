@@ -68,8 +68,8 @@ class TensorSpec:
         return low, np.minimum(np.asarray(self.upper_bounds, dtype=np.int64), high)
 
     def random(self, batch: int, generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A random batch that satisfies this spec, drawn on `device` (the
-        generator's, where one is given): a GPU build's static inputs drawn on
+        """A random batch that satisfies this spec, drawn on `device` (a
+        generator given must be on it): a GPU build's static inputs drawn on
         the host took 0.4 s of NASNet's warm build (H200, run 36)."""
         shape = (batch, *self.shape)
         if self.dtype.is_floating_point:

@@ -416,7 +416,9 @@ def load_saved(path: Path) -> Callable[..., Any]:
     is looked up there directly; `CompiledArtifact.load` first writes all of
     them again (`load_cache_artifacts`): 14.1 against 8.9 ms per artifact, on
     NASNet-like cells on an H200 (scripts/artifact_load_probe.py, docs/benchmarks.md
-    run 35), and NASNet's warm build loads 451. Where the lookup finds nothing
+    run 35), and NASNet's warm build loads 451 (its loads in run 36 were no faster,
+    14-19 ms each on slower machine instances: most of a load is Inductor's own
+    lookup and the first load's imports there). Where the lookup finds nothing
     (a cache filled elsewhere, entries evicted) or this torch lays its files out
     otherwise, the public load."""
     try:
