@@ -64,7 +64,7 @@ def measure(model: str, threshold: int, batches: str, cache: Path, rows_json: Pa
         if build.returncode != 0:
             raise RuntimeError(f"a serving build with threshold {threshold} failed (exit {build.returncode}); its log is above")
         builds.append(json.loads(build.stdout.strip().splitlines()[-1]))
-    return {"model": model, "threshold": threshold, "rows": json.loads(rows_json.read_text()), "builds": builds}
+    return {"model": model, "threshold": threshold, "bench": json.loads(rows_json.read_text()), "builds": builds}
 
 
 def build_total(report: dict) -> float:
@@ -81,7 +81,7 @@ def table(results: list[dict]) -> str:
         lines.append(f"| {result['threshold']} | {build_total(warm):.1f} | {build_total(again):.1f} | {warm['inductor']} |")
     timings: dict[tuple[int, str], dict[int, float]] = {}
     for result in results:
-        for row in result["rows"]:
+        for row in result["bench"]["rows"]:  # the bench's JSON as it wrote it
             for column, timing in row["timings"].items():
                 if timing is not None:
                     timings.setdefault((row["batch"], column), {})[result["threshold"]] = timing["median_ms"]

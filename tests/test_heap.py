@@ -38,6 +38,43 @@ def test_garbage_made_inside_is_collected_and_garbage_frozen_is_collected_after(
     assert early() is None, "after the build the collector frees it again"
 
 
+class Generations:
+    """gc.callbacks: the generation of every collection that started."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self.seen.append(info["generation"])
+
+
+def _churn(survivors):
+    """Cycles that live long enough to be promoted, as a build's loads make them."""
+    for _ in range(200):
+        survivors.extend(Node() for _ in range(1000))
+        del survivors[: len(survivors) // 2]
+
+
+def test_no_full_collection_runs_inside_the_context_and_the_policy_comes_back_after():
+    before = gc.get_threshold()
+    generations = Generations()
+    gc.callbacks.append(generations)
+    try:
+        with heap.long_lived_frozen():
+            gc.collect()  # as a build's first full one: CPython then sizes the next by what is left unfrozen
+            start = len(generations.seen)
+            _churn([])
+            inside = generations.seen[start:]
+        assert 1 in inside, "the churn promotes objects: generation 1 still collects"
+        assert 2 not in inside
+        assert gc.get_threshold() == before
+        _churn([])
+        assert 2 in generations.seen[start + len(inside) :], "outside, the same churn brings full collections again"
+    finally:
+        gc.callbacks.remove(generations)
+
+
 def test_freeze_more_freezes_only_inside_a_context():
     freeze_more_outside = gc.get_freeze_count()
     heap.freeze_more()
@@ -54,10 +91,12 @@ def test_a_process_that_froze_objects_itself_keeps_them_frozen_and_nothing_more(
     gc.freeze()
     try:
         own = gc.get_freeze_count()
+        thresholds = gc.get_threshold()
         with heap.long_lived_frozen():
             [Node() for _ in range(50)]
             heap.freeze_more()
             assert gc.get_freeze_count() == own
+            assert gc.get_threshold() == thresholds, "nor its collection policy changed"
         assert gc.get_freeze_count() == own, "its objects stay frozen"
     finally:
         gc.unfreeze()

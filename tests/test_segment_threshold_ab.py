@@ -14,7 +14,7 @@ ab = load_script("segment_threshold_ab")
 def _result(threshold, warm_s, ms):
     build = {"seconds": {"trace": 9.0, "fusion": 1.0, "profile": 0.0, "plan+capture": warm_s - 1.0}, "inductor": f"{400 // threshold} loaded"}
     rows = [{"model": "nasnet", "batch": 1, "timings": {"fused opara": {"median_ms": ms, "p99_ms": ms}, "auto": None}}]
-    return {"model": "nasnet", "threshold": threshold, "rows": rows, "builds": [build, build, {**build, "seconds": {"fusion": 2.0}}]}
+    return {"model": "nasnet", "threshold": threshold, "bench": {"meta": {}, "rows": rows}, "builds": [build, build, {**build, "seconds": {"fusion": 2.0}}]}
 
 
 def test_the_table_puts_both_thresholds_side_by_side(tmp_path, capsys):
@@ -54,3 +54,28 @@ def test_a_failed_step_is_an_error_naming_it_not_a_traceback(tmp_path, monkeypat
     assert ab.main(["nasnet", "--threshold", "2", "--cache", str(tmp_path / "c"), "--json", str(tmp_path / "ab.json")]) == 1
     assert "error: the bench with threshold 2 failed (exit 2)" in capsys.readouterr().err
     assert not (tmp_path / "ab.json").exists()
+
+
+def test_a_run_reports_what_its_steps_wrote(tmp_path, monkeypatch, capsys):
+    """The bench's JSON as the bench writes it and the builds' last lines feed the table."""
+    import subprocess
+
+    import torch
+
+    from opara_core import bench
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "test GPU")
+
+    def step(command, **kwargs):
+        if "--json" in command:
+            rows = [bench.Row("nasnet", 1, {"fused opara": bench.Timing(1.5, 1.6, 100)})]
+            bench._write_json(ab.Path(command[command.index("--json") + 1]), rows)
+            return subprocess.CompletedProcess(command, 0, stdout="bench table\n")
+        build = {"seconds": {"trace": 7.0, "fusion": 1.5, "plan+capture": 7.0}, "inductor": "238 loaded"}
+        return subprocess.CompletedProcess(command, 0, stdout="log\n" + json.dumps(build) + "\n")
+
+    monkeypatch.setattr(ab.subprocess, "run", step)
+    assert ab.main(["nasnet", "--threshold", "2", "--cache", str(tmp_path / "c"), "--json", str(tmp_path / "ab.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "| 2 | 8.5 | 8.5 | 238 loaded |" in printed and "| 1 | fused opara | 1.500 |" in printed
+    assert json.loads((tmp_path / "ab.json").read_text())["bench"]["meta"]["device"] == "test GPU"
