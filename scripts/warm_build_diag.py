@@ -46,6 +46,7 @@ import functools
 import gc
 import importlib.util
 import json
+import linecache
 import os
 import runpy
 import shutil
@@ -229,16 +230,21 @@ class GarbageCollections:
         self.count: Counter[int] = Counter()
         self.seconds: Counter[int] = Counter()
         self.by_function: Counter[str] = Counter()
+        self.full: list[dict] = []  # each full collection: where it started, what was frozen, its seconds
         self._start = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
+        generation = info["generation"]
         if phase == "start":
             self._start = time.perf_counter()
+            if generation == 2:
+                self.full.append(self._full_collection())
             return
         spent = time.perf_counter() - self._start
-        generation = info["generation"]
         self.count[generation] += 1
         self.seconds[generation] += spent
+        if generation == 2:
+            self.full[-1]["seconds"] = round(spent, 4)
         if generation:
             frame = sys._getframe(0).f_back  # None where no Python frame triggered it
             while frame is not None and "opara_core" not in frame.f_code.co_filename:
@@ -250,7 +256,21 @@ class GarbageCollections:
             "collections": {str(g): n for g, n in sorted(self.count.items())},
             "seconds": {str(g): round(s, 4) for g, s in sorted(self.seconds.items())},
             "slow_ones_by_function": {name: round(s, 4) for name, s in self.by_function.most_common()},
+            "full": self.full,
         }
+
+    @staticmethod
+    def _full_collection() -> dict:
+        """Whether the build's policy held (objects frozen, gc's generation-2
+        threshold) and the Python line that set it off: an explicit
+        `gc.collect()` names itself there."""
+        try:
+            frame = sys._getframe(2)  # past this and __call__: the code running when it started
+        except ValueError:  # set off where no Python code runs
+            frame = None
+        where = f"{frame.f_code.co_filename}:{frame.f_lineno}({frame.f_code.co_name})" if frame else "(no Python frame)"
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() if frame else ""
+        return {"where": where, "line": line, "frozen": gc.get_freeze_count(), "threshold": gc.get_threshold()[2]}
 
 
 def triton_folders(cache: Path) -> dict[str, list[str]]:
@@ -407,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         if collected:
             slow = ", ".join(f"{name} {s:.2f}" for name, s in list(collected["slow_ones_by_function"].items())[:5])
             print(f"{build}: garbage collections per generation {collected['collections']}, seconds {collected['seconds']}; generations 1-2 in {slow or 'none'}")
+            for full in collected.get("full", []):
+                print(f"  full collection {full.get('seconds', 0.0):.2f} s, {full['frozen']} objects frozen, threshold {full['threshold']}: {full['where']}: {full['line']}")
     print(f"torch's own ptxas: {'yes' if result['torch_bundled_ptxas'] else 'no'}")
     for build in BUILDS:
         print(f"{build}: {len(result[f'default_cache_added_by_{build}'])} kernels into ~/.triton/cache: {', '.join(sorted(set(result[f'default_cache_added_by_{build}'])))}")

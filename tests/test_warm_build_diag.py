@@ -175,6 +175,9 @@ def test_garbage_collections_are_counted_and_the_slow_ones_attributed():
     assert report["collections"]["2"] >= 1 and report["collections"]["0"] >= 1
     assert report["seconds"]["2"] > 0
     assert list(report["slow_ones_by_function"]) == ["(outside the engine)"]  # called from a test, not from opara_core
+    explicit = report["full"][0]
+    assert explicit["line"] == "gc.collect(2)" and "test_warm_build_diag.py" in explicit["where"]
+    assert explicit["frozen"] == gc.get_freeze_count() and explicit["threshold"] == gc.get_threshold()[2] and explicit["seconds"] > 0
 
 
 def test_the_whole_report_from_three_builds_each_logging_as_a_build_process_does(tmp_path, monkeypatch, capsys):
@@ -192,7 +195,7 @@ def test_the_whole_report_from_three_builds_each_logging_as_a_build_process_does
         Path(env[diag.AUTOTUNE_LOG_ENV]).write_text(json.dumps({"kernel": "triton_red_0", "configs": 3, "seconds": 0.5, "cache_state": "miss", "saved": build == "cold"}) + "\n")
         if diag.PROFILE_ENV in env:
             Path(env[diag.PROFILE_ENV]).write_text("bench.py:1(<module>);build.py:240(make_captures) 1500.0\nbench.py:1(<module>) 500.0\n")
-        Path(env[diag.GC_LOG_ENV]).write_text(json.dumps({"collections": {"0": 900, "2": 3}, "seconds": {"0": 0.1, "2": 0.9}, "slow_ones_by_function": {"segment_compiler.prepare": 0.8}}))
+        Path(env[diag.GC_LOG_ENV]).write_text(json.dumps({"collections": {"0": 900, "2": 3}, "seconds": {"0": 0.1, "2": 0.9}, "slow_ones_by_function": {"segment_compiler.prepare": 0.8}, "full": [{"where": "graphs.py:12(__enter__)", "line": "gc.collect()", "frozen": 7, "threshold": 10, "seconds": 0.3}]}))
         report = {"seconds": {"fusion": 1.0}, "inductor": f"{build}: 6 segment calls"}
         return subprocess.CompletedProcess(command, 0, stdout="log line\n" + json.dumps(report) + "\n")
 
@@ -209,6 +212,7 @@ def test_the_whole_report_from_three_builds_each_logging_as_a_build_process_does
     assert result["garbage_collections"]["cold"]["seconds"]["2"] == 0.9
     printed = capsys.readouterr().out
     assert "warm1: garbage collections per generation {'0': 900, '2': 3}, seconds {'0': 0.1, '2': 0.9}; generations 1-2 in segment_compiler.prepare 0.80" in printed
+    assert "  full collection 0.30 s, 7 objects frozen, threshold 10: graphs.py:12(__enter__): gc.collect()" in printed
     assert "warm1: 1 Inductor kernels autotuned at their first call (0.5 s; autotune cache miss 1; 1 whose choice is not saved)" in printed
     assert "warm1: 1 new Triton folders" in printed and "warm2: 0 new Triton folders" in printed
 
