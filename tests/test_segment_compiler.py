@@ -92,37 +92,6 @@ def test_compiled_segments_equal_eager_and_twins_compile_once(tmp_path):
     assert any(m.eager_calls for m in segments)
 
 
-class Mixed(torch.nn.Module):
-    """Twins plus a branch whose join with them is one kernel (an add) on a lane of its own."""
-
-    def __init__(self):
-        super().__init__()
-        self.twins = Twins()
-
-    def forward(self, x):
-        return self.twins(x) + torch.relu(x).sum(-1, keepdim=True)
-
-
-def test_one_kernel_segments_run_their_aten_operators_below_the_threshold(tmp_path, monkeypatch):
-    monkeypatch.setattr(segment_compiler, "MIN_KERNELS_TO_COMPILE", 2)
-    torch.manual_seed(3)
-    module = Mixed().eval()
-    fused, plan = _fused(module, torch.randn(2, 16))
-    segments = [m for m in fused.module.children() if isinstance(m, CompiledSegment)]
-    one_add = [m for m in segments if [n.target for n in m.eager.graph.nodes if n.op == "call_function"] == [torch.ops.aten.add.Tensor]]
-    assert one_add and all(m.aten_only for m in one_add)
-    assert not any(m.aten_only for m in segments if m not in one_add)  # two kernels or more: compiled
-    x = torch.randn(4, 16)
-    count = prepare([(fused.module, [x])], tmp_path, workers=1)
-    assert count.segments == len(segments) - len(one_add)  # each segment is called once per run
-    assert not any(m.compiled for m in one_add)
-    with torch.inference_mode():
-        got = run_plan(fused, plan, x)
-        expected = module(x)
-    assert all(m.eager_calls == 0 for m in segments), "a one-kernel segment's ATen run is no eager fallback"
-    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
-
-
 # A later build, in a fresh process: the same module's segments from the same cache directory.
 WORKER = """
 import json, sys, torch

@@ -49,20 +49,12 @@ from opara_core.cpus import usable_cpus
 from opara_core.engine import custom_ops
 from opara_core.engine.compare import max_relative_error, no_cudnn_autotuning
 from opara_core.engine.inductor_cache import write_json_atomically
-from opara_core.engine.trace import is_free
 
 log = logging.getLogger(__name__)
 
 FORMAT = 2  # bump when what a key covers changes (2: compiled without dynamic_scale_rblock)
 MAX_WORKERS = 8
 CHECK_TOLERANCE = 5e-2  # a segment's code against its ATen operators (TF32 either side)
-
-# Segments of fewer kernels than this run their ATen operators, never Inductor's code:
-# Inductor has nothing to fuse in a one-kernel segment, and each compiled segment is
-# an artifact for a warm build to load (NASNet: 426, at 14-19 ms each, about half of
-# its segments one kernel; docs/benchmarks.md run 36). 1 (every segment compiled)
-# until both ways' replays are measured on a GPU.
-MIN_KERNELS_TO_COMPILE = 1
 
 # compiled code by cache directory and key, shared by every segment of that structure in this process
 _loaded: dict[str, dict[str, Callable[..., Any]]] = {}
@@ -147,8 +139,7 @@ def layout(inputs: Sequence[torch.Tensor]) -> tuple:
 class CompiledSegment(torch.nn.Module):
     """One segment: Inductor's code for each input layout it was compiled for,
     called with the segment's weights; the segment's own fx module (eager) for
-    any other layout, and always where it has fewer than MIN_KERNELS_TO_COMPILE
-    kernels (`aten_only`: never compiled, loaded or counted as eager)."""
+    any other layout."""
 
     def __init__(self, segment: GraphModule):
         super().__init__()
@@ -156,11 +147,8 @@ class CompiledSegment(torch.nn.Module):
         self.code, self.weights = canonical(segment)
         self.compiled: dict[tuple, Callable[..., Any]] = {}
         self.eager_calls = 0  # calls at layouts not compiled for (see `prepare`)
-        self.aten_only = sum(n.op == "call_function" and not is_free(n) for n in segment.graph.nodes) < MIN_KERNELS_TO_COMPILE
 
     def forward(self, *inputs: torch.Tensor) -> tuple:
-        if self.aten_only:
-            return self.eager(*inputs)
         compiled = self.compiled.get(layout(inputs))
         if compiled is None:
             self.eager_calls += 1
@@ -232,7 +220,7 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
         for target, arg_metas, args in found:
             segment = top.get_submodule(target)
             shapes = tuple(m.layout for m in arg_metas)
-            if segment.aten_only or shapes in segment.compiled:
+            if shapes in segment.compiled:
                 continue
             calls += 1
             metas = [*arg_metas, *map(TensorMeta.of, segment.weights)]
@@ -337,8 +325,6 @@ def _read_record(path: Path, top: GraphModule, cache_dir: Path) -> list[Call] | 
         return None
     loaded = _loaded.get(str(cache_dir), {})
     for segment, (_, metas, _) in zip(segments, calls):
-        if segment.aten_only:
-            continue
         key = segment_key(segment.code.code, [*metas, *map(TensorMeta.of, segment.weights)])
         saved = _path(cache_dir, key).exists() and _passed_marker(cache_dir, key).exists()
         if key not in loaded and not _wrong_marker(cache_dir, key).exists() and not saved:
