@@ -75,6 +75,18 @@ def test_no_full_collection_runs_inside_the_context_and_the_policy_comes_back_af
         gc.callbacks.remove(generations)
 
 
+def test_a_cycle_promoted_and_dropped_inside_is_freed_when_the_context_ends():
+    with heap.long_lived_frozen():
+        promoted = Node()
+        dropped = weakref.ref(promoted)
+        gc.collect(1)
+        gc.collect(1)  # now in the oldest generation, where only a full collection looks
+        del promoted
+        gc.collect(1)
+        assert dropped() is not None, "full collections are off inside"
+    assert dropped() is None, "the build's garbage must not outlive it (GPU memory a dropped graph holds)"
+
+
 def test_freeze_more_freezes_only_inside_a_context():
     freeze_more_outside = gc.get_freeze_count()
     heap.freeze_more()

@@ -17,8 +17,9 @@ Freezing alone left NASNet 8 full collections in its warm build (run 37,
 unfrozen, so one comes every few thousand promoted objects, each visiting
 what the build loaded since the last freeze. During the build full
 collections are off (generations 0 and 1 still collect its young cycles);
-what the build drops after promoting it waits for the process's next full
-collection after the build.
+one full collection as the build ends, while its long-lived objects are
+still frozen, frees what it dropped after promoting it (a losing
+candidate's graph and the GPU memory it holds).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def long_lived_frozen() -> Iterator[None]:
         with _lock:
             _depth -= 1
             if _depth == 0 and _active:
+                gc.collect()  # visits only what is not frozen: the build's own garbage
                 gc.set_threshold(*_thresholds)
                 gc.unfreeze()
                 _active = False
