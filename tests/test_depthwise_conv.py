@@ -144,6 +144,29 @@ def test_on_the_cpu_the_op_is_the_convolution_and_its_fake_output_matches_the_re
             assert fake.shape == got.shape and fake.stride() == got.stride(), (fake.stride(), got.stride())
 
 
+def test_the_convolutions_fake_value_stands_for_the_ops_only_where_they_agree():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = depthwise_conv.depthwise_conv_op()
+    mode = FakeTensorMode()
+    weight = mode.from_tensor(torch.randn(12, 1, 3, 3))
+    checked = set()
+    for x in (torch.randn(2, 12, 9, 11), torch.randn(2, 12, 9, 11).contiguous(memory_format=torch.channels_last), torch.randn(1, 12, 3, 3)):
+        x = mode.from_tensor(x)
+        for stride, padding in (([1, 1], [1, 1]), ([2, 2], [0, 0])):
+            with mode:
+                conv = torch.nn.functional.conv2d(x, weight, None, stride, padding, 1, groups=12)
+                ops = op(x, weight, None, stride, padding, [1, 1])
+                other = conv.contiguous(memory_format=torch.channels_last) if conv.is_contiguous() else conv.contiguous()
+            for out in (conv, other):
+                agree = out.shape == ops.shape and out.stride() == ops.stride()
+                assert depthwise_conv.fake_output_matches(out, x) == agree, (x.stride(), out.stride(), ops.stride())
+                checked.add(agree)
+            with mode:
+                assert not depthwise_conv.fake_output_matches(ops.double(), x)  # another dtype
+    assert checked == {True, False}
+
+
 def test_the_kernel_is_chosen_unless_cudnn_is_much_faster():
     fast, slow = DepthwiseConfig(32, 64), DepthwiseConfig(64, 32)
     cudnn = depthwise_conv.CUDNN

@@ -844,8 +844,10 @@ def depthwise_convs(gm: GraphModule) -> int:
             continue
         if val.dim() != 4 or weight.dim() != 4 or weight.shape[1] != 1 or groups != weight.shape[0] or len(stride) != 2:
             continue
+        x_val = x.meta.get("val") if isinstance(x, Node) else None
+        same = val if isinstance(x_val, torch.Tensor) and depthwise_conv.fake_output_matches(val, x_val) else None
         with gm.graph.inserting_before(conv):
-            fused = _call(gm, depthwise_conv.depthwise_conv_op(), (x, w, bias, list(stride), list(padding), list(dilation)), like=conv)
+            fused = _call(gm, depthwise_conv.depthwise_conv_op(), (x, w, bias, list(stride), list(padding), list(dilation)), val=same, like=conv)
         conv.replace_all_uses_with(fused)
         gm.graph.erase_node(conv)
         count += 1
