@@ -197,8 +197,9 @@ def output_format(x: torch.Tensor) -> torch.memory_format:
 def fake_output_matches(out: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether `out`, the replaced convolution's value (same shape), is what the
     op's fake implementation gives for input `x`: then the fusion pass keeps it
-    instead of calling the op under the fake mode (a custom op's dispatch costs
-    ~2 ms there; NASNet's warm build spent 0.6 s on it, docs/benchmarks.md run 37)."""
+    instead of calling the op under the fake mode (a custom op's dispatch there:
+    0.6 s of NASNet's sampled warm build, collections during it included;
+    docs/benchmarks.md run 37)."""
     want = torch.empty(out.shape, device="meta", memory_format=output_format(x))
     return out.dtype == x.dtype and out.device == x.device and out.stride() == want.stride()
 
