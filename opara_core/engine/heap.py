@@ -12,7 +12,7 @@ Inductor's loading state) is still collected. Leaving the outermost
 objects itself (a server after its start) keeps its own policy: nothing is
 frozen or unfrozen then.
 
-Freezing alone left NASNet 8 full collections in its warm build (run 37,
+Freezing alone left 8 full collections in the process of NASNet's warm build (run 37,
 1.75 s): after the first one, CPython sizes the next by the objects left
 unfrozen, so one comes every few thousand promoted objects, each visiting
 what the build loaded since the last freeze. During the build full
