@@ -32,6 +32,12 @@ opara_core.bench --build-only`): cold, warm, warm again; and reports
   what a server started on a cache filled ahead of time does, keeps its real
   seconds. (cProfile's cumulative times of NASNet's warm build under Python
   3.12 were wrong: 0 s in segment_compiler.load_saved of a 6.3 s load, run 36.)
+- with --bytecode, two more warm builds that read torch's, Triton's and
+  torchvision's bytecode, compiled first into a folder of its own
+  (PYTHONPYCACHEPREFIX): what a pip install, which writes bytecode, builds
+  in. The GPU machine's image has none and compiles their source in every
+  process (NASNet's first warm build 9.4 s there, 7.5-7.9 s with bytecode,
+  docs/benchmarks.md run 38).
 
     python scripts/warm_build_diag.py t5 --out diag/        # about 4 minutes for T5 on an H200
 
@@ -60,6 +66,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 BUILDS = ("cold", "warm1", "warm2")
+BYTECODE_BUILDS = ("bytecode1", "bytecode2")  # --bytecode
+BYTECODE_PACKAGES = ("torch", "triton", "torchvision")
 JIT_LOG_ENV = "OPARA_DIAG_JIT_LOG"
 AUTOTUNE_LOG_ENV = "OPARA_DIAG_AUTOTUNE_LOG"
 PROFILE_ENV = "OPARA_DIAG_PROFILE"
@@ -347,6 +355,20 @@ def _identity(entry: dict) -> tuple:
     return entry["name"], entry["specialization"] or entry["repr"]
 
 
+def compile_bytecode(prefix: Path, env: dict) -> dict:
+    """BYTECODE_PACKAGES byte-compiled into `prefix` (PYTHONPYCACHEPREFIX), as a
+    pip install writes their bytecode: where, which folders, the seconds and
+    compileall's exit status (1 where some file does not compile; the rest is
+    still written)."""
+    shutil.rmtree(prefix, ignore_errors=True)
+    specs = [importlib.util.find_spec(name) for name in BYTECODE_PACKAGES]
+    folders = [str(Path(spec.origin).parent) for spec in specs if spec is not None and spec.origin]
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *folders], env={**env, "PYTHONPYCACHEPREFIX": str(prefix)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
+    return {"prefix": str(prefix), "folders": folders, "seconds": round(time.perf_counter() - start, 1), "exit": run.returncode}
+
+
 def _child(argv: list[str]) -> None:
     """A build process: the logs installed, then the bench's `--build-only`
     (its stack sampled where asked)."""
@@ -375,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cache", type=Path, help="the build cache to use (emptied first; default: a new temporary folder)")
     parser.add_argument("--profile", action="store_true", help="sample the second warm build's stack (a little slower: its seconds are then not quite the build's)")
+    parser.add_argument("--bytecode", action="store_true", help="then two more warm builds reading torch's bytecode, compiled first into a folder of its own (OUT/bytecode)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     cache = args.cache or Path(tempfile.mkdtemp(prefix=f"warmdiag_{args.model}_"))
@@ -389,7 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     logs: dict[str, list[dict]] = {}
     autotuned: dict[str, list[dict]] = {}
     outside = default_cache_kernels()
-    for build in BUILDS:
+    builds = BUILDS + (BYTECODE_BUILDS if args.bytecode else ())
+    for build in builds:
+        if build == BYTECODE_BUILDS[0]:
+            result["bytecode"] = compile_bytecode(args.out / "bytecode", env)
+            env["PYTHONPYCACHEPREFIX"] = result["bytecode"]["prefix"]
         jit_log, autotune_log, gc_log, profile = (args.out / f"{args.model}_{build}{suffix}" for suffix in ("_jit.jsonl", "_autotune.jsonl", "_gc.json", ".stacks"))
         for stale in (jit_log, autotune_log, gc_log, profile):
             stale.unlink(missing_ok=True)
@@ -411,18 +438,18 @@ def main(argv: list[str] | None = None) -> int:
         result["garbage_collections"][build] = json.loads(gc_log.read_text()) if gc_log.exists() else None
         if profile.exists():
             (args.out / f"{args.model}_{build}_profile.txt").write_text(top_functions(profile))
-    for before, after in zip(BUILDS, BUILDS[1:]):
+    for before, after in zip(builds, builds[1:]):
         added = sorted(set(folders[after]) - set(folders[before]))
         result[f"added_by_{after}"] = {"folders": len(added), "kernels": compare_new_kernels(cache, added, list(folders["cold"]))}
-        result[f"new_jit_specializations_{after}"] = new_specializations(logs[after], [e for b in BUILDS[: BUILDS.index(after)] for e in logs[b]])
+        result[f"new_jit_specializations_{after}"] = new_specializations(logs[after], [e for b in builds[: builds.index(after)] for e in logs[b]])
     result["jit_requests"] = {build: len(entries) for build, entries in logs.items()}
     result["autotuned_at_first_call"] = autotuned
     path = args.out / f"{args.model}_diag.json"
     path.write_text(json.dumps(result, indent=1))
-    for build in BUILDS:
+    for build in builds:
         seconds = result["builds"][build]["seconds"]
         print(f"{build}: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + f"; {result['builds'][build]['inductor']}")
-    for build in BUILDS:
+    for build in builds:
         collected = result["garbage_collections"][build]
         if collected:
             slow = ", ".join(f"{name} {s:.2f}" for name, s in list(collected["slow_ones_by_function"].items())[:5])
@@ -430,9 +457,12 @@ def main(argv: list[str] | None = None) -> int:
             for full in collected.get("full", []):
                 print(f"  full collection {full.get('seconds', 0.0):.2f} s, {full['frozen']} objects frozen, threshold {full['threshold']}: {full['where']}: {full['line']}")
     print(f"torch's own ptxas: {'yes' if result['torch_bundled_ptxas'] else 'no'}")
-    for build in BUILDS:
+    if "bytecode" in result:
+        compiled = result["bytecode"]
+        print(f"bytecode for {', '.join(Path(f).name for f in compiled['folders'])} compiled into {compiled['prefix']} in {compiled['seconds']:.1f} s (exit {compiled['exit']}) before {', '.join(BYTECODE_BUILDS)}")
+    for build in builds:
         print(f"{build}: {len(result[f'default_cache_added_by_{build}'])} kernels into ~/.triton/cache: {', '.join(sorted(set(result[f'default_cache_added_by_{build}'])))}")
-    for build in BUILDS:
+    for build in builds:
         timed = autotuned[build]
         states = Counter(str(entry["cache_state"]) for entry in timed)
         unsaved = sum(not entry["saved"] for entry in timed)
@@ -442,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             if entry.get("file_before") is not None:  # a choice was kept for it, and it was timed anyway
                 kept = entry["file_before"]
                 print(f"  {entry['kernel']}: its file held {kept} (configs hash now {entry.get('configs_hash')})")
-    for after in BUILDS[1:]:
+    for after in builds[1:]:
         added = result[f"added_by_{after}"]
         print(f"{after}: {added['folders']} new Triton folders, {len(result[f'new_jit_specializations_{after}'])} new @triton.jit specializations")
         for entry in result[f"new_jit_specializations_{after}"]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import time
@@ -233,3 +234,35 @@ def test_the_autotune_log_wraps_the_method_of_this_torchs_autotuner(tmp_path, mo
 
     cache = inspect.getsource(AutotuneCache)
     assert all(f"self.{name}" in cache for name in ("local_cache", "configs_hash")) and "def save(" in cache, "AutotuneCache changed"
+
+
+def test_with_bytecode_two_more_warm_builds_read_bytecode_compiled_before_them(tmp_path, monkeypatch, capsys):
+    """--bytecode: compileall writes torch's bytecode into a folder of its own
+    after the three builds, and only the two builds after it read from there."""
+    import subprocess
+
+    calls = []
+
+    def process(command, env, **kwargs):
+        if command[1:3] == ["-m", "compileall"]:
+            calls.append(("compileall", env["PYTHONPYCACHEPREFIX"], command))
+            return subprocess.CompletedProcess(command, 0, stdout="")
+        build = Path(env[diag.JIT_LOG_ENV]).name.split("_")[1]
+        calls.append((build, env.get("PYTHONPYCACHEPREFIX"), None))
+        report = {"seconds": {"fusion": 1.0}, "inductor": f"{build}: 6 segment calls"}
+        return subprocess.CompletedProcess(command, 0, stdout=json.dumps(report) + "\n")
+
+    monkeypatch.setattr(diag.subprocess, "run", process)
+    monkeypatch.setattr(diag, "default_cache_kernels", lambda: {})
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    assert diag.main(["t5", "--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--bytecode"]) == 0
+    prefix = str(tmp_path / "out" / "bytecode")
+    assert [c[0] for c in calls] == ["cold", "warm1", "warm2", "compileall", "bytecode1", "bytecode2"]
+    assert [c[1] for c in calls] == [None, None, None, prefix, prefix, prefix]
+    torch_dir = str(Path(importlib.util.find_spec("torch").origin).parent)
+    assert torch_dir in calls[3][2]
+    result = json.loads((tmp_path / "out" / "t5_diag.json").read_text())
+    assert result["bytecode"]["prefix"] == prefix and torch_dir in result["bytecode"]["folders"]
+    assert result["builds"]["bytecode2"]["inductor"] == "bytecode2: 6 segment calls"
+    printed = capsys.readouterr().out
+    assert f"compiled into {prefix}" in printed and "bytecode1: fusion 1.0" in printed
