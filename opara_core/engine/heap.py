@@ -37,7 +37,7 @@ from collections.abc import Iterator
 
 _lock = threading.Lock()
 _depth = 0
-_active = False  # the outermost context froze (nothing was frozen before it)
+_active = False  # the outermost context froze (nothing but the interpreter's own was frozen before it)
 _thresholds: tuple[int, int, int] = (0, 0, 0)  # gc's before the outermost context
 NO_FULL_COLLECTIONS = 2**30  # generation 1 collections before a full one: never, in a build
 _FROZEN_AT_IMPORT = gc.get_freeze_count()  # the interpreter's own (Python 3.12), before any process froze its objects
