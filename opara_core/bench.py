@@ -133,6 +133,7 @@ def bench_model(
     cache_dir: Path | None = None,
     cudnn_benchmark: bool = True,
     compile_here: bool = False,
+    fused_lanes_autotune: bool = False,
 ) -> list[Row]:
     """Every variant of one model at each batch size (see the module docstring);
     `on_row` gets each row as soon as it is measured (a cut run keeps its rows);
@@ -141,11 +142,13 @@ def bench_model(
     `cache_dir`: a build cache to reuse (traces, profiles, compiled segments of
     an earlier run) instead of a fresh one; the build timing needs a fresh one;
     `cudnn_benchmark`: cuDNN times its convolution algorithms per shape (on:
-    every column but the fused-lanes ones, which always take the heuristics,
-    engine.fused_lanes) or takes its heuristics' pick (off, every column: the
+    every column but the fused-lanes ones, which take the heuristics unless
+    `fused_lanes_autotune`, engine.fused_lanes) or takes its heuristics' pick (off, every column: the
     engine's `autotune` setting off, torch.compile with the flag off);
     `compile_here`: time the torch.compile columns in this process (the
-    process `compiled_elsewhere` starts), not in a process of their own.
+    process `compiled_elsewhere` starts), not in a process of their own;
+    `fused_lanes_autotune`: the engine setting of that name in the fused-lanes
+    columns, `auto` and the build (their convolutions' algorithms timed too).
 
     Policy columns use the NCHW graph (NHWC with --layout nhwc); `auto` chooses
     among the layouts `--layout` allows, as serving does.
@@ -162,7 +165,7 @@ def bench_model(
         _fresh_cache(name)
     else:
         _use_cache(cache_dir)
-    build = _build_seconds(entry, device, max_streams, fusion, layout, cudnn_benchmark) if time_build else None
+    build = _build_seconds(entry, device, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune) if time_build else None
     start = time.perf_counter()
     module = entry.build().to(device).eval()  # eager and torch.compile
     log.info("%s built and on %s in %.1f s", name, device, time.perf_counter() - start)
@@ -182,6 +185,8 @@ def bench_model(
         row = Row(name, batch, kernels=len(graph.dag) if graph is not None else 0)
         if graph is not None:
             row.notes.append(f"fusion: {report.fusion}" if report.fusion else "fusion off")
+            if fused_lanes_autotune:
+                row.notes.append("fused lanes autotune: their convolutions' cuDNN algorithms timed (engine setting fused_lanes_autotune)")
         inputs = rotating_inputs(entry, batch, device)
         if "eager" in wanted:
             with torch.inference_mode():
@@ -215,7 +220,7 @@ def bench_model(
                 fused_graph = "inductor-cudnn" if label.endswith("cudnn") else "inductor"
                 kind = Candidate(fused_graph if label.startswith("fused") else primary, policy, plan.num_streams)
                 try:
-                    captured, peak = capture_measured(plan_capture(kind, g, plan, lane_pool), static_in)
+                    captured, peak = capture_measured(plan_capture(kind, g, plan, lane_pool, autotune=fused_lanes_autotune), static_in)
                 except CaptureError as error:
                     row.notes.append(f"{label}: {error}")
                     progress.update()
@@ -227,8 +232,8 @@ def bench_model(
                 progress.update()
             if "auto" in wanted:  # exactly as the serving build chooses, for this one bucket
                 auto_report = BuildReport()
-                settings = EngineSettings(max_streams=max_streams, fused_lanes=True, layout=layout, autotune=cudnn_benchmark)
-                captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool) for c, plan in candidates(graphs, settings).items()}
+                settings = EngineSettings(max_streams=max_streams, fused_lanes=True, layout=layout, autotune=cudnn_benchmark, fused_lanes_autotune=fused_lanes_autotune)
+                captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool, autotune=fused_lanes_autotune) for c, plan in candidates(graphs, settings).items()}
                 captured = capture_fastest(captures, entry, device, [batch], auto_report)[batch]
                 row.timings["auto"] = time_calls(graph_call(captured, inputs))
                 chosen = auto_report.choices[batch]
@@ -336,7 +341,9 @@ def _holds_files(directory: Path) -> bool:
     return directory.is_dir() and any(path.is_file() for path in directory.rglob("*"))
 
 
-def _build_seconds(entry: zoo.ZooModel, device: torch.device, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool) -> tuple[float, float | None, str]:
+def _build_seconds(
+    entry: zoo.ZooModel, device: torch.device, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool, fused_lanes_autotune: bool = False
+) -> tuple[float, float | None, str]:
     """The serving build of all default buckets with `auto` and fused lanes,
     cold (this process, an empty cache) and warm (a new process, the same
     cache): seconds of each (tracing excluded, fusion and profiling included)
@@ -344,9 +351,10 @@ def _build_seconds(entry: zoo.ZooModel, device: torch.device, max_streams: int, 
     its own: the first is what a server started after an ahead-of-time build
     pays, the second shows whether the first still did work that the cold
     build left undone (T5 13.1 s, then 5.5 s: docs/benchmarks.md run 30)."""
-    cold = _build_report(entry.name, device, max_streams, fusion, layout, cudnn_benchmark)
+    cold = _build_report(entry.name, device, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune)
     command = [sys.executable, "-m", "opara_core.bench", "--build-only", entry.name, "--max-streams", str(max_streams), "--layout", layout]
     command += (["--no-fusion"] if not fusion else []) + (["--no-cudnn-benchmark"] if not cudnn_benchmark else [])
+    command += ["--fused-lanes-autotune", entry.name] if fused_lanes_autotune else []
     warm, again = (_warm_build(command) for _ in range(2))
     notes = [f"cold build seconds: {_breakdown(cold)}; {cold['inductor']}"]
     notes += [f"warm build seconds: {_breakdown(warm)}; {warm['inductor']}" if warm else "warm build failed"]
@@ -368,10 +376,12 @@ def _warm_build(command: list[str]) -> dict[str, Any] | None:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def _build_report(name: str, device: torch.device, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool = True) -> dict[str, Any]:
+def _build_report(
+    name: str, device: torch.device, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool = True, fused_lanes_autotune: bool = False
+) -> dict[str, Any]:
     entry = zoo.get(name)
     # the guard on, as in serving: its check of every bucket against eager is part of the build
-    settings = EngineSettings(max_streams=max_streams, fusion=fusion, layout=layout, fused_lanes=True, autotune=cudnn_benchmark)
+    settings = EngineSettings(max_streams=max_streams, fusion=fusion, layout=layout, fused_lanes=True, autotune=cudnn_benchmark, fused_lanes_autotune=fused_lanes_autotune)
     _, report = build_runner(entry.build(), entry, device, max(settings.buckets), settings)
     chosen = {str(bucket): str(choice) for bucket, choice in sorted(report.choices.items())}
     return {"seconds": report.seconds, "inductor": report.inductor, "remembered": report.remembered, "runner": report.runner, "choices": chosen}
@@ -434,13 +444,13 @@ def plot_speedups(rows: Sequence[Row], path: Path) -> None:
     plt.close(fig)
 
 
-def auto_graph(name: str, batch: int, max_streams: int, fusion: bool) -> tuple[CapturedGraph, str]:
+def auto_graph(name: str, batch: int, max_streams: int, fusion: bool, fused_lanes_autotune: bool = False) -> tuple[CapturedGraph, str]:
     """The graph `auto` builds for one bucket, as serving does (fused lanes
     among the candidates), and its choice."""
     device = torch.device("cuda")
     entry = zoo.get(name)
     module = entry.build().to(device).eval()
-    settings = EngineSettings(max_streams=max_streams, buckets=(batch,), guard=False, fusion=fusion, fused_lanes=True)
+    settings = EngineSettings(max_streams=max_streams, buckets=(batch,), guard=False, fusion=fusion, fused_lanes=True, fused_lanes_autotune=fused_lanes_autotune)
     runner, report = build_runner(module, entry, device, batch, settings)
     return runner.graphs[batch], str(report.choices.get(batch, "?"))
 
@@ -501,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-streams", type=int, default=8)
     parser.add_argument("--compile-models", default=None, help="models to time with torch.compile (default: all; it is slow to compile)")
     parser.add_argument("--compile-autotune", default="", help="models to also time with torch.compile max-autotune-no-cudagraphs (slow to compile)")
+    parser.add_argument("--fused-lanes-autotune", default="", help="models whose fused lanes time their convolutions' cuDNN algorithms (the engine setting fused_lanes_autotune): fused-lanes columns, auto and build")
     parser.add_argument("--no-fusion", action="store_true")
     parser.add_argument("--columns", default="", help=f"only these columns, comma-separated (default all: {', '.join(COLUMNS)}); --report merges a model's rows from several files")
     parser.add_argument("--no-plan-capture", action="store_true", help="skip timing the serving build of all buckets")
@@ -521,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("error: the serving build's timing needs a CUDA GPU", file=sys.stderr)
             return 2
-        report = _build_report(args.build_only, torch.device("cuda"), args.max_streams, not args.no_fusion, args.layout, not args.no_cudnn_benchmark)
+        lanes_autotune = args.build_only in args.fused_lanes_autotune.split(",")
+        report = _build_report(args.build_only, torch.device("cuda"), args.max_streams, not args.no_fusion, args.layout, not args.no_cudnn_benchmark, lanes_autotune)
         print(json.dumps(report))
         return 0
     if args.report:
@@ -536,6 +548,9 @@ def main(argv: list[str] | None = None) -> int:
         models = [zoo.get(m).name for m in args.models.split(",")]
         batches = [int(b) for b in args.batch.split(",")]
         columns = parse_columns(args.columns)
+        lanes_models = [zoo.get(m).name for m in filter(None, args.fused_lanes_autotune.split(","))]
+        if lanes_models and args.no_cudnn_benchmark:
+            raise ValueError("--fused-lanes-autotune times cuDNN's algorithms, which --no-cudnn-benchmark turns off")
     except (KeyError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -561,7 +576,11 @@ def main(argv: list[str] | None = None) -> int:
             progress.set_postfix_str(name)
             compile_ = args.compile_models is None or name in args.compile_models.split(",")
             autotune = name in args.compile_autotune.split(",")
-            bench_model(name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns, args.cache_dir, not args.no_cudnn_benchmark, args.compile_here)
+            lanes_autotune = name in lanes_models
+            bench_model(
+                name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns,
+                args.cache_dir, not args.no_cudnn_benchmark, args.compile_here, lanes_autotune,
+            )
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"fp32 (cuDNN TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'}, cuDNN benchmark {'on' if torch.backends.cudnn.benchmark else 'off'}), times in ms: median (p99)")
     print(table(rows))

@@ -91,7 +91,7 @@ def profile_graph(captured, label: str, trace: Path, timeline: Path | None, titl
     return {"label": label, "replay_ms": time_replays(captured, seconds=0.1), **median, "kinds": kinds, "heaviest": heaviest(replays)}
 
 
-def profile_model(name: str, batch: int, max_streams: int, traces: Path, timeline: bool, mode: str = "default") -> dict[str, Any]:
+def profile_model(name: str, batch: int, max_streams: int, traces: Path, timeline: bool, mode: str = "default", lanes_autotune: bool = False) -> dict[str, Any]:
     device = torch.device("cuda")
     entry = zoo.get(name)
     torch.backends.cudnn.benchmark = True
@@ -102,7 +102,7 @@ def profile_model(name: str, batch: int, max_streams: int, traces: Path, timelin
     label = "compile" if mode == "default" else f"compile {mode}"
     results.append(profile_graph(compiled, label, traces / f"{name}_b{batch}_{label.replace(' ', '_')}.trace.json", None, ""))
     del compiled
-    auto, choice = auto_graph(name, batch, max_streams, fusion=True)
+    auto, choice = auto_graph(name, batch, max_streams, fusion=True, fused_lanes_autotune=lanes_autotune)
     with torch.inference_mode():  # the runner's static inputs are inference tensors
         for static, x in zip(auto.inputs, inputs[0]):
             static.copy_(x)
@@ -135,19 +135,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--traces", type=Path, default=Path("out/kernel_profile"), help="directory for the chrome traces (and timelines)")
     parser.add_argument("--timeline", action="store_true", help="also draw each auto replay's kernels per stream (PNG)")
     parser.add_argument("--compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"), help="torch.compile's mode for the compile graph")
+    parser.add_argument("--fused-lanes-autotune", default="", help="models whose auto graph times its fused lanes' convolution algorithms (engine setting fused_lanes_autotune)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: the kernel profile needs a CUDA GPU", file=sys.stderr)
         return 2
     try:
         jobs = [(zoo.get(m).name, int(b)) for m in args.models.split(",") for b in args.batch.split(",")]
+        lanes_autotune = {zoo.get(m).name for m in filter(None, args.fused_lanes_autotune.split(","))}
     except (KeyError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     args.traces.mkdir(parents=True, exist_ok=True)
     models = []
     for name, batch in jobs:
-        models.append(profile_model(name, batch, args.max_streams, args.traces, args.timeline, args.compile_mode))
+        models.append(profile_model(name, batch, args.max_streams, args.traces, args.timeline, args.compile_mode, name in lanes_autotune))
         if args.json:
             args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "models": models}, indent=1))
     print(table(models))

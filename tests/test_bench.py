@@ -61,6 +61,13 @@ def test_an_unknown_column_is_refused_before_anything_runs(capsys):
     assert "'fastest'" in capsys.readouterr().err
 
 
+def test_fused_lanes_autotune_is_refused_for_an_unknown_model_or_without_cudnns_benchmark(capsys):
+    assert bench.main(["--models", "resnet50", "--fused-lanes-autotune", "resnet5"]) == 2
+    assert "resnet5" in capsys.readouterr().err
+    assert bench.main(["--models", "resnet50", "--fused-lanes-autotune", "resnet50", "--no-cudnn-benchmark"]) == 2
+    assert "--no-cudnn-benchmark" in capsys.readouterr().err
+
+
 def test_a_reused_cache_without_no_plan_capture_is_refused(tmp_path, capsys, monkeypatch):
     # the cold build timing needs an empty cache: a reused one would time a warm build as cold
     (tmp_path / "profiles").mkdir()

@@ -65,7 +65,15 @@ def test_models_without_convolutions_get_one_layout():
     assert list(graphs) == ["nchw"]
 
 
-@pytest.mark.parametrize("bad, message", [({"layout": "nhcw"}, "unknown layout"), ({"max_streams": 0}, "max_streams"), ({"policy": "x"}, "unknown policy")])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"layout": "nhcw"}, "unknown layout"),
+        ({"max_streams": 0}, "max_streams"),
+        ({"policy": "x"}, "unknown policy"),
+        ({"fused_lanes_autotune": True, "autotune": False}, "needs autotune"),
+    ],
+)
 def test_bad_settings_are_refused_with_the_reason(bad, message):
     with pytest.raises(ValueError, match=message):
         EngineSettings(**bad)

@@ -130,6 +130,28 @@ def test_fused_lanes_replay_equals_eager_on_the_gpu(model, strict_fp32, tmp_path
 
 
 @pytest.mark.gpu
+def test_fused_lanes_that_time_their_convolution_algorithms_equal_eager(strict_fp32, tmp_path):
+    # fused_lanes_autotune (the bench's ResNet-50 setting): cuDNN's conv + ReLU and conv +
+    # residual add + ReLU kernels with the algorithms its benchmark picked, not its heuristics
+    device = torch.device("cuda")
+    entry = zoo.get("resnet50")
+    module = entry.build().to(device).eval()
+    graph = traced_graphs(module, entry, device, EngineSettings(fused_lanes=True), BuildReport())["inductor-cudnn"]
+    assert any(n.target is torch.ops.aten.cudnn_convolution_add_relu.default for n in graph.module.graph.nodes)
+    capture = InductorCapture(graph, plan_graph(graph, "opara", 8), LanePool(device), tmp_path, autotune=True)
+    pool = torch.cuda.graph_pool_handle()
+    for batch in (1, 8):
+        captured = capture(static_inputs(entry, batch, device), pool)
+        inputs = [t.to(device) for t in entry.example_inputs(batch, seed=batch)]
+        for static, x in zip(captured.inputs, inputs):
+            static.copy_(x)
+        captured.replay()
+        with torch.inference_mode():
+            expected = _as_list(module(*inputs))
+        assert max_relative_error(list(captured.outputs), expected) < 1e-3, batch
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("model", zoo.names())
 def test_fused_lanes_replays_equal_the_single_lane_graph_of_the_same_segments(model, tmp_path):
     # 1,000 random inputs: the lanes may change when a segment runs, never what it computes,

@@ -92,6 +92,41 @@ def test_compiled_segments_equal_eager_and_twins_compile_once(tmp_path):
     assert any(m.eager_calls for m in segments)
 
 
+@pytest.mark.parametrize("autotune", [True, False])
+def test_the_runs_that_call_segments_first_pick_convolution_algorithms_as_asked(tmp_path, monkeypatch, autotune):
+    # PyTorch keeps the cuDNN algorithm a convolution's first call picked: the recording
+    # run and the check of fresh code are first calls, so they run under the build's choice
+    torch.manual_seed(3)
+    fused, _ = _fused(Twins().eval(), torch.randn(2, 16))
+    seen = []
+
+    def spy(name, real):
+        def call(*args, **kwargs):
+            seen.append((name, torch.backends.cudnn.benchmark))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(segment_compiler, name, call)
+
+    spy("_record", segment_compiler._record)
+    spy("_checked", segment_compiler._checked)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", not autotune)
+    prepare([(fused.module, [torch.randn(4, 16)])], tmp_path, workers=1, autotune=autotune)
+    assert {name for name, _ in seen} == {"_record", "_checked"}
+    assert all(flag is autotune for _, flag in seen), seen
+    assert torch.backends.cudnn.benchmark is (not autotune)  # the process's own setting back
+
+
+def test_captures_prepared_together_must_agree_on_autotune(tmp_path):
+    from types import SimpleNamespace
+
+    from opara_core.engine.fused_lanes import prepare_captures
+
+    x = torch.randn(4, 16)
+    captures = [SimpleNamespace(module=None, cache_dir=tmp_path, prepared=set(), autotune=on) for on in (True, False)]
+    with pytest.raises(ValueError, match="autotune"):
+        prepare_captures([(c, [x]) for c in captures])
+
+
 # A later build, in a fresh process: the same module's segments from the same cache directory.
 WORKER = """
 import json, sys, torch

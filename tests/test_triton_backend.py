@@ -121,6 +121,7 @@ def test_published_id_ranges_must_match_the_model():
         ({"guard": "maybe"}, "guard"),
         ({"layout": "nhcw"}, "unknown layout"),
         ({"colour": "blue"}, "unknown parameters"),
+        ({"fused_lanes_autotune": "true", "autotune": "false"}, "needs autotune"),
     ],
 )
 def test_bad_parameters_are_named(parameters, problem):
@@ -130,8 +131,9 @@ def test_bad_parameters_are_named(parameters, problem):
 
 
 def test_parameters_become_engine_settings():
-    config = {"parameters": {k: {"string_value": v} for k, v in {"policy": "nimble", "max_streams": "4", "buckets": "1, 8", "guard": "off", "layout": "nhwc"}.items()}}
-    assert engine_settings(config) == EngineSettings(policy="nimble", max_streams=4, buckets=(1, 8), guard=False, layout="nhwc")
+    given = {"policy": "nimble", "max_streams": "4", "buckets": "1, 8", "guard": "off", "layout": "nhwc", "fused_lanes_autotune": "true"}
+    config = {"parameters": {k: {"string_value": v} for k, v in given.items()}}
+    assert engine_settings(config) == EngineSettings(policy="nimble", max_streams=4, buckets=(1, 8), guard=False, layout="nhwc", fused_lanes_autotune=True)
 
 
 def good_bert(batch: int = 2) -> dict[str, torch.Tensor]:

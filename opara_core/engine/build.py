@@ -106,6 +106,10 @@ class EngineSettings:
     # only). Every bucket compiles its segments' shapes once; the compiled code
     # is kept on disk (engine.segment_compiler) and loaded by later builds
     fused_lanes: bool = False
+    # fused lanes' convolutions pick cuDNN's algorithms by timing them too (with
+    # `autotune`), not by its heuristics: ResNet-50 at batch 8 0.918 -> 0.795 ms,
+    # its warm build 3.4 -> 5.6 s (H200, docs/benchmarks.md run 39)
+    fused_lanes_autotune: bool = False
     # auto's choice per bucket is remembered on disk (engine.choices); a later
     # build of the same graphs on the same GPU and software captures only it
     remember_choices: bool = True
@@ -129,6 +133,8 @@ class EngineSettings:
             raise ValueError(f"buckets must be positive batch sizes, got {list(self.buckets)}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
+        if self.fused_lanes_autotune and not self.autotune:
+            raise ValueError("fused_lanes_autotune times the fused lanes' convolution algorithms, which needs autotune on too")
 
 
 @dataclass(frozen=True, order=True)
@@ -231,7 +237,8 @@ def _build_on_gpu(
 
     def full_key() -> str:
         """The choices' key from every graph and candidate (engine.choices)."""
-        return choices.choices_key({k: g.fingerprint for k, g in graphs.items()}, map(str, plans), settings.buckets, device)
+        timed = ["fused lanes autotune"] if settings.fused_lanes_autotune else []  # other algorithms, other times
+        return choices.choices_key({k: g.fingerprint for k, g in graphs.items()}, [*map(str, plans), *timed], settings.buckets, device)
 
     key = key or full_key()
     captures: dict[Candidate, PlanCapture] = {}
@@ -249,7 +256,7 @@ def _build_on_gpu(
 
     def make_captures(wanted: Mapping[Candidate, Plan]) -> None:
         start = time.perf_counter()
-        captures.update({c: plan_capture(c, graphs[c.graph], plan, lane_pool, segment_cache) for c, plan in wanted.items() if c not in captures})
+        captures.update({c: plan_capture(c, graphs[c.graph], plan, lane_pool, segment_cache, settings.fused_lanes_autotune) for c, plan in wanted.items() if c not in captures})
         report.seconds["captures made"] = report.seconds.get("captures made", 0.0) + time.perf_counter() - start
 
     def multi_stream() -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
@@ -574,12 +581,15 @@ def candidates(graphs: dict[str, OpGraph], settings: EngineSettings) -> dict[Can
     return found
 
 
-def plan_capture(candidate: Candidate, graph: OpGraph, plan: Plan, lane_pool: LanePool, segment_cache: Path | None = None) -> PlanCapture:
+def plan_capture(
+    candidate: Candidate, graph: OpGraph, plan: Plan, lane_pool: LanePool, segment_cache: Path | None = None, autotune: bool = False
+) -> PlanCapture:
     """The capture of one candidate: fused lanes compile their segments with
     Inductor, keeping the code in `segment_cache` (default: under Inductor's
-    cache directory, engine.inductor_cache)."""
+    cache directory, engine.inductor_cache), and time their convolutions'
+    algorithms with `autotune` (EngineSettings.fused_lanes_autotune)."""
     if candidate.fused:
-        return InductorCapture(graph, plan, lane_pool, segment_cache or use_inductor_cache() / "segments")
+        return InductorCapture(graph, plan, lane_pool, segment_cache or use_inductor_cache() / "segments", autotune=autotune)
     return PlanCapture(graph, plan, lane_pool)
 
 

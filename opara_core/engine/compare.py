@@ -46,16 +46,24 @@ def max_relative_error(actual: Any, expected: Any) -> float:
     return worst
 
 
-@contextlib.contextmanager
-def no_cudnn_autotuning() -> Iterator[None]:
+def no_cudnn_autotuning() -> contextlib.AbstractContextManager[None]:
     """cuDNN's heuristics instead of its benchmark: benchmarking every
     convolution of every bucket took 13-17 s of GoogLeNet's 26 s warm build
     (H100, 2026-11-25). PyTorch keeps the first plan it made for a
     convolution's parameters (per thread), whichever the mode, so a run under
     this also decides what later runs and captures of the same convolutions
-    replay: fused lanes run all of theirs under it (engine.fused_lanes)."""
+    replay: fused lanes run all of theirs under it unless their build says
+    otherwise (engine.fused_lanes)."""
+    return cudnn_algorithms(benchmark=False)
+
+
+@contextlib.contextmanager
+def cudnn_algorithms(benchmark: bool) -> Iterator[None]:
+    """Convolutions first called inside pick their cuDNN algorithm by timing
+    every one (`benchmark`) or by cuDNN's heuristics; the process's setting
+    comes back after."""
     saved = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.benchmark = benchmark
     try:
         yield
     finally:

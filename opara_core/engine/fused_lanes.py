@@ -31,7 +31,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture
-from opara_core.engine.compare import no_cudnn_autotuning
+from opara_core.engine.compare import cudnn_algorithms
 from opara_core.engine.segment_compiler import CompileCount, CompiledSegment, prepare
 from opara_core.engine.segment_compiler import layout as segment_layout
 from opara_core.engine.trace import OpGraph
@@ -165,21 +165,25 @@ class InductorCapture(PlanCapture):
     batch size, its segments are loaded from `cache_dir` or compiled there
     (`prepare_captures` does that for several captures and batch sizes at once).
 
-    Its convolutions take cuDNN's heuristic algorithms whatever the engine's
-    `autotune`: PyTorch plans a convolution at its first call in a thread
-    and keeps that plan for every later call with the same parameters, so the
-    first run decides. Benchmarking them cost a warm build 6.5 (ResNet-50) to
-    51 s (NASNet) across six buckets, heuristics 0.4 and 28 s (eager
-    channels-last modules, H200, docs/benchmarks.md run 20). Until the
-    recording runs were dropped they planned these convolutions with the
-    heuristics first; this keeps that."""
+    Its convolutions take cuDNN's heuristic algorithms unless `autotune`
+    (the build's `fused_lanes_autotune`): PyTorch plans a convolution at its
+    first call in a thread and keeps that plan for every later call with the
+    same parameters, so the first run decides. Benchmarking them cost a warm
+    build 6.5 (ResNet-50) to 51 s (NASNet) across six buckets, heuristics 0.4
+    and 28 s (eager channels-last modules, H200, docs/benchmarks.md run 20).
+    Until the recording runs were dropped they planned these convolutions with
+    the heuristics first; this keeps that. But the heuristics ran several of
+    ResNet-50's 1x1 convolutions fused with their residual add and ReLU as a
+    GEMM plus a separate epilogue kernel: with `autotune` its batch-8 replay
+    took 0.795 ms against 0.918, for 2.2 s more warm build (H200, run 39)."""
 
-    def __init__(self, graph: OpGraph, plan: Plan, lane_pool: LanePool, cache_dir: Path, **kwargs: Any):
+    def __init__(self, graph: OpGraph, plan: Plan, lane_pool: LanePool, cache_dir: Path, autotune: bool = False, **kwargs: Any):
         fused, segment_level = fused_lanes(graph, plan)
         super().__init__(fused, segment_level, lane_pool, **kwargs)
         self.graph = fused  # the segments as kernels: other plans of it reuse the compiled code
         self.module = fused.module
         self.cache_dir = cache_dir
+        self.autotune = autotune
         self.segments = len(segment_level.order)
         self.count = CompileCount()
         self.prepared: set[tuple] = set()  # input layouts whose segments are ready
@@ -187,7 +191,7 @@ class InductorCapture(PlanCapture):
     def __call__(self, static_in: Any, pool: Any) -> CapturedGraph:
         what = f"fused lanes ({self.plan.policy}, {self.segments} segments)"
         try:
-            with torch.inference_mode(), no_cudnn_autotuning():
+            with torch.inference_mode(), cudnn_algorithms(benchmark=self.autotune):
                 self.count += prepare_captures([(self, static_in)])
                 captured = super().__call__(static_in, pool)
         except CaptureError:
@@ -203,11 +207,13 @@ class InductorCapture(PlanCapture):
 def prepare_captures(runs: Sequence[tuple[InductorCapture, Sequence[torch.Tensor]]]) -> CompileCount:
     """Load or compile the segments of each capture for its inputs' shapes, all
     in one go (one pool of compile workers for everything that is missing).
-    Captures of one build share their cache directory."""
+    Captures of one build share their cache directory and their `autotune`."""
     todo = [(capture, inputs) for capture, inputs in runs if segment_layout(inputs) not in capture.prepared]
     if not todo:
         return CompileCount()
-    count = prepare([(capture.module, inputs) for capture, inputs in todo], todo[0][0].cache_dir)
+    if len({capture.autotune for capture, _ in todo}) > 1:
+        raise ValueError("captures prepared together must agree on autotune: their convolutions' first calls decide the algorithms of all")
+    count = prepare([(capture.module, inputs) for capture, inputs in todo], todo[0][0].cache_dir, autotune=todo[0][0].autotune)
     for capture, inputs in todo:
         capture.prepared.add(segment_layout(inputs))
     return count

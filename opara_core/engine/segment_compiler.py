@@ -47,7 +47,7 @@ from torch.fx import Graph, GraphModule, Interpreter, Node
 
 from opara_core.cpus import usable_cpus
 from opara_core.engine import custom_ops
-from opara_core.engine.compare import max_relative_error, no_cudnn_autotuning
+from opara_core.engine.compare import cudnn_algorithms, max_relative_error
 from opara_core.engine.inductor_cache import write_json_atomically
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,9 @@ class _Recorder(Interpreter):
         return super().call_module(target, args, kwargs)
 
 
-def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_dir: Path, workers: int | None = None) -> CompileCount:
+def prepare(
+    runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_dir: Path, workers: int | None = None, autotune: bool = False
+) -> CompileCount:
     """Make every CompiledSegment of each fused-lanes module ready for its
     inputs' shapes, for every (module, inputs) of `runs` at once: run each
     module once (segments not compiled for these shapes run eagerly) to find
@@ -203,7 +205,14 @@ def prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_di
     running the module where every segment's code is saved and has passed its
     check. (NASNet's warm recording runs took 31.3 of its 52.3 s, run 19, but
     most of that was cuDNN planning each convolution at its first call, which
-    the captures then do instead: warm build 52.3 -> ~49 s, run 20.)"""
+    the captures then do instead: warm build 52.3 -> ~49 s, run 20.) Those
+    runs pick each convolution's cuDNN algorithm by timing them with
+    `autotune`, by cuDNN's heuristics without (engine.fused_lanes)."""
+    with cudnn_algorithms(benchmark=autotune):
+        return _prepare(runs, cache_dir, workers)
+
+
+def _prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_dir: Path, workers: int | None) -> CompileCount:
     wanted: dict[str, list[tuple[CompiledSegment, tuple]]] = {}
     jobs: dict[str, tuple[GraphModule, list[TensorMeta]]] = {}
     samples: dict[str, tuple] = {}  # one call's inputs per key
@@ -285,7 +294,7 @@ def _record(top: GraphModule, inputs: Sequence[torch.Tensor]) -> list[Call]:
     """Run `top` once (segments not compiled for these shapes run eagerly) and
     keep each segment's inputs."""
     recorder = _Recorder(top)
-    with torch.inference_mode(), no_cudnn_autotuning():
+    with torch.inference_mode():
         recorder.run(*inputs)
     return [(target, [TensorMeta.of(x) for x in args], args) for target, args in recorder.calls if isinstance(top.get_submodule(target), CompiledSegment)]
 
@@ -349,7 +358,7 @@ def _checked(
     if sample is None:  # a record was read only where every segment's code had passed (_read_record)
         raise RuntimeError(f"segment {key}: no inputs to check its code with")
     try:
-        with torch.inference_mode(), no_cudnn_autotuning():
+        with torch.inference_mode():
             got = compiled(*[x.clone() for x in sample], *segment.weights)
             want = segment.eager(*[x.clone() for x in sample])
         error = max_relative_error(tuple(got), tuple(want))

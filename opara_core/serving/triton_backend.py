@@ -92,6 +92,7 @@ def engine_settings(config: dict, own: tuple[str, ...] = ()) -> EngineSettings:
         "layout": str,
         "autotune": _boolean,
         "fused_lanes": _boolean,
+        "fused_lanes_autotune": _boolean,
         "fused_tolerance": float,
         "inductor_cache": str,
         "remember_choices": _boolean,
