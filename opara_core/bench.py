@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--columns", default="", help=f"only these columns, comma-separated (default all: {', '.join(COLUMNS)}); --report merges a model's rows from several files")
     parser.add_argument("--no-plan-capture", action="store_true", help="skip timing the serving build of all buckets")
     parser.add_argument("--cache-dir", type=Path, help="keep the build cache (traces, profiles, compiled segments) here instead of a fresh temporary one; a cache that holds files is reused and needs --no-plan-capture (the build timing needs an empty one)")
-    parser.add_argument("--no-cudnn-benchmark", action="store_true", help="cuDNN's heuristic convolution algorithms in every column (the engine's autotune setting off) instead of timing them per shape (fused-lanes columns take the heuristics either way)")
+    parser.add_argument("--no-cudnn-benchmark", action="store_true", help="cuDNN's heuristic convolution algorithms in every column (the engine's autotune setting off) instead of timing them per shape (fused-lanes columns take the heuristics unless --fused-lanes-autotune)")
     parser.add_argument("--layout", choices=("auto", "nchw", "nhwc"), default="auto", help="layouts auto may choose (policy columns: NCHW unless nhwc)")
     parser.add_argument("--plot", type=Path, help="PNG of speedups over the sequential graph")
     parser.add_argument("--timeline", type=Path, help="PNG of the first model's stream timeline at batch 1")
