@@ -107,8 +107,9 @@ class EngineSettings:
     # is kept on disk (engine.segment_compiler) and loaded by later builds
     fused_lanes: bool = False
     # fused lanes' convolutions pick cuDNN's algorithms by timing them too (with
-    # `autotune`), not by its heuristics: ResNet-50 at batch 8 0.918 -> 0.795 ms,
-    # its warm build 3.4 -> 5.6 s (H200, docs/benchmarks.md run 39)
+    # `autotune`), not by its heuristics: ResNet-50's fused lanes at batch 8
+    # 0.918 -> 0.795 ms in one call, 0.817 with this setting in another; its
+    # warm build 3.2 -> 8.1 s (H200, docs/benchmarks.md run 39)
     fused_lanes_autotune: bool = False
     # auto's choice per bucket is remembered on disk (engine.choices); a later
     # build of the same graphs on the same GPU and software captures only it
