@@ -34,10 +34,11 @@ opara_core.bench --build-only`): cold, warm, warm again; and reports
   3.12 were wrong: 0 s in segment_compiler.load_saved of a 6.3 s load, run 36.)
 - with --bytecode, two more warm builds that read torch's, Triton's and
   torchvision's bytecode, compiled first into a folder of its own
-  (PYTHONPYCACHEPREFIX): what a pip install, which writes bytecode, builds
+  (PYTHONPYCACHEPREFIX, CACHE/bytecode: 55 MB, too much for --out, which a
+  GPU call brings back): what a pip install, which writes bytecode, builds
   in. The GPU machine's image has none and compiles their source in every
-  process (NASNet's first warm build 9.4 s there, 7.5-7.9 s with bytecode,
-  docs/benchmarks.md run 38).
+  process (NASNet's first warm build 8.8 s there with its fusion, 7.6 s with
+  bytecode, docs/benchmarks.md run 39).
 
     python scripts/warm_build_diag.py t5 --out diag/        # about 4 minutes for T5 on an H200
 
@@ -364,7 +365,8 @@ def compile_bytecode(prefix: Path, env: dict) -> dict:
     specs = [importlib.util.find_spec(name) for name in BYTECODE_PACKAGES]
     folders = [str(Path(spec.origin).parent) for spec in specs if spec is not None and spec.origin]
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *folders], env={**env, "PYTHONPYCACHEPREFIX": str(prefix)},
+    workers = len(os.sched_getaffinity(0))  # the job's cores ("-j 0" takes every core of the machine)
+    run = subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", str(workers), *folders], env={**env, "PYTHONPYCACHEPREFIX": str(prefix)},
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
     return {"prefix": str(prefix), "folders": folders, "seconds": round(time.perf_counter() - start, 1), "exit": run.returncode}
 
@@ -397,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cache", type=Path, help="the build cache to use (emptied first; default: a new temporary folder)")
     parser.add_argument("--profile", action="store_true", help="sample the second warm build's stack (a little slower: its seconds are then not quite the build's)")
-    parser.add_argument("--bytecode", action="store_true", help="then two more warm builds reading torch's bytecode, compiled first into a folder of its own (OUT/bytecode)")
+    parser.add_argument("--bytecode", action="store_true", help="then two more warm builds reading torch's bytecode, compiled first into a folder of its own (CACHE/bytecode)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     cache = args.cache or Path(tempfile.mkdtemp(prefix=f"warmdiag_{args.model}_"))
@@ -415,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     builds = BUILDS + (BYTECODE_BUILDS if args.bytecode else ())
     for build in builds:
         if build == BYTECODE_BUILDS[0]:
-            result["bytecode"] = compile_bytecode(args.out / "bytecode", env)
+            result["bytecode"] = compile_bytecode(cache / "bytecode", env)  # not under --out: 55 MB for torch's
             env["PYTHONPYCACHEPREFIX"] = result["bytecode"]["prefix"]
         jit_log, autotune_log, gc_log, profile = (args.out / f"{args.model}_{build}{suffix}" for suffix in ("_jit.jsonl", "_autotune.jsonl", "_gc.json", ".stacks"))
         for stale in (jit_log, autotune_log, gc_log, profile):

@@ -256,11 +256,12 @@ def test_with_bytecode_two_more_warm_builds_read_bytecode_compiled_before_them(t
     monkeypatch.setattr(diag, "default_cache_kernels", lambda: {})
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
     assert diag.main(["t5", "--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--bytecode"]) == 0
-    prefix = str(tmp_path / "out" / "bytecode")
+    prefix = str(tmp_path / "cache" / "bytecode")  # beside the cache: --out is what a GPU call brings back
     assert [c[0] for c in calls] == ["cold", "warm1", "warm2", "compileall", "bytecode1", "bytecode2"]
     assert [c[1] for c in calls] == [None, None, None, prefix, prefix, prefix]
     torch_dir = str(Path(importlib.util.find_spec("torch").origin).parent)
     assert torch_dir in calls[3][2]
+    assert calls[3][2][calls[3][2].index("-j") + 1] == str(len(os.sched_getaffinity(0)))  # the job's cores, not the machine's
     result = json.loads((tmp_path / "out" / "t5_diag.json").read_text())
     assert result["bytecode"]["prefix"] == prefix and torch_dir in result["bytecode"]["folders"]
     assert result["builds"]["bytecode2"]["inductor"] == "bytecode2: 6 segment calls"
