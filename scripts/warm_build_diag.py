@@ -66,6 +66,9 @@ import traceback
 from collections import Counter, defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from opara_core.cpus import usable_cpus  # noqa: E402 - torch-free
+
 BUILDS = ("cold", "warm1", "warm2")
 BYTECODE_BUILDS = ("bytecode1", "bytecode2")  # --bytecode
 BYTECODE_PACKAGES = ("torch", "triton", "torchvision")
@@ -365,8 +368,8 @@ def compile_bytecode(prefix: Path, env: dict) -> dict:
     specs = [importlib.util.find_spec(name) for name in BYTECODE_PACKAGES]
     folders = [str(Path(spec.origin).parent) for spec in specs if spec is not None and spec.origin]
     start = time.perf_counter()
-    workers = len(os.sched_getaffinity(0))  # the job's cores ("-j 0" takes every core of the machine)
-    run = subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", str(workers), *folders], env={**env, "PYTHONPYCACHEPREFIX": str(prefix)},
+    # the job's cores: "-j 0" takes every core of the machine
+    run = subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", str(usable_cpus()), *folders], env={**env, "PYTHONPYCACHEPREFIX": str(prefix)},
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
     return {"prefix": str(prefix), "folders": folders, "seconds": round(time.perf_counter() - start, 1), "exit": run.returncode}
 
@@ -488,7 +491,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         _child(sys.argv[2:])
     else:
         sys.exit(main())

@@ -261,7 +261,7 @@ def test_with_bytecode_two_more_warm_builds_read_bytecode_compiled_before_them(t
     assert [c[1] for c in calls] == [None, None, None, prefix, prefix, prefix]
     torch_dir = str(Path(importlib.util.find_spec("torch").origin).parent)
     assert torch_dir in calls[3][2]
-    assert calls[3][2][calls[3][2].index("-j") + 1] == str(len(os.sched_getaffinity(0)))  # the job's cores, not the machine's
+    assert calls[3][2][calls[3][2].index("-j") + 1] == str(len(os.sched_getaffinity(0)))  # the job's cores, not the machine's (usable_cpus)
     result = json.loads((tmp_path / "out" / "t5_diag.json").read_text())
     assert result["bytecode"]["prefix"] == prefix and torch_dir in result["bytecode"]["folders"]
     assert result["builds"]["bytecode2"]["inductor"] == "bytecode2: 6 segment calls"
