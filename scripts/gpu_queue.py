@@ -28,7 +28,8 @@ JOB is one of
 A job that exits 0 leaves NAME.done in the output folder, and one whose
 NAME.done lies under --done is skipped (a bench job's too, even where the model
 lacks a column it names, so that its rows never hold that column). Each job logs to
-OUT/NAME.log and runs with CUDA_VISIBLE_DEVICES set to its GPU. At the end
+OUT/NAME.log and runs with CUDA_VISIBLE_DEVICES set to its GPU and, on a machine
+of several GPUs, on its GPU's share of the CPU cores (see cpu_shares). At the end
 everything under OUT is moved into OUT/queue.tgz, which is then the folder's
 only file (a device call returns only its first 8 files), and a summary is
 printed: job, GPU, exit status ("cut" at the deadline), seconds. Unpack each
@@ -142,6 +143,23 @@ def job_env(gpu: int, gpus: int) -> dict[str, str]:
     return env
 
 
+def cpu_shares(gpus: int) -> list[set[int]] | None:
+    """Each GPU's cores: this process's cores cut into `gpus` contiguous shares, so
+    that the job on one GPU (a cold build's compile workers on every core) cannot
+    take the cores the job on another GPU times its replays and warm builds with.
+    Run 40 (docs/benchmarks.md) ran unpinned on two H200s: DeepFM's per-call
+    replays at 8 measured 0.076 ms beside NASNet's job against run 31's 0.062,
+    while the build's own back-to-back timing read 0.056-0.057 in both, and
+    NASNet's warm build took 10.7 s (6.3 of it reading the cached trace) beside
+    Inception-v3's cold build (8.8 s alone in run 39). None with one GPU, or
+    fewer cores than GPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if gpus < 2 or len(cpus) < gpus:
+        return None
+    size = len(cpus) // gpus
+    return [set(cpus[gpu * size : (gpu + 1) * size]) for gpu in range(gpus)]
+
+
 def run_queue(specs: list[str], gpus: int, limit: float, out: Path, done: Path, cache: Path) -> list[tuple[str, int, str, float]]:
     """Run the jobs, each GPU one at a time, until `limit` seconds have passed."""
     out.mkdir(parents=True, exist_ok=True)
@@ -149,8 +167,14 @@ def run_queue(specs: list[str], gpus: int, limit: float, out: Path, done: Path, 
         job_for(spec, out, done, cache)  # a malformed job stops the call before anything runs
     deadline = time.monotonic() + limit
     queue, lock, summary = list(specs), threading.Lock(), []
+    shares = cpu_shares(gpus)
+    # made before the workers pin themselves: usable_cpus reads the calling thread's cores
+    envs = [job_env(gpu, gpus) for gpu in range(gpus)]
 
     def worker(gpu: int) -> None:
+        if shares:  # this thread's affinity: the processes it starts inherit it
+            os.sched_setaffinity(0, shares[gpu])
+        cores = f" (CPUs {','.join(map(str, sorted(shares[gpu])))})" if shares else ""
         while True:
             with lock:
                 if not queue or time.monotonic() >= deadline:
@@ -159,10 +183,10 @@ def run_queue(specs: list[str], gpus: int, limit: float, out: Path, done: Path, 
             if job.command is None:
                 summary.append((job.spec, gpu, "done before", 0.0))
                 continue
-            print(f"== {time.strftime('%H:%M:%S')} GPU {gpu}: {job.spec}: {job.command}", flush=True)
+            print(f"== {time.strftime('%H:%M:%S')} GPU {gpu}{cores}: {job.spec}: {job.command}", flush=True)
             start = time.monotonic()
             with open(out / f"{job.name}.log", "a") as log:
-                process = subprocess.Popen(job.command, shell=True, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=job_env(gpu, gpus))
+                process = subprocess.Popen(job.command, shell=True, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=envs[gpu])
                 try:
                     status = str(process.wait(timeout=max(deadline - time.monotonic(), 0.1)))
                 except subprocess.TimeoutExpired:

@@ -4,6 +4,7 @@ call doing only what an earlier one left (real subprocesses; no GPU needed)."""
 from __future__ import annotations
 
 import json
+import os
 import tarfile
 import time
 
@@ -123,3 +124,25 @@ def test_long_jobs_sharing_their_first_80_characters_keep_their_own_done_markers
     (done / f"{more.name}.done").touch()
     assert gpu_queue.job_for(fewer.spec, out, done, tmp_path).command is not None
     assert gpu_queue.job_name("run:short=true") == "run_short_true"
+
+
+def test_on_several_gpus_each_job_runs_on_its_gpus_share_of_the_cores(tmp_path):
+    """So that one GPU's cold build cannot slow the timing on another (run 40)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two cores")
+    out = tmp_path / "out"
+    # each job holds its GPU for 2 s after writing, so the other GPU takes the other job
+    write = 'python3 -c "import os; print(sorted(os.sched_getaffinity(0)))" > {out}/%s.txt; echo $CUDA_VISIBLE_DEVICES >> {out}/%s.txt; sleep 2'
+    gpu_queue.run_queue([f"run:a={write % ('a', 'a')}", f"run:b={write % ('b', 'b')}"], 2, 30, out, tmp_path / "done", tmp_path)
+    with tarfile.open(out / "queue.tgz") as tar:
+        seen = [tar.extractfile(f"{name}.txt").read().decode().split("\n") for name in "ab"]
+    half = len(cpus) // 2
+    for affinity, gpu, _ in seen:
+        assert json.loads(affinity) == (cpus[:half] if gpu == "0" else cpus[half : 2 * half])
+    assert {gpu for _, gpu, _ in seen} == {"0", "1"}
+    assert sorted(os.sched_getaffinity(0)) == cpus  # the queue's own process is left as it was
+    # one GPU: the job keeps every core
+    gpu_queue.run_queue([f"run:c={write % ('c', 'c')}"], 1, 30, tmp_path / "one", tmp_path / "done", tmp_path)
+    with tarfile.open(tmp_path / "one" / "queue.tgz") as tar:
+        assert json.loads(tar.extractfile("c.txt").read().decode().split("\n")[0]) == cpus
