@@ -150,9 +150,9 @@ def cpu_shares(gpus: int) -> list[set[int]] | None:
     Run 40 (docs/benchmarks.md) ran unpinned on two H200s: DeepFM's per-call
     replays at 8 measured 0.076 ms beside NASNet's job against run 31's 0.062,
     while the build's own back-to-back timing read 0.056-0.057 in both, and
-    NASNet's warm build took 10.7 s (6.3 of it reading the cached trace) beside
-    Inception-v3's cold build (8.8 s alone in run 39). None with one GPU, or
-    fewer cores than GPUs."""
+    NASNet's warm build took 10.7 s beside Inception-v3's cold build (loading its
+    431 segments 5.8 s) against 8.8 s alone in run 39 (4.0). None with one GPU,
+    or fewer cores than GPUs."""
     cpus = sorted(os.sched_getaffinity(0))
     if gpus < 2 or len(cpus) < gpus:
         return None
