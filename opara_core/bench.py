@@ -151,7 +151,12 @@ def bench_model(
     columns, `auto` and the build (their convolutions' algorithms timed too).
 
     Policy columns use the NCHW graph (NHWC with --layout nhwc); `auto` chooses
-    among the layouts `--layout` allows, as serving does.
+    among the layouts `--layout` allows, as serving does. `served` times the
+    graphs a warm build captured (a new process on the cold build's cache, as a
+    server restarted after an ahead-of-time build): what serving replays. It can
+    differ from `auto`, chosen again in this process: cuDNN keeps the first plan
+    it made for a convolution's parameters, and here the ATen columns (cuDNN's
+    benchmark) ran before the fused lanes (its heuristics).
     """
     device = torch.device("cuda")
     entry = zoo.get(name)
@@ -165,7 +170,11 @@ def bench_model(
         _fresh_cache(name)
     else:
         _use_cache(cache_dir)
-    build = _build_seconds(entry, device, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune) if time_build else None
+    served_batches = batches if "served" in wanted else ()
+    build = _build_seconds(entry, device, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune, served_batches) if time_build else None
+    served = build.served if build else {}
+    if served_batches and not build and cache_dir is not None and _holds_files(cache_dir):  # a warm cache: what a server restarted on it replays
+        served = _served_only(entry, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune, served_batches)
     start = time.perf_counter()
     module = entry.build().to(device).eval()  # eager and torch.compile
     log.info("%s built and on %s in %.1f s", name, device, time.perf_counter() - start)
@@ -245,9 +254,13 @@ def bench_model(
                 progress.update()
         if floors:
             row.critical_path_ms, row.sum_of_ops_ms = min(floors)
+        if batch in served:
+            row.timings["served"] = served[batch]
+        elif served_batches:
+            row.notes.append("served: not measured (it needs the build timed, or --no-plan-capture with a --cache-dir an earlier run filled, and a warm build that ends well at a bucket this size)")
         if build and not rows:
-            row.plan_capture_s, row.warm_build_s, breakdown = build
-            row.notes.append(breakdown)
+            row.plan_capture_s, row.warm_build_s = build.cold_s, build.warm_s
+            row.notes.append(build.notes)
         _keep(row, rows, on_row)
     return rows
 
@@ -341,34 +354,74 @@ def _holds_files(directory: Path) -> bool:
     return directory.is_dir() and any(path.is_file() for path in directory.rglob("*"))
 
 
+@dataclass(frozen=True)
+class BuildTiming:
+    """The serving build timed (`_build_seconds`): seconds cold and warm, where
+    they went, and the `served` column: the graphs the first warm build
+    captured, timed per batch."""
+
+    cold_s: float
+    warm_s: float | None
+    notes: str
+    served: dict[int, Timing]
+
+
 def _build_seconds(
-    entry: zoo.ZooModel, device: torch.device, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool, fused_lanes_autotune: bool = False
-) -> tuple[float, float | None, str]:
+    entry: zoo.ZooModel, device: torch.device, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool, fused_lanes_autotune: bool = False,
+    served_batches: Sequence[int] = (),
+) -> BuildTiming:
     """The serving build of all default buckets with `auto` and fused lanes,
     cold (this process, an empty cache) and warm (a new process, the same
     cache): seconds of each (tracing excluded, fusion and profiling included)
     and where the time went. The warm build runs twice, each in a process of
     its own: the first is what a server started after an ahead-of-time build
-    pays, the second shows whether the first still did work that the cold
-    build left undone (T5 13.1 s, then 5.5 s: docs/benchmarks.md run 30)."""
+    pays (and replays: it times its graphs at `served_batches`), the second
+    shows whether the first still did work that the cold build left undone
+    (T5 13.1 s, then 5.5 s: docs/benchmarks.md run 30)."""
     cold = _build_report(entry.name, device, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune)
-    command = [sys.executable, "-m", "opara_core.bench", "--build-only", entry.name, "--max-streams", str(max_streams), "--layout", layout]
-    command += (["--no-fusion"] if not fusion else []) + (["--no-cudnn-benchmark"] if not cudnn_benchmark else [])
-    command += ["--fused-lanes-autotune", entry.name] if fused_lanes_autotune else []
-    warm, again = (_warm_build(command) for _ in range(2))
+    command = _build_command(entry.name, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune)
+    warm, again = _warm_build(command, served_batches), _warm_build(command)
     notes = [f"cold build seconds: {_breakdown(cold)}; {cold['inductor']}"]
     notes += [f"warm build seconds: {_breakdown(warm)}; {warm['inductor']}" if warm else "warm build failed"]
     notes += [f"second warm build {_build_total(again):.1f} s: {_breakdown(again)}; {again['inductor']}" if again else "second warm build failed"]
-    totals = _build_total(cold), _build_total(warm) if warm else None
+    served = _served(warm)
+    notes += [_served_note(served)] if served else []
+    timing = BuildTiming(_build_total(cold), _build_total(warm) if warm else None, "; ".join(notes), served)
     # logged now too: the row that keeps them is written only when its columns are done,
     # and a run cut before that (a device call's limit) would lose them
-    log.info("%s: serving build %.1f s cold, %s warm; %s", entry.name, totals[0], "-" if warm is None else f"{totals[1]:.1f} s", "; ".join(notes))
-    return (*totals, "; ".join(notes))
+    log.info("%s: serving build %.1f s cold, %s warm; %s", entry.name, timing.cold_s, "-" if warm is None else f"{timing.warm_s:.1f} s", timing.notes)
+    return timing
 
 
-def _warm_build(command: list[str]) -> dict[str, Any] | None:
+def _served_only(
+    entry: zoo.ZooModel, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool, fused_lanes_autotune: bool, batches: Sequence[int]
+) -> dict[int, Timing]:
+    """The `served` column where the build is not timed: one warm build on the
+    cache (a new process, as a server restarted on it), its graphs timed."""
+    served = _served(_warm_build(_build_command(entry.name, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune), batches))
+    if served:
+        log.info("%s: %s", entry.name, _served_note(served))
+    return served
+
+
+def _build_command(name: str, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool, fused_lanes_autotune: bool) -> list[str]:
+    command = [sys.executable, "-m", "opara_core.bench", "--build-only", name, "--max-streams", str(max_streams), "--layout", layout]
+    command += (["--no-fusion"] if not fusion else []) + (["--no-cudnn-benchmark"] if not cudnn_benchmark else [])
+    return command + (["--fused-lanes-autotune", name] if fused_lanes_autotune else [])
+
+
+def _served(report: dict[str, Any] | None) -> dict[int, Timing]:
+    return {int(batch): Timing(**timing) for batch, timing in (report or {}).get("served", {}).items()}
+
+
+def _served_note(served: dict[int, Timing]) -> str:
+    return "served (the warm build's graphs) " + ", ".join(f"b{batch} {t.median_ms:.3f} ms" for batch, t in sorted(served.items()))
+
+
+def _warm_build(command: list[str], served_batches: Sequence[int] = ()) -> dict[str, Any] | None:
     """One `--build-only` run's report; its log goes to this process's stderr
     (where the warm build's own seconds went, and anything it compiled)."""
+    command = command + (["--served-batches", ",".join(map(str, served_batches))] if served_batches else [])
     run = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=900)
     if run.returncode != 0:
         log.warning("a warm build failed with exit status %d (its log is above)", run.returncode)
@@ -377,14 +430,22 @@ def _warm_build(command: list[str]) -> dict[str, Any] | None:
 
 
 def _build_report(
-    name: str, device: torch.device, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool = True, fused_lanes_autotune: bool = False
+    name: str, device: torch.device, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool = True, fused_lanes_autotune: bool = False,
+    served_batches: Sequence[int] = (),
 ) -> dict[str, Any]:
+    """One serving build's report; with `served_batches`, its graphs at those
+    buckets timed afterwards as every graph column is (not part of its seconds)."""
     entry = zoo.get(name)
     # the guard on, as in serving: its check of every bucket against eager is part of the build
     settings = EngineSettings(max_streams=max_streams, fusion=fusion, layout=layout, fused_lanes=True, autotune=cudnn_benchmark, fused_lanes_autotune=fused_lanes_autotune)
-    _, report = build_runner(entry.build(), entry, device, max(settings.buckets), settings)
+    runner, report = build_runner(entry.build(), entry, device, max(settings.buckets), settings)
     chosen = {str(bucket): str(choice) for bucket, choice in sorted(report.choices.items())}
-    return {"seconds": report.seconds, "inductor": report.inductor, "remembered": report.remembered, "runner": report.runner, "choices": chosen}
+    graphs = getattr(runner, "graphs", {})  # a GraphRunner's, one per bucket
+    served = {}
+    with torch.inference_mode():
+        for batch in (b for b in served_batches if b in graphs):
+            served[str(batch)] = asdict(time_calls(graph_call(graphs[batch], rotating_inputs(entry, batch, device))))
+    return {"seconds": report.seconds, "inductor": report.inductor, "remembered": report.remembered, "runner": report.runner, "choices": chosen, "served": served}
 
 
 def _build_total(report: dict[str, Any]) -> float:
@@ -397,7 +458,7 @@ def _breakdown(report: dict[str, Any]) -> str:
 
 # ---- report ------------------------------------------------------------------------
 
-COLUMNS = ("eager", "compile", "compile max-autotune", "sequential (unfused)", "sequential", *POLICIES, "sequential nhwc", "fused sequential", "fused opara", "fused opara cudnn", "auto")
+COLUMNS = ("eager", "compile", "compile max-autotune", "sequential (unfused)", "sequential", *POLICIES, "sequential nhwc", "fused sequential", "fused opara", "fused opara cudnn", "auto", "served")
 
 
 def table(rows: Sequence[Row]) -> str:
@@ -523,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, nargs="+", help="no run: print the table (and --plot) of these JSON files")
     parser.add_argument("--compile-here", action="store_true", help=argparse.SUPPRESS)  # the torch.compile columns in this process (compiled_elsewhere's)
     parser.add_argument("--build-only", metavar="MODEL", help=argparse.SUPPRESS)  # one serving build, its report as JSON (the warm build)
+    parser.add_argument("--served-batches", default="", help=argparse.SUPPRESS)  # with --build-only: time its graphs at these buckets
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # the engine's progress notes on stderr, timed: where a build's minutes went
@@ -533,7 +595,8 @@ def main(argv: list[str] | None = None) -> int:
             print("error: the serving build's timing needs a CUDA GPU", file=sys.stderr)
             return 2
         lanes_autotune = args.build_only in args.fused_lanes_autotune.split(",")
-        report = _build_report(args.build_only, torch.device("cuda"), args.max_streams, not args.no_fusion, args.layout, not args.no_cudnn_benchmark, lanes_autotune)
+        served_batches = [int(b) for b in args.served_batches.split(",") if b]
+        report = _build_report(args.build_only, torch.device("cuda"), args.max_streams, not args.no_fusion, args.layout, not args.no_cudnn_benchmark, lanes_autotune, served_batches)
         print(json.dumps(report))
         return 0
     if args.report:

@@ -125,3 +125,27 @@ def test_a_warm_build_that_fails_is_none_and_its_own_error_reaches_stderr(capfd,
         assert bench._warm_build([sys.executable, "-m", "opara_core.bench", "--build-only", "deepfm"]) is None
     assert "the serving build's timing needs a CUDA GPU" in capfd.readouterr().err
     assert "a warm build failed with exit status 2" in caplog.text
+
+
+def test_the_warm_build_that_times_the_served_column_is_told_the_batches_and_its_timings_come_back():
+    echo = [sys.executable, "-c", "import json, sys; print(json.dumps({'argv': sys.argv[1:], 'served': {'8': {'median_ms': 0.5, 'p99_ms': 0.6, 'calls': 300}}}))"]
+    assert bench._warm_build(echo, [1, 8])["argv"] == ["--served-batches", "1,8"]
+    report = bench._warm_build(echo)
+    assert report["argv"] == [] and bench._served(report) == {8: Timing(0.5, 0.6, 300)}
+    assert bench._served(None) == {}  # a warm build that failed
+
+
+@pytest.mark.gpu
+def test_a_build_times_the_graphs_it_captured_at_the_buckets_asked_for(tmp_path, monkeypatch):
+    """The `served` column: what a server built on the cache replays, timed
+    like every graph column; a batch size that is no bucket has no graph of its own."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for name, value in (("OPARA_CACHE_DIR", tmp_path), (bench.INDUCTOR_ENV, tmp_path / "inductor")):
+        monkeypatch.setenv(name, str(value))
+    report = bench._build_report("deepfm", torch.device("cuda"), 8, True, "auto", served_batches=[1, 3, 8])
+    assert set(report["served"]) == {"1", "8"}, report["served"]
+    for timing in (Timing(**t) for t in report["served"].values()):
+        assert 0 < timing.median_ms <= timing.p99_ms
+    # a build asked for no batches (the second warm build) times nothing
+    assert bench._build_report("deepfm", torch.device("cuda"), 8, True, "auto")["served"] == {}
