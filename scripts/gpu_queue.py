@@ -153,6 +153,8 @@ def cpu_shares(gpus: int) -> list[set[int]] | None:
     NASNet's warm build took 10.7 s beside Inception-v3's cold build (loading its
     431 segments 5.8 s) against 8.8 s alone in run 39 (4.0). None with one GPU,
     or fewer cores than GPUs."""
+    if not hasattr(os, "sched_setaffinity"):  # no affinity on this platform
+        return None
     cpus = sorted(os.sched_getaffinity(0))
     if gpus < 2 or len(cpus) < gpus:
         return None
