@@ -144,22 +144,50 @@ def job_env(gpu: int, gpus: int) -> dict[str, str]:
 
 
 def cpu_shares(gpus: int) -> list[set[int]] | None:
-    """Each GPU's cores: this process's cores cut into `gpus` contiguous shares, so
+    """Each GPU's cores: this process's cores cut into `gpus` equal shares, so
     that the job on one GPU (a cold build's compile workers on every core) cannot
     take the cores the job on another GPU times its replays and warm builds with.
     Run 40 (docs/benchmarks.md) ran unpinned on two H200s: DeepFM's per-call
     replays at 8 measured 0.076 ms beside NASNet's job against run 31's 0.062,
     while the build's own back-to-back timing read 0.056-0.057 in both, and
     NASNet's warm build took 10.7 s beside Inception-v3's cold build (loading its
-    431 segments 5.8 s) against 8.8 s alone in run 39 (4.0). None with one GPU,
-    or fewer cores than GPUs."""
+    431 segments 5.8 s) against 8.8 s alone in run 39 (loading them 4.0-4.2 s).
+    Hyperthreads of one core stay in one share (`core_groups`). None with one
+    GPU, or fewer cores than GPUs."""
     if not hasattr(os, "sched_setaffinity"):  # no affinity on this platform
         return None
     cpus = sorted(os.sched_getaffinity(0))
     if gpus < 2 or len(cpus) < gpus:
         return None
-    size = len(cpus) // gpus
-    return [set(cpus[gpu * size : (gpu + 1) * size]) for gpu in range(gpus)]
+    groups = core_groups(cpus)
+    if len(groups) < gpus:  # fewer physical cores than GPUs: share them by hyperthread
+        groups = [[cpu] for cpu in cpus]
+    size = len(groups) // gpus
+    return [{cpu for group in groups[gpu * size : (gpu + 1) * size] for cpu in group} for gpu in range(gpus)]
+
+
+def core_groups(cpus: list[int]) -> list[list[int]]:
+    """`cpus` grouped by physical core (Linux's thread siblings), in the order
+    of (socket, first CPU): contiguous groups then share a socket where they can."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            siblings = _cpu_list((topology / "thread_siblings_list").read_text())
+            socket = int((topology / "physical_package_id").read_text())
+        except (OSError, ValueError):
+            siblings, socket = [cpu], 0
+        groups.setdefault((socket, min(siblings)), []).append(cpu)
+    return [groups[key] for key in sorted(groups)]
+
+
+def _cpu_list(text: str) -> list[int]:
+    """Linux's CPU list format: "0-3,8,10-11"."""
+    cpus = []
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        cpus += range(int(first), int(last or first) + 1)
+    return cpus
 
 
 def run_queue(specs: list[str], gpus: int, limit: float, out: Path, done: Path, cache: Path) -> list[tuple[str, int, str, float]]:
