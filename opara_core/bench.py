@@ -155,8 +155,10 @@ def bench_model(
     graphs a warm build captured (a new process on the cold build's cache, as a
     server restarted after an ahead-of-time build): what serving replays. It can
     differ from `auto`, chosen again in this process: cuDNN keeps the first plan
-    it made for a convolution's parameters, and here the ATen columns (cuDNN's
-    benchmark) ran before the fused lanes (its heuristics).
+    it made for a convolution's parameters, and here the cold build's profile ran
+    the fused graphs' convolutions at batch 1 under cuDNN's benchmark before the
+    fused lanes (its heuristics) did, while a warm build reads its profile from
+    the cache.
     """
     device = torch.device("cuda")
     entry = zoo.get(name)
