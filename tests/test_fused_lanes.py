@@ -4,6 +4,8 @@ captured on their lanes (GPU)."""
 from __future__ import annotations
 
 import operator
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +15,8 @@ from opara_core import zoo
 from opara_core.engine.build import BuildReport, Candidate, EngineSettings, build_runner, static_inputs, traced_graphs
 from opara_core.engine.capture import LanePool, PlanCapture, time_replays
 from opara_core.engine.compare import max_relative_error
-from opara_core.engine.fused_lanes import InductorCapture, fused_lanes
+from opara_core.engine import segment_compiler
+from opara_core.engine.fused_lanes import InductorCapture, fused_lanes, on_planning_thread, prepare_captures
 from opara_core.engine.interpreter import plan_graph, run_plan
 from opara_core.engine.segment_compiler import CompiledSegment, prepare
 from opara_core.engine.trace import trace, trace_zoo
@@ -101,6 +104,43 @@ def test_inductor_compiled_segments_equal_eager_on_the_cpu(tmp_path):
         expected = module(x)
     assert not [m for m in fused.module.children() if isinstance(m, CompiledSegment) and m.eager_calls]
     assert max_relative_error(_as_list(got), [expected]) < 1e-4
+
+
+def test_the_planning_thread_is_one_thread_apart_from_the_callers():
+    cpu = torch.device("cpu")
+    names = {on_planning_thread(lambda: threading.current_thread().name, cpu) for _ in range(3)}
+    assert len(names) == 1 and threading.current_thread().name not in names
+    nested = on_planning_thread(lambda: on_planning_thread(lambda: threading.current_thread().name, cpu), cpu)
+    assert {nested} == names  # work on the thread that asks for the thread runs right there, no deadlock
+
+    def fail():
+        raise ValueError("segment 3 does not compile")
+
+    with pytest.raises(ValueError, match="segment 3"):
+        on_planning_thread(fail, cpu)
+    assert on_planning_thread(lambda: 7, cpu) == 7  # the thread lives on after a failure
+
+
+def test_fused_lanes_record_their_convolutions_on_the_planning_thread(tmp_path, monkeypatch):
+    """PyTorch keeps one cuDNN plan per convolution per thread, the first it
+    made: the recording runs (a fused lane's first call of each convolution) of
+    every build in the process go to the one planning thread, never the caller's."""
+    threads = []
+    real = segment_compiler._record
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(segment_compiler, "_record", spy)
+    module = Branches().eval()
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    graph = trace(module, (x,))
+    plan = plan_graph(graph, "opara", 4)
+    for directory in ("first", "second"):  # two builds: nothing read from the other's cache
+        fused, _ = fused_lanes(graph, plan)
+        prepare_captures([(SimpleNamespace(module=fused.module, cache_dir=tmp_path / directory, prepared=set(), autotune=False), [x])])
+    assert len(threads) >= 2 and len(set(threads)) == 1 and threads[0] is not threading.current_thread()
 
 
 # ---- on the GPU -------------------------------------------------------------------------

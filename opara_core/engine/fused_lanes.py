@@ -19,12 +19,15 @@ batch 8 on an H100, docs/benchmarks.md run 7), and loading saved code is fast.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import operator
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -39,6 +42,36 @@ from opara_core.planning.plan import Plan
 from opara_core.planning.segments import Segmentation, segment_plan
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+PLANNING_THREAD = "fused-lanes-cudnn"
+_planner: ThreadPoolExecutor | None = None
+_planner_lock = threading.Lock()
+
+
+def on_planning_thread(work: Callable[[], T], device: torch.device) -> T:
+    """`work()` on the one thread where fused lanes run every convolution
+    first. PyTorch keeps one cuDNN plan per convolution's parameters per
+    thread, the first it made, whichever the mode: on the build's own thread
+    an ATen candidate, the trace, the profile or the bench's eager column that
+    ran the same convolution under cuDNN's benchmark decided the fused lanes'
+    algorithm too. A build that timed every candidate then replayed other
+    plans than a warm build that captured only its remembered choice
+    (GoogLeNet at batch 8: 0.488 ms in the bench's auto column, 0.545 ms from
+    a warm serving build, H200, docs/benchmarks.md run 41). On this thread the
+    plans follow the fused lanes' own `autotune` only, in every process."""
+    global _planner
+    if threading.current_thread().name.startswith(PLANNING_THREAD):
+        return work()
+    with _planner_lock:
+        if _planner is None:
+            _planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix=PLANNING_THREAD)
+
+    def run() -> T:  # the current device is per thread: the caller's
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            return work()
+
+    return _planner.submit(run).result()
 
 def split_into_segments(graph: OpGraph, segmentation: Segmentation) -> GraphModule:
     """A top-level module that calls one submodule per segment, in segment order.
@@ -168,11 +201,12 @@ class InductorCapture(PlanCapture):
     Its convolutions take cuDNN's heuristic algorithms unless `autotune`
     (the build's `fused_lanes_autotune`): PyTorch plans a convolution at its
     first call in a thread and keeps that plan for every later call with the
-    same parameters, so the first run decides. Benchmarking them cost a warm
+    same parameters, so the first run decides: their recording runs and
+    captures all run on one thread of their own (`on_planning_thread`), where
+    nothing else runs a convolution first. Benchmarking them cost a warm
     build 6.5 (ResNet-50) to 51 s (NASNet) across six buckets, heuristics 0.4
     and 28 s (eager channels-last modules, H200, docs/benchmarks.md run 20).
-    Until the recording runs were dropped they planned these convolutions with
-    the heuristics first; this keeps that. But the heuristics ran several of
+    But the heuristics ran several of
     ResNet-50's 1x1 convolutions fused with their residual add and ReLU as a
     GEMM plus a separate epilogue kernel: with `autotune` its batch-8 replay
     took 0.817 ms against torch.compile's 0.946, its warm build 8.1 s against
@@ -192,9 +226,7 @@ class InductorCapture(PlanCapture):
     def __call__(self, static_in: Any, pool: Any) -> CapturedGraph:
         what = f"fused lanes ({self.plan.policy}, {self.segments} segments)"
         try:
-            with torch.inference_mode(), cudnn_algorithms(benchmark=self.autotune):
-                self.count += prepare_captures([(self, static_in)])
-                captured = super().__call__(static_in, pool)
+            captured = on_planning_thread(lambda: self._capture(static_in, pool), static_in[0].device)
         except CaptureError:
             raise
         except Exception as error:  # noqa: BLE001 - an Inductor failure only drops this candidate
@@ -203,6 +235,11 @@ class InductorCapture(PlanCapture):
         if eager:  # compiled code expects its inputs' exact layout; a segment that got another ran eagerly
             raise CaptureError(f"{what}: {len(eager)} segments ran eagerly at batch {static_in[0].shape[0]} (e.g. {eager[0]}): inputs laid out unlike at compile time")
         return captured
+
+    def _capture(self, static_in: Any, pool: Any) -> CapturedGraph:
+        with torch.inference_mode(), cudnn_algorithms(benchmark=self.autotune):
+            self.count += prepare_captures([(self, static_in)])
+            return super().__call__(static_in, pool)
 
 
 def prepare_captures(runs: Sequence[tuple[InductorCapture, Sequence[torch.Tensor]]]) -> CompileCount:
@@ -214,7 +251,12 @@ def prepare_captures(runs: Sequence[tuple[InductorCapture, Sequence[torch.Tensor
         return CompileCount()
     if len({capture.autotune for capture, _ in todo}) > 1:
         raise ValueError("captures prepared together must agree on autotune: their convolutions' first calls decide the algorithms of all")
-    count = prepare([(capture.module, inputs) for capture, inputs in todo], todo[0][0].cache_dir, autotune=todo[0][0].autotune)
+
+    def load_or_compile() -> CompileCount:  # the recording runs call the convolutions first
+        with torch.inference_mode():
+            return prepare([(capture.module, inputs) for capture, inputs in todo], todo[0][0].cache_dir, autotune=todo[0][0].autotune)
+
+    count = on_planning_thread(load_or_compile, todo[0][1][0].device)
     for capture, inputs in todo:
         capture.prepared.add(segment_layout(inputs))
     return count
