@@ -4,7 +4,13 @@ captured on their lanes (GPU)."""
 from __future__ import annotations
 
 import operator
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -119,6 +125,30 @@ def test_the_planning_thread_is_one_thread_apart_from_the_callers():
     with pytest.raises(ValueError, match="segment 3"):
         on_planning_thread(fail, cpu)
     assert on_planning_thread(lambda: 7, cpu) == 7  # the thread lives on after a failure
+
+
+INTERRUPTED = """
+import time, torch
+from opara_core.engine.fused_lanes import on_planning_thread
+print("compiling", flush=True)
+on_planning_thread(lambda: time.sleep(300), torch.device("cpu"))
+"""
+
+
+def test_a_build_interrupted_while_its_planning_thread_works_exits_at_once():
+    """Ctrl-C in the middle of a cold build's compilation: the process ends
+    without waiting for the planning thread's work to finish."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    process = subprocess.Popen([sys.executable, "-c", INTERRUPTED], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert process.stdout.readline().strip() == "compiling"
+        time.sleep(1.0)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode != 0 and "KeyboardInterrupt" in stderr, stderr
 
 
 def test_fused_lanes_record_their_convolutions_on_the_planning_thread(tmp_path, monkeypatch):

@@ -23,9 +23,10 @@ import contextlib
 import dataclasses
 import logging
 import operator
+import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,8 +45,32 @@ from opara_core.planning.segments import Segmentation, segment_plan
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-PLANNING_THREAD = "fused-lanes-cudnn"
-_planner: ThreadPoolExecutor | None = None
+
+
+class _PlanningThread:
+    """One daemon thread that runs the work handed to it, in order: a build
+    interrupted in the middle of compiling need not wait for it at exit."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="fused-lanes-planning", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            work, future = self.jobs.get()
+            try:
+                future.set_result(work())
+            except BaseException as error:  # noqa: BLE001 - the caller's to handle
+                future.set_exception(error)
+
+    def run(self, work: Callable[[], T]) -> T:
+        future: Future = Future()
+        self.jobs.put((work, future))
+        return future.result()
+
+
+_planner: _PlanningThread | None = None
 _planner_lock = threading.Lock()
 
 
@@ -61,17 +86,17 @@ def on_planning_thread(work: Callable[[], T], device: torch.device) -> T:
     a warm serving build, H200, docs/benchmarks.md run 41). On this thread the
     plans follow the fused lanes' own `autotune` only, in every process."""
     global _planner
-    if threading.current_thread().name.startswith(PLANNING_THREAD):
-        return work()
     with _planner_lock:
         if _planner is None:
-            _planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix=PLANNING_THREAD)
+            _planner = _PlanningThread()
+    if threading.current_thread() is _planner.thread:
+        return work()
 
     def run() -> T:  # the current device is per thread: the caller's
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             return work()
 
-    return _planner.submit(run).result()
+    return _planner.run(run)
 
 def split_into_segments(graph: OpGraph, segmentation: Segmentation) -> GraphModule:
     """A top-level module that calls one submodule per segment, in segment order.
