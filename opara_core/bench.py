@@ -633,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     def keep(row: Row) -> None:
         rows.append(row)
         if args.json:
-            _write_json(args.json, rows)
+            _write_json(args.json, rows, sys.argv[1:] if argv is None else argv)
 
     steps = len(models) * len(batches) * (2 + 3 + len(POLICIES) + 1)
     with tqdm(total=steps, desc="bench", file=sys.stderr) as progress:
@@ -703,7 +703,9 @@ def _read_json(path: Path) -> list[Row]:
     return rows
 
 
-def _write_json(path: Path, rows: Sequence[Row]) -> None:
+def _write_json(path: Path, rows: Sequence[Row], argv: Sequence[str] = ()) -> None:
+    """The rows and how they were measured; `argv`: the bench's arguments, as a
+    list (scripts/gpu_queue.py counts rows only from runs of the same extra arguments)."""
     meta = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -711,6 +713,7 @@ def _write_json(path: Path, rows: Sequence[Row]) -> None:
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(sys.argv),
+        "argv": list(argv),
     }
     path.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
 

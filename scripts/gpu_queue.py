@@ -17,7 +17,9 @@ JOB is one of
                                    --no-plan-capture and reuse its traces and compiled segments;
                                    COLUMNS as --columns takes them (quote the job: they hold spaces),
                                    ARGS more bench arguments, e.g.
-                                   'bench:resnet50:1:compile max-autotune:--compile-autotune resnet50'
+                                   'bench:resnet50:1:compile max-autotune:--compile-autotune resnet50';
+                                   rows count only from runs with the same ARGS, and a --cache-dir
+                                   among them is the job's cache folder instead of CACHE/MODEL
   profile:MODELS:BATCHES           scripts/kernel_profile.py (compile's replay against auto's; its chrome
                                    traces stay in /tmp/gpu_queue_traces: too large to return)
   tests:ARG[,ARG...]               pytest over those arguments (files, node ids, `--deselect`
@@ -66,18 +68,45 @@ class Job:
     command: str | None  # None: nothing left to do
 
 
-def bench_rows(folders: list[Path]) -> dict[tuple[str, int], set[str]]:
-    """(model, batch) -> the columns measured, over every bench JSON in the folders."""
+# the options job_for gives a bench job before its ARGS, in that order (True: takes a value)
+QUEUE_OPTIONS = (("--models", True), ("--batch", True), ("--no-plan-capture", False), ("--cache-dir", True), ("--json", True), ("--columns", True))
+
+
+def bench_rows(folders: list[Path], extra: list[str] | None = None) -> dict[tuple[str, int], set[str]]:
+    """(model, batch) -> the columns measured, over the bench JSONs in the
+    folders; with `extra`, only those whose run had these ARGS (a row measured
+    with --fused-lanes-autotune is not one measured without). A JSON from
+    before the bench recorded its arguments counts for any."""
     rows: dict[tuple[str, int], set[str]] = {}
     for folder in folders:
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             try:
-                found = json.loads(path.read_text())["rows"]
-                for row in found:
+                data = json.loads(path.read_text())
+                if extra is not None and extra_arguments(data.get("meta", {}).get("argv")) not in (None, extra):
+                    continue
+                for row in data["rows"]:
                     rows.setdefault((row["model"], int(row["batch"])), set()).update(row["timings"])
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # not a bench JSON
     return rows
+
+
+def extra_arguments(argv: list[str] | None) -> list[str] | None:
+    """A bench run's arguments after those job_for writes itself (QUEUE_OPTIONS):
+    its job's ARGS. None where the run did not record its arguments."""
+    if argv is None:
+        return None
+    at = 0
+    for option, takes_value in QUEUE_OPTIONS:
+        if argv[at : at + 1] == [option]:
+            at += 2 if takes_value else 1
+    return list(argv[at:])
+
+
+def _option(arguments: list[str], name: str) -> str | None:
+    """The value of the last `name VALUE` in `arguments` (argparse keeps the last)."""
+    values = [arguments[i + 1] for i, a in enumerate(arguments[:-1]) if a == name]
+    return values[-1] if values else None
 
 
 def job_name(spec: str) -> str:
@@ -102,7 +131,7 @@ def job_for(spec: str, out: Path, done: Path, cache: Path) -> Job:
         except ValueError as error:
             raise ValueError(f"job {spec!r}: its bench arguments: {error}") from None
         wanted = set(columns.split(",")) if columns else set(FULL_ROW)
-        have = bench_rows([done, out])
+        have = bench_rows([done, out], extra)
         left = [b for b in (batches or "1,8,32").split(",") if not wanted <= have.get((model, int(b)), set())]
         # a run of it that ended well is done too: a column the model has not (`fused opara
         # cudnn` for a transformer) is never in its rows
@@ -110,7 +139,9 @@ def job_for(spec: str, out: Path, done: Path, cache: Path) -> Job:
             return Job(spec, name, None)
         # the model's first job on this machine times its serving build, cold then warm, in the
         # empty cache folder; later jobs (a cut one's rest, other batches) reuse what it compiled
-        cold = not any(path.is_file() for path in (cache / model).rglob("*"))
+        # (ARGS may name a --cache-dir of its own: a setting that compiles other code, such as
+        # --fused-lanes-autotune, next to a job of the same model without it)
+        cold = not any(path.is_file() for path in Path(_option(extra, "--cache-dir") or cache / model).rglob("*"))
         command = (f"python3 -m opara_core.bench --models {model} --batch {','.join(left)}{'' if cold else ' --no-plan-capture'} "
                    f"--cache-dir {cache / model} --json {out / name}_b{'-'.join(left)}.json")
         command += f" --columns {shlex.quote(columns)}" if columns else ""

@@ -40,6 +40,47 @@ def test_a_bench_job_measures_only_the_batches_no_earlier_json_holds(tmp_path):
     assert job.command.endswith("--columns 'compile max-autotune' --compile-autotune t5 --cache-dir '/tmp/a b'")
 
 
+def test_rows_count_only_for_jobs_of_the_same_bench_arguments(tmp_path):
+    """A row measured with --fused-lanes-autotune is not one measured without
+    it (run 41 lost a device call to that): rows count only for a job whose
+    ARGS the run had; a JSON from before the bench recorded its arguments
+    counts for any job."""
+    done, out, cache = tmp_path / "done", tmp_path / "out", tmp_path / "cache"
+    columns = ("auto", "served")
+
+    def written(name, argv, *rows):
+        bench_json(done / name, *rows)
+        data = json.loads((done / name).read_text())
+        data["meta"]["argv"] = argv
+        (done / name).write_text(json.dumps(data))
+
+    plain = ["--models", "googlenet", "--batch", "1,8", "--no-plan-capture", "--cache-dir", "/c/googlenet", "--json", "/o/a.json", "--columns", "auto,served"]
+    written("plain.json", plain, ("googlenet", 1, columns), ("googlenet", 8, columns))
+    tuned = "bench:googlenet:1,8:auto,served:--fused-lanes-autotune googlenet --cache-dir " + str(tmp_path / "tuned")
+    job = gpu_queue.job_for(tuned, out, done, cache)
+    assert job.command is not None and "--batch 1,8 " in job.command
+    assert " --no-plan-capture" not in job.command  # its own cache folder is empty: the build is timed there
+    (tmp_path / "tuned" / "traces").mkdir(parents=True)
+    (tmp_path / "tuned" / "traces" / "googlenet.pt2").write_bytes(b"x")
+    assert " --no-plan-capture" in gpu_queue.job_for(tuned, out, done, cache).command
+    written("tuned.json", ["--models", "googlenet", "--batch", "1", "--cache-dir", "/c/googlenet", "--json", "/o/b.json", "--columns", "auto,served",
+                           "--fused-lanes-autotune", "googlenet", "--cache-dir", str(tmp_path / "tuned")], ("googlenet", 1, columns))
+    assert "--batch 8 " in gpu_queue.job_for(tuned, out, done, cache).command
+    assert gpu_queue.job_for("bench:googlenet:1,8:auto,served", out, done, cache).command is None
+    bench_json(done / "old.json", ("resnet50", 1, columns))  # no arguments recorded
+    assert gpu_queue.job_for("bench:resnet50:1:auto,served:--fused-lanes-autotune resnet50", out, done, cache).command is None
+
+
+def test_the_bench_records_its_arguments_as_the_queue_reads_them(tmp_path, monkeypatch):
+    from opara_core import bench
+
+    monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda: "none")
+    argv = ["--models", "t5", "--batch", "1", "--cache-dir", "/c/t5", "--json", str(tmp_path / "t.json"), "--columns", "auto", "--compile-autotune", "t5"]
+    bench._write_json(tmp_path / "t.json", [bench.Row("t5", 1)], argv)
+    meta = json.loads((tmp_path / "t.json").read_text())["meta"]
+    assert gpu_queue.extra_arguments(meta["argv"]) == ["--compile-autotune", "t5"]
+
+
 def test_a_bench_job_that_ended_well_is_done_though_the_model_lacks_a_column(tmp_path):
     # BERT has no convolution: its rows never hold `fused opara cudnn`, which the job names
     done, out = tmp_path / "done", tmp_path / "out"
