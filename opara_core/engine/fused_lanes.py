@@ -98,6 +98,7 @@ def on_planning_thread(work: Callable[[], T], device: torch.device) -> T:
 
     return _planner.run(run)
 
+
 def split_into_segments(graph: OpGraph, segmentation: Segmentation) -> GraphModule:
     """A top-level module that calls one submodule per segment, in segment order.
 
@@ -231,11 +232,11 @@ class InductorCapture(PlanCapture):
     nothing else runs a convolution first. Benchmarking them cost a warm
     build 6.5 (ResNet-50) to 51 s (NASNet) across six buckets, heuristics 0.4
     and 28 s (eager channels-last modules, H200, docs/benchmarks.md run 20).
-    But the heuristics ran several of
-    ResNet-50's 1x1 convolutions fused with their residual add and ReLU as a
-    GEMM plus a separate epilogue kernel: with `autotune` its batch-8 replay
-    took 0.817 ms against torch.compile's 0.946, its warm build 8.1 s against
-    3.2 (H200, run 39)."""
+    But the heuristics ran several of ResNet-50's 1x1 convolutions fused with
+    their residual add and ReLU as a GEMM plus a separate epilogue kernel: with
+    `autotune` its batch-8 replay took 0.817 ms against torch.compile's 0.946,
+    its warm build 8.1 s against 3.2 (H200, run 39); GoogLeNet's at batch 8
+    0.468 against 0.549, warm build 6.2 s against 5.7 (run 41)."""
 
     def __init__(self, graph: OpGraph, plan: Plan, lane_pool: LanePool, cache_dir: Path, autotune: bool = False, **kwargs: Any):
         fused, segment_level = fused_lanes(graph, plan)
