@@ -128,8 +128,9 @@ def test_the_planning_thread_is_one_thread_apart_from_the_callers():
 
 
 INTERRUPTED = """
-import time, torch
+import signal, time, torch
 from opara_core.engine.fused_lanes import on_planning_thread
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job starts with SIGINT ignored)
 print("compiling", flush=True)
 on_planning_thread(lambda: time.sleep(300), torch.device("cpu"))
 """
