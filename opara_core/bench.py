@@ -153,12 +153,10 @@ def bench_model(
     Policy columns use the NCHW graph (NHWC with --layout nhwc); `auto` chooses
     among the layouts `--layout` allows, as serving does. `served` times the
     graphs a warm build captured (a new process on the cold build's cache, as a
-    server restarted after an ahead-of-time build): what serving replays. It can
-    differ from `auto`, chosen again in this process: cuDNN keeps the first plan
-    it made for a convolution's parameters, and here the cold build's profile ran
-    the fused graphs' convolutions at batch 1 under cuDNN's benchmark before the
-    fused lanes (its heuristics) did, while a warm build reads its profile from
-    the cache.
+    server restarted after an ahead-of-time build): what serving replays, the
+    check that `auto`, chosen again in this process, shows it (they differed
+    until fused lanes planned their convolutions on a thread of their own:
+    docs/benchmarks.md run 41).
     """
     device = torch.device("cuda")
     entry = zoo.get(name)

@@ -72,17 +72,17 @@ class Job:
 QUEUE_OPTIONS = (("--models", True), ("--batch", True), ("--no-plan-capture", False), ("--cache-dir", True), ("--json", True), ("--columns", True))
 
 
-def bench_rows(folders: list[Path], extra: list[str] | None = None) -> dict[tuple[str, int], set[str]]:
+def bench_rows(folders: list[Path], extra: list[str]) -> dict[tuple[str, int], set[str]]:
     """(model, batch) -> the columns measured, over the bench JSONs in the
-    folders; with `extra`, only those whose run had these ARGS (a row measured
-    with --fused-lanes-autotune is not one measured without). A JSON from
-    before the bench recorded its arguments counts for any."""
+    folders whose run had these ARGS (`extra`: a row measured with
+    --fused-lanes-autotune is not one measured without). A JSON from before the
+    bench recorded its arguments counts for any."""
     rows: dict[tuple[str, int], set[str]] = {}
     for folder in folders:
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             try:
                 data = json.loads(path.read_text())
-                if extra is not None and extra_arguments(data.get("meta", {}).get("argv")) not in (None, extra):
+                if extra_arguments(data.get("meta", {}).get("argv")) not in (None, extra):
                     continue
                 for row in data["rows"]:
                     rows.setdefault((row["model"], int(row["batch"])), set()).update(row["timings"])

@@ -51,9 +51,9 @@ def no_cudnn_autotuning() -> contextlib.AbstractContextManager[None]:
     convolution of every bucket took 13-17 s of GoogLeNet's 26 s warm build
     (H100, 2026-11-25). PyTorch keeps the first plan it made for a
     convolution's parameters (per thread), whichever the mode, so a run under
-    this also decides what later runs and captures of the same convolutions
-    replay: fused lanes run all of theirs under it unless their build says
-    otherwise (engine.fused_lanes)."""
+    this also decides what later runs and captures of the same convolutions on
+    the same thread replay (fused lanes plan theirs on a thread of their own,
+    engine.fused_lanes.on_planning_thread)."""
     return cudnn_algorithms(benchmark=False)
 
 
