@@ -192,12 +192,9 @@ def test_fused_lanes_replay_equals_eager_on_the_gpu(model, strict_fp32, tmp_path
     for batch, graph_ in captured.items():
         for seed in range(3):
             inputs = [t.to(device) for t in entry.example_inputs(batch, seed=seed)]
-            for static, x in zip(graph_.inputs, inputs):
-                static.copy_(x)
-            graph_.replay()
             with torch.inference_mode():
                 expected = _as_list(module(*inputs))
-            assert max_relative_error(list(graph_.outputs), expected) < 1e-3, (batch, seed)
+            assert max_relative_error(_replay(graph_, inputs), expected) < 1e-3, (batch, seed)
 
 
 @pytest.mark.gpu
@@ -214,12 +211,9 @@ def test_fused_lanes_that_time_their_convolution_algorithms_equal_eager(strict_f
     for batch in (1, 8):
         captured = capture(static_inputs(entry, batch, device), pool)
         inputs = [t.to(device) for t in entry.example_inputs(batch, seed=batch)]
-        for static, x in zip(captured.inputs, inputs):
-            static.copy_(x)
-        captured.replay()
         with torch.inference_mode():
             expected = _as_list(module(*inputs))
-        assert max_relative_error(list(captured.outputs), expected) < 1e-3, batch
+        assert max_relative_error(_replay(captured, inputs), expected) < 1e-3, batch
 
 
 @pytest.mark.gpu
@@ -242,12 +236,9 @@ def test_fused_lanes_replays_equal_the_single_lane_graph_of_the_same_segments(mo
     differ = []
     for seed in range(1000):
         inputs = [t.to(device) for t in entry.example_inputs(batch, seed=10_000 + seed)]
-        for captured in (multi, single):
-            for static, x in zip(captured.inputs, inputs):
-                static.copy_(x)
-            captured.replay()
-        if not all(torch.equal(a, b) for a, b in zip(multi.outputs, single.outputs)):
-            differ.append((seed, max_relative_error(list(multi.outputs), list(single.outputs))))
+        multi_out, single_out = _replay(multi, inputs), _replay(single, inputs)
+        if not all(torch.equal(a, b) for a, b in zip(multi_out, single_out)):
+            differ.append((seed, max_relative_error(multi_out, single_out)))
     assert not differ, f"{len(differ)} of 1000 replays differ (seed, relative error): {differ[:5]}"
 
 
@@ -273,6 +264,15 @@ def test_auto_offers_fused_lanes_and_is_never_slower_than_the_aten_sequential_gr
     for bucket in (1, 8):
         assert chosen[bucket] <= 1.03 * alone[bucket], (bucket, report.choices[bucket], chosen, alone)
         assert isinstance(report.choices[bucket], Candidate)
+
+
+def _replay(captured, inputs):
+    """Copies `inputs` into the captured graph's static inputs, replays it and returns
+    its static outputs (overwritten by the next replay)."""
+    for static, x in zip(captured.inputs, inputs):
+        static.copy_(x)
+    captured.replay()
+    return list(captured.outputs)
 
 
 def trace_zoo_fused(entry, module, device):
