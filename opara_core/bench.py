@@ -701,7 +701,7 @@ def _read_json(path: Path) -> list[Row]:
     return rows
 
 
-def _write_json(path: Path, rows: Sequence[Row], argv: Sequence[str] = ()) -> None:
+def _write_json(path: Path, rows: Sequence[Row], argv: Sequence[str]) -> None:
     """The rows and how they were measured; `argv`: the bench's arguments, as a
     list (scripts/gpu_queue.py counts rows only from runs of the same extra arguments)."""
     meta = {
