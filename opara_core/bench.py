@@ -702,7 +702,7 @@ def _read_json(path: Path) -> list[Row]:
 
 def _write_json(path: Path, rows: Sequence[Row], argv: Sequence[str]) -> None:
     """The rows and how they were measured; `argv`: the bench's arguments, as a
-    list (scripts/gpu_queue.py counts rows only from runs of the same extra arguments)."""
+    list (dev/gpu_queue.py counts rows only from runs of the same extra arguments)."""
     meta = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
