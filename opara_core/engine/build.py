@@ -549,10 +549,8 @@ def _fused_lanes_graphs(
     start = time.perf_counter()
     made = {"inductor": fuse_graph(traced, device, passes=INDUCTOR_PASSES, check_inputs=checks, cache=fusion_checks_dir())[0]}
     if has_convs and "inductor-cudnn" in wanted_names:
-        # passes left out of INDUCTOR_PASSES (scripts/pass_ab.py edits the lists) mean no chaining
-        chained = set(INDUCTOR_PASSES) <= set(INDUCTOR_CUDNN_PASSES)
-        base, wanted = (made["inductor"], [p for p in INDUCTOR_CUDNN_PASSES if p not in INDUCTOR_PASSES]) if chained else (traced, INDUCTOR_CUDNN_PASSES)
-        cudnn, fusion = fuse_graph(base, device, passes=wanted, check_inputs=checks, cache=fusion_checks_dir())
+        wanted = [p for p in INDUCTOR_CUDNN_PASSES if p not in INDUCTOR_PASSES]
+        cudnn, fusion = fuse_graph(made["inductor"], device, passes=wanted, check_inputs=checks, cache=fusion_checks_dir())
         if fusion.rewrites.get("conv_relu") or fusion.rewrites.get("conv_add_relu"):  # else the same graph as `inductor`
             made["inductor-cudnn"] = cudnn
     report.seconds["fusion"] = report.seconds.get("fusion", 0.0) + time.perf_counter() - start  # every graph's fusion is the build's
