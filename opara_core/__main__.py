@@ -63,9 +63,11 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan.contract_json()))
     else:
         from opara_core.engine.interpreter import plan_graph  # imports torch: only for models
-        from opara_core.engine.trace import trace_zoo
+        from opara_core import zoo
+        from opara_core.engine.trace import trace_model
 
-        graph = trace_zoo(args.model, batch=args.batch)
+        entry = zoo.get(args.model)
+        graph = trace_model(entry, entry.build(), batch=args.batch)
         dag = graph.dag
         plan = plan_graph(graph, args.policy, args.max_streams, args.order)
         print(f"model           {args.model} (batch {args.batch})")

@@ -34,7 +34,7 @@ from opara_core.engine.build import FUSED_GRAPHS, BuildReport, Candidate, Engine
 from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, capture_module, pool_mb
 from opara_core.engine.inductor_cache import INDUCTOR_ENV, TRITON_ENV
 from opara_core.engine.interpreter import plan_graph
-from opara_core.engine.trace import trace_zoo
+from opara_core.engine.trace import trace_model
 
 # by name: run as `python -m opara_core.bench` this module is `__main__`, whose logger the
 # "opara_core" level set in main() does not reach (run 28 lost its INFO lines: the serving
@@ -179,7 +179,7 @@ def bench_model(
     module = entry.build().to(device).eval()  # eager and torch.compile
     log.info("%s built and on %s in %.1f s", name, device, time.perf_counter() - start)
     # the engine's graphs only for the engine's columns (NASNet's trace, fusion and profile take a minute)
-    unfused = trace_zoo(entry, module, device) if "sequential (unfused)" in wanted else None
+    unfused = trace_model(entry, module, device) if "sequential (unfused)" in wanted else None
     report = BuildReport()
     graphs, floors = {}, []
     if wanted - {"eager", "compile", "compile max-autotune"}:

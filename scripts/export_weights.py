@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.save(module.state_dict(), path)
     else:
         path = args.version_dir / "weights.pt2"
-        program = torch.export.export(module, entry.example_inputs(batch=2), dynamic_shapes=zoo.dynamic_shapes(entry))
+        program = torch.export.export(module, entry.example_inputs(batch=2), dynamic_shapes=entry.dynamic_shapes())
         torch.export.save(program, str(path))
     print(f"wrote {path}; serve it with this in {args.model}'s config.pbtxt:")
     print(f'parameters {{ key: "weights" value: {{ string_value: "{path.name}" }} }}')

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten
 
 from opara_core import zoo
 from opara_core.engine import runtime
-from opara_core.engine.trace import trace_zoo
+from opara_core.engine.trace import trace_model
 from opara_core.engine.build import static_inputs
 from opara_core.engine.capture import LanePool, PlanCapture, StreamInterpreter, run_on_lanes
 from opara_core.engine.fusion import fuse_graph
@@ -65,7 +65,7 @@ def traced(model: str, device: torch.device, fusion: bool):
     """The model's kernel graph as build_runner makes it (traced, then fused)."""
     entry = zoo.get(model)
     module = entry.build().to(device).eval()
-    graph = trace_zoo(entry, module, device)
+    graph = trace_model(entry, module, device)
     progress(f"{model}: traced")
     if fusion:
         checks = [tuple(t.to(device) for t in entry.example_inputs(1, seed=7))]

@@ -28,9 +28,11 @@ def appendix_dag() -> Dag:
 @functools.lru_cache(maxsize=None)
 def traced(name: str):
     """The zoo model `name`, traced once per session (batch 1 costs)."""
-    from opara_core.engine.trace import trace_zoo
+    from opara_core import zoo
+    from opara_core.engine.trace import trace_model
 
-    return trace_zoo(name)
+    entry = zoo.get(name)
+    return trace_model(entry, entry.build())
 
 
 @st.composite

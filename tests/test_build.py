@@ -10,7 +10,7 @@ import torch
 
 from opara_core import zoo
 from opara_core.engine.build import BuildReport, EngineSettings, channels_last_graph, traced_graphs
-from opara_core.engine.trace import trace_zoo
+from opara_core.engine.trace import trace_model
 from opara_core.engine.fusion import CONV
 
 CPU = torch.device("cpu")
@@ -20,7 +20,7 @@ CPU = torch.device("cpu")
 def googlenet():
     entry = zoo.get("googlenet")
     module = entry.build().eval()
-    return entry, module, trace_zoo(entry, module, CPU)
+    return entry, module, trace_model(entry, module, CPU)
 
 
 def conv_weights(graph):
@@ -131,7 +131,7 @@ def test_the_cudnn_fused_lanes_graph_is_the_inductor_graph_with_the_cudnn_passes
     device = torch.device("cuda")
     entry = zoo.get("resnet50")
     module = entry.build().to(device).eval()
-    traced = trace_zoo(entry, module, device)
+    traced = trace_model(entry, module, device)
     checks = [tuple(t.to(device) for t in entry.example_inputs(2, seed=7))]
     graphs = build._fused_lanes_graphs(traced, device, EngineSettings(), BuildReport(), checks, True, None)
     at_once, report = fuse_graph(traced, device, passes=build.INDUCTOR_CUDNN_PASSES)

@@ -14,7 +14,7 @@ from opara_core.engine.build import Candidate, EngineSettings, build_runner, sta
 from opara_core.engine.capture import CaptureError, GraphPool, LanePool, PlanCapture, pool_mb, time_replays
 from opara_core.engine.compare import max_relative_error
 from opara_core.engine.interpreter import plan_graph
-from opara_core.engine.trace import trace_zoo
+from opara_core.engine.trace import trace_model
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +25,7 @@ POLICIES = ("sequential", "opara", "nimble", "asap", "wavefront")
 def traced(model: str):
     device = torch.device("cuda")
     module = zoo.get(model).build().to(device)
-    return module, trace_zoo(model, module, device)
+    return module, trace_model(zoo.get(model), module, device)
 
 
 def graph_runner(model: str, policy: str, max_streams: int | None, lane_pool: LanePool, buckets=(1, 4)):

@@ -25,7 +25,7 @@ from opara_core.engine import segment_compiler
 from opara_core.engine.fused_lanes import InductorCapture, fused_lanes, on_planning_thread, prepare_captures
 from opara_core.engine.interpreter import plan_graph, run_plan
 from opara_core.engine.segment_compiler import CompiledSegment, prepare
-from opara_core.engine.trace import trace, trace_zoo
+from opara_core.engine.trace import trace, trace_model
 
 
 def _as_list(value):
@@ -183,7 +183,7 @@ def test_fused_lanes_replay_equals_eager_on_the_gpu(model, strict_fp32, tmp_path
     device = torch.device("cuda")
     entry = zoo.get(model)
     module = entry.build().to(device).eval()
-    graph = trace_zoo(entry, module, device)
+    graph = trace_model(entry, module, device)
     plan = plan_graph(graph, "opara", 8)
     capture = InductorCapture(graph, plan, LanePool(device), tmp_path)
     assert capture.segments > 1 and capture.plan.num_streams > 1
@@ -224,7 +224,7 @@ def test_fused_lanes_replays_equal_the_single_lane_graph_of_the_same_segments(mo
     # order on one stream (same compiled code, same memory pool rules, no lane waits).
     device = torch.device("cuda")
     entry = zoo.get(model)
-    graph = trace_zoo(entry, entry.build().to(device).eval(), device)
+    graph = trace_model(entry, entry.build().to(device).eval(), device)
     lane_pool = LanePool(device)
     lanes = InductorCapture(graph, plan_graph(graph, "opara", 8), lane_pool, tmp_path)
     assert lanes.plan.num_streams > 1

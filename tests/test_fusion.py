@@ -553,11 +553,11 @@ def test_fused_zoo_graphs_plan_and_run_like_eager(name, expected):
 
 
 def _cuda_graph(name):
-    from opara_core.engine.trace import trace_zoo
+    from opara_core.engine.trace import trace_model
 
     device = torch.device("cuda")
     module = zoo.get(name).build().to(device)
-    return module, trace_zoo(name, module, device)
+    return module, trace_model(zoo.get(name), module, device)
 
 
 @pytest.mark.gpu

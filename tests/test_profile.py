@@ -219,14 +219,14 @@ def test_apply_profile_puts_measurements_on_the_dag(small):
 
 @pytest.mark.gpu
 def test_profile_of_googlenet_on_the_gpu(tmp_path, monkeypatch):
-    from opara_core.engine.trace import trace_zoo
+    from opara_core.engine.trace import trace_model
     from opara_core.engine.fusion import fuse_graph
 
     monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
     device = torch.device("cuda")
     entry = zoo.get("googlenet")
     module = entry.build().to(device)
-    graph = trace_zoo(entry, module, device)
+    graph = trace_model(entry, module, device)
     inputs = tuple(x.to(device) for x in entry.example_inputs(1, seed=5))
     prof = profile.profile_graph(graph, inputs, device)
     assert prof.key and prof.device == torch.cuda.get_device_name(device) and prof.iterations == 5

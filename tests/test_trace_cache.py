@@ -7,7 +7,7 @@ from torch.utils._pytree import tree_leaves
 
 from opara_core import zoo
 from opara_core.engine import trace_cache
-from opara_core.engine.trace import trace_zoo
+from opara_core.engine.trace import trace_model
 
 
 def outputs(module, inputs):
@@ -20,10 +20,10 @@ def test_a_cached_graph_reads_the_live_weights_and_answers_as_eager(tmp_path):
     in the graph. The second trace reads the file the first one wrote, and its
     graph computes with the module it was given, not with saved weights."""
     entry = zoo.get("bert").at((12,))
-    first = trace_zoo(entry, entry.build(), "cpu", cache=tmp_path)
+    first = trace_model(entry, entry.build(), "cpu", cache=tmp_path)
     assert len(list(tmp_path.glob("*.pt"))) == 1
     other = entry.build(seed=5)  # same structure, other weights: the same cache entry
-    second = trace_zoo(entry, other, "cpu", cache=tmp_path)
+    second = trace_model(entry, other, "cpu", cache=tmp_path)
     assert second.module.code == first.module.code and second.fingerprint == first.fingerprint
     live = {t.data_ptr() for _, t in trace_cache.named_tensors(other)}
     assert all(p.data_ptr() in live for p in second.module.parameters())
@@ -35,7 +35,7 @@ def test_a_cached_graph_reads_the_live_weights_and_answers_as_eager(tmp_path):
 def test_the_key_follows_the_inputs_and_the_modules_settings():
     entry = zoo.get("deepfm")
     module = entry.build()
-    dims = zoo.dynamic_shapes(entry)
+    dims = entry.dynamic_shapes()
     key = trace_cache.export_key(module, entry.example_inputs(2), dims)
     assert key == trace_cache.export_key(entry.build(seed=3), entry.example_inputs(2, seed=9), dims)  # values do not count
     assert key != trace_cache.export_key(module, entry.example_inputs(4), dims)
@@ -48,10 +48,10 @@ def test_the_key_follows_the_inputs_and_the_modules_settings():
 def test_a_damaged_entry_is_exported_again_and_replaced(tmp_path):
     entry = zoo.get("deepfm")
     module = entry.build()
-    trace_zoo(entry, module, "cpu", cache=tmp_path)
+    trace_model(entry, module, "cpu", cache=tmp_path)
     (path,) = tmp_path.glob("*.pt")
     path.write_bytes(b"not a saved graph")
-    graph = trace_zoo(entry, module, "cpu", cache=tmp_path)
+    graph = trace_model(entry, module, "cpu", cache=tmp_path)
     x = entry.example_inputs(2, seed=4)
     for got, want in zip(outputs(graph.module, x), outputs(module, x)):
         torch.testing.assert_close(got, want)
@@ -60,5 +60,6 @@ def test_a_damaged_entry_is_exported_again_and_replaced(tmp_path):
 
 def test_no_directory_no_files(tmp_path, monkeypatch):
     monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
-    trace_zoo("deepfm")
+    entry = zoo.get("deepfm")
+    trace_model(entry, entry.build())
     assert not list(tmp_path.rglob("*.pt"))

@@ -62,7 +62,7 @@ def test_entry_specs_are_consistent(name):
 @pytest.mark.parametrize("name", EXPECTED_NAMES)
 def test_dynamic_shapes_make_the_batch_dim_of_every_input_dynamic(name):
     model = zoo.get(name)
-    shapes = zoo.dynamic_shapes(model)
+    shapes = model.dynamic_shapes()
     assert len(shapes) == len(model.inputs)
     dims = [spec[0] for spec in shapes]
     assert all(list(spec) == [0] for spec in shapes)

@@ -32,7 +32,7 @@ from opara_core.engine.inductor_cache import cache_root, use_inductor_cache
 from opara_core.engine.segment_compiler import CompileCount
 from opara_core.engine.fusion import CONV, CONV_ADD_RELU, CONV_RELU, FusionReport, fuse_graph
 from opara_core.engine.compare import max_relative_error, no_cudnn_autotuning
-from opara_core.engine.trace import OpGraph, trace_zoo
+from opara_core.engine.trace import OpGraph, trace_model
 from opara_core.engine.interpreter import plan_graph
 from opara_core.engine.profile import apply_profile, profile_graph
 from opara_core.planning.plan import Plan
@@ -470,7 +470,7 @@ def trace_for_build(module, entry: zoo.ZooModel, device: torch.device, report: B
     start = time.perf_counter()
     log.info("tracing the module")
     try:
-        graph = trace_zoo(entry, module, device, cache=trace_cache.cache_dir())
+        graph = trace_model(entry, module, device, cache=trace_cache.cache_dir())
     except Exception as error:  # noqa: BLE001 - any tracing failure falls back
         report.fallbacks.append(f"tracing: {error}")
         return None

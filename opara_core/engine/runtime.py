@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from opara_core.engine.capture import CapturedGraph
-from opara_core.zoo import TensorSpec
+from opara_core.spec import TensorSpec
 
 log = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ import sympy
 import torch
 from torch.utils._pytree import tree_flatten
 
-from opara_core import zoo
 from opara_core.engine import costs as cost_model
 from opara_core.engine.trace_cache import exported_module
 from opara_core.planning.dag import Dag, OpNode
+from opara_core.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -75,28 +75,27 @@ def trace(
     return from_graph_module(gm, sizes=sizes, spec=spec, name=name, salt=repr(shapes))
 
 
-def trace_zoo(
-    model: str | zoo.ZooModel,
-    module: torch.nn.Module | None = None,
+def trace_model(
+    model: ModelSpec,
+    module: torch.nn.Module,
     device: torch.device | str = "cpu",
     batch: int = 1,
     spec: cost_model.GpuSpec = cost_model.H100,
     cache: Path | None = None,
 ) -> OpGraph:
-    """Trace a zoo model (its seeded module unless `module` is given) with a
-    dynamic batch, on `device` itself so that ops that create tensors (arange,
-    full) are traced with that device; one graph serves every batch size, and
-    costs are estimated for `batch`. `cache`: see `trace`."""
-    entry = zoo.get(model) if isinstance(model, str) else model
-    module = (entry.build() if module is None else module).to(device)
-    example = tuple(t.to(device) for t in entry.example_inputs(max(batch, 2)))
+    """Trace `module`, whose interface `model` describes, with a dynamic
+    batch, on `device` itself so that ops that create tensors (arange, full)
+    are traced with that device; one graph serves every batch size, and costs
+    are estimated for `batch`. `cache`: see `trace`."""
+    module = module.to(device)
+    example = tuple(t.to(device) for t in model.example_inputs(max(batch, 2)))
     return trace(
         module,
         example,
-        zoo.dynamic_shapes(entry, max_batch=max(64, batch)),
-        cost_inputs=tuple(t.to(device) for t in entry.example_inputs(batch)),
+        model.dynamic_shapes(max_batch=max(64, batch)),
+        cost_inputs=tuple(t.to(device) for t in model.example_inputs(batch)),
         spec=spec,
-        name=entry.name,
+        name=model.name,
         cache=cache,
     )
 
