@@ -27,7 +27,7 @@ import numpy as np
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from client.inputs import InputError, ModelInfo, model_info
-from opara_core.serving.admin_key import ADMIN_KEY_ENV, admin_key_path, read_admin_key
+from opara_core.serving.admin_key import ADMIN_KEY_ENV, admin_key_dir, read_admin_key
 
 log = logging.getLogger(__name__)
 
@@ -82,15 +82,19 @@ def describe(error: BaseException) -> str:
     else:
         text = str(error) or type(error).__name__
     if "is restricted" in str(text):
-        text = f"{text} (set {ADMIN_KEY_ENV} to the server's key, or run where the server wrote it to {admin_key_path()})"
+        text = (
+            f"{text} (set {ADMIN_KEY_ENV} to the server's key, or run on the server's machine as the user who "
+            f"started it: `make serve` writes each server's key to {admin_key_dir()}/<port>)"
+        )
     return " ".join(str(text).split())
 
 
-def admin_headers(protocol: str, env: dict[str, str] | None = None) -> dict[str, str]:
-    """The header carrying the admin key for Triton's restricted APIs: from
-    OPARA_ADMIN_KEY, else the launcher's key file (none when neither has one);
-    gRPC prefixes Triton's protocol name."""
-    key = read_admin_key(env)
+def admin_headers(protocol: str, url: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The header carrying the admin key for Triton's restricted APIs of the
+    server at `url`: from OPARA_ADMIN_KEY, else the key file the launcher
+    wrote for that server's port (none when neither has one); gRPC prefixes
+    Triton's protocol name."""
+    key = read_admin_key(url, env)
     if not key:
         return {}
     return {"admin-key" if protocol == "http" else "triton-grpc-protocol-admin-key": key}
@@ -281,7 +285,7 @@ class Client:
             self._raw = module.InferenceServerClient(self.url, connection_timeout=network, network_timeout=network)
             self._kw = {}
         self._json = {"as_json": True} if protocol == "grpc" else {}
-        self._admin = {**self._kw, "headers": admin_headers(protocol)}  # for the restricted APIs
+        self._admin = {**self._kw, "headers": admin_headers(protocol, self.url)}  # for the restricted APIs
 
     def _call(self, fn: Callable[[], Any], retry: RetryPolicy | None = None) -> Any:
         try:

@@ -73,7 +73,7 @@ class TokenStream:
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.client = grpcclient.InferenceServerClient(url)
         try:
-            self.client.start_stream(callback=self._callback, stream_timeout=timeout_s, headers=admin_headers("grpc") or None)
+            self.client.start_stream(callback=self._callback, stream_timeout=timeout_s, headers=admin_headers("grpc", url) or None)
         except Exception as error:  # noqa: BLE001
             self.client.close()
             raise ClientError(f"cannot open a stream to {url}: {describe(error)}", classify(error)) from None
@@ -285,7 +285,7 @@ async def _one_request(client, config: LoadConfig, start: float, at: float, prom
     sent_at = time.perf_counter()
     outcome = Outcome(len(prompt), max_tokens, lag_s=sent_at - (start + at))
     times: list[float] = []
-    responses = client.stream_infer(request(), headers=admin_headers("grpc") or None)
+    responses = client.stream_infer(request(), headers=admin_headers("grpc", config.url) or None)
     try:
         while True:
             try:

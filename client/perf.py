@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     failures, rough = [], []
     for model, info in infos.items():
         count = args.request_count or window_requests(url, args.protocol, info, args.batch, args.window_seconds)
-        config = config_from_args(PerfConfig, args, model=model, url=url, request_count=count, admin_key=read_admin_key())
+        config = config_from_args(PerfConfig, args, model=model, url=url, request_count=count, admin_key=read_admin_key(url))
         csv_path = args.out_dir / f"{model}.csv"
         try:
             failed, unsettled = run_model(config, info, csv_path)

@@ -314,21 +314,20 @@ def _time_compiled(module: torch.nn.Module, inputs, row: Row, mode: str) -> Timi
         return None
 
 
-def compiled_graph(module: torch.nn.Module, inputs, mode: str = "default", notes: list[str] | None = None, freezing: bool = True) -> CapturedGraph:
+def compiled_graph(module: torch.nn.Module, inputs, mode: str = "default", notes: list[str] | None = None) -> CapturedGraph:
     """torch.compile as an inference user runs it: under `inference_mode`, with
-    Inductor's freezing (weights folded in as constants; off: weights stay
-    inputs, as in fused lanes' segments), replayed from a CUDA graph captured
-    here around the compiled call (copy in, replay). `mode` is torch.compile's
-    ("default" or "max-autotune-no-cudagraphs")."""
+    Inductor's freezing (weights folded in as constants), replayed from a CUDA
+    graph captured here around the compiled call (copy in, replay). `mode` is
+    torch.compile's ("default" or "max-autotune-no-cudagraphs")."""
     torch._dynamo.reset()
-    with torch._inductor.config.patch(freezing=freezing), torch.inference_mode():
+    with torch._inductor.config.patch(freezing=True), torch.inference_mode():
         compiled = torch.compile(module, mode=mode)
         start = time.perf_counter()
         for x in inputs:
             compiled(*x)
         torch.cuda.synchronize()
         if notes is not None:
-            notes.append(f"{_compile_label(mode)} ({'freezing' if freezing else 'no freezing'}) compile and warm-up {time.perf_counter() - start:.0f} s")
+            notes.append(f"{_compile_label(mode)} (freezing) compile and warm-up {time.perf_counter() - start:.0f} s")
         return capture_module(compiled, [x.clone() for x in inputs[0]], torch.cuda.graph_pool_handle())
 
 
@@ -505,13 +504,13 @@ def plot_speedups(rows: Sequence[Row], path: Path) -> None:
     plt.close(fig)
 
 
-def auto_graph(name: str, batch: int, max_streams: int, fusion: bool, fused_lanes_autotune: bool = False) -> tuple[CapturedGraph, str]:
+def auto_graph(name: str, batch: int, max_streams: int, fusion: bool) -> tuple[CapturedGraph, str]:
     """The graph `auto` builds for one bucket, as serving does (fused lanes
     among the candidates), and its choice."""
     device = torch.device("cuda")
     entry = zoo.get(name)
     module = entry.build().to(device).eval()
-    settings = EngineSettings(max_streams=max_streams, buckets=(batch,), guard=False, fusion=fusion, fused_lanes=True, fused_lanes_autotune=fused_lanes_autotune)
+    settings = EngineSettings(max_streams=max_streams, buckets=(batch,), guard=False, fusion=fusion, fused_lanes=True)
     runner, report = build_runner(module, entry, device, batch, settings)
     return runner.graphs[batch], str(report.choices.get(batch, "?"))
 
@@ -703,7 +702,7 @@ def _read_json(path: Path) -> list[Row]:
 
 def _write_json(path: Path, rows: Sequence[Row], argv: Sequence[str]) -> None:
     """The rows and how they were measured; `argv`: the bench's arguments, as a
-    list (scripts/gpu_queue.py counts rows only from runs of the same extra arguments)."""
+    list (dev/gpu_queue.py counts rows only from runs of the same extra arguments)."""
     meta = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

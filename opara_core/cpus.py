@@ -1,5 +1,5 @@
 """How many CPU cores this process may use. Torch-free, so that the GPU
-machine's job queue (scripts/gpu_queue.py) shares it with the engine."""
+machine's job queue (dev/gpu_queue.py) shares it with the engine."""
 
 from __future__ import annotations
 

@@ -25,9 +25,9 @@ def interpreted_worst_error(code: str, *args: str) -> float:
     return float(done.stdout.strip().splitlines()[-1])
 
 
-def load_script(name: str):
-    """scripts/<name>.py as a module, registered under its name (dataclasses look their module up)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py")
+def load_script(name: str, folder: str = "scripts"):
+    """<folder>/<name>.py (scripts/ or dev/) as a module, registered under its name (dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

@@ -1,4 +1,4 @@
-"""scripts/gpu_queue.py: jobs spread over the GPUs until a deadline, and a later
+"""dev/gpu_queue.py: jobs spread over the GPUs until a deadline, and a later
 call doing only what an earlier one left (real subprocesses; no GPU needed)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import load_script
 
-gpu_queue = load_script("gpu_queue")
+gpu_queue = load_script("gpu_queue", "dev")
 
 
 def bench_json(path, *rows):

@@ -68,10 +68,11 @@ def test_the_key_stays_out_of_the_config_repr():
 
 
 def test_the_client_sends_the_key_only_where_it_is_set():
-    assert admin_headers("http", {ADMIN_KEY_ENV: "abc"}) == {"admin-key": "abc"}
-    assert admin_headers("grpc", {ADMIN_KEY_ENV: "abc"}) == {"triton-grpc-protocol-admin-key": "abc"}
+    assert admin_headers("http", "localhost:8000", {ADMIN_KEY_ENV: "abc"}) == {"admin-key": "abc"}
+    assert admin_headers("grpc", "localhost:8001", {ADMIN_KEY_ENV: "abc"}) == {"triton-grpc-protocol-admin-key": "abc"}
     no_file = {"HOME": "/nonexistent"}  # and no key file either
-    assert admin_headers("grpc", no_file) == {} and admin_headers("http", {**no_file, ADMIN_KEY_ENV: ""}) == {}
+    assert admin_headers("grpc", "localhost:8001", no_file) == {}
+    assert admin_headers("http", "localhost:8000", {**no_file, ADMIN_KEY_ENV: ""}) == {}
 
 
 # --- the running server -----------------------------------------------------------------

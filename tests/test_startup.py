@@ -13,7 +13,7 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from opara_core.serving.startup import NO_GPU_NOTE, READY, StartupLog, ready_line
+from opara_core.serving.startup import MODEL_LINE, NO_GPU_NOTE, READY, StartupLog, model_log_format, ready_line
 
 TRITON_CPU_START = [
     'W1123 06:28:41.613813 6863 pinned_memory_manager.cc:273] "Unable to allocate pinned system memory, pinned memory '
@@ -111,3 +111,58 @@ def test_the_ready_line_reads_back(model, device, seconds, built, details):
     assert match is not None
     assert (match["model"], match["device"], match["built"]) == (model, device, built)
     assert float(match["seconds"]) == round(seconds, 1) or abs(float(match["seconds"]) - seconds) <= 0.05
+
+
+def test_with_a_full_log_the_terminal_gets_what_a_person_reads_and_the_file_everything():
+    terminal, whole = io.StringIO(), io.StringIO()
+    log = StartupLog(terminal, ["bert", "deepfm"], hide_no_gpu_noise=True, full_log=whole)
+    warning = "WARNING [deepfm] opara_core.engine.build: multi-stream graph failed, falling back to a sequential graph: x"
+    chatter = "INFO [deepfm] opara_core.engine.build: bucket 1: capturing and timing 6 candidates"
+    for line in [*TRITON_CPU_START, chatter, warning, DEEPFM_READY, DEEPFM_LOADED, BERT_FAILED]:
+        log.feed(line + "\n")
+    log.announce_ready("HTTP http://127.0.0.1:8000")
+    shown, kept = terminal.getvalue().splitlines(), whole.getvalue().splitlines()
+    assert chatter not in shown and TRITON_CPU_START[3] not in shown and DEEPFM_LOADED not in shown
+    assert warning in shown and BERT_FAILED in shown  # warnings and errors reach the terminal
+    assert [line.split(":")[0] for line in shown if line.startswith(("loaded", "failed"))] == ["loaded 1/2", "failed to load 2/2"]
+    assert shown[-1].startswith("ready after ")
+    for line in [*TRITON_CPU_START, chatter, warning, DEEPFM_LOADED, BERT_FAILED, shown[-1]]:
+        assert line in kept  # the file has every line, the launcher's own too
+
+
+def test_a_pending_model_is_named_with_what_it_last_said():
+    log = StartupLog(io.StringIO(), ["bert", "deepfm", "nasnet"], hide_no_gpu_noise=True)
+    log.feed('I1123 06:28:41.629791 6863 model_lifecycle.cc:472] "loading: nasnet:1"\n')
+    log.feed("INFO [bert] opara_core.engine.build: profiling the kernels of a graph of 312 ops\n")
+    log.feed(DEEPFM_READY.replace("INFO ", "INFO [deepfm] ") + "\n")
+    log.feed(DEEPFM_LOADED + "\n")
+    pending = log.pending()
+    assert [p.split(":")[0] for p in pending] == ["bert", "nasnet"]
+    assert re.fullmatch(r"bert: profiling the kernels of a graph of 312 ops \(\d+ s ago\)", pending[0])
+    assert re.fullmatch(r"nasnet: loading \(\d+ s ago\)", pending[1])
+    out = io.StringIO()
+    log.out = out
+    log.announce_waiting()
+    assert re.fullmatch(r"still loading after \d+ s \(1 of 3 loaded\): bert: profiling .*; nasnet: loading \(\d+ s ago\)\n", out.getvalue())
+
+
+def test_a_model_not_started_yet_is_queued_and_nothing_is_said_once_all_are_in():
+    log = StartupLog(io.StringIO(), ["deepfm", "t5"], hide_no_gpu_noise=True)
+    assert log.pending()[1].startswith("t5: queued")
+    log.feed(DEEPFM_LOADED + "\n")
+    log.feed(BERT_FAILED.replace("'bert'", "'t5'") + "\n")
+    assert log.pending() == []
+    out = io.StringIO()
+    log.out = out
+    log.announce_waiting()
+    assert out.getvalue() == ""
+
+
+@given(model=st.from_regex(r"[A-Za-z0-9_.-]{1,20}", fullmatch=True), message=text)
+def test_a_model_line_reads_back(model, message):
+    import logging
+
+    record = logging.LogRecord("opara_core.engine.build", logging.INFO, __file__, 1, message, None, None)
+    line = logging.Formatter(model_log_format(model)).format(record)
+    match = MODEL_LINE.match(line)
+    assert match is not None and match["model"] == model and match["message"] == message

@@ -10,7 +10,6 @@ import json
 
 import pytest
 import torch
-from conftest import load_script
 from serving import assert_close
 
 from opara_core.engine import whole_model
@@ -138,12 +137,3 @@ def test_a_package_that_kills_its_loader_is_refused_and_not_kept(tmp_path, monke
     with pytest.raises(whole_model.PackageLoadError, match="killed by SIGSEGV"):
         WholeModelAOT(TinyAttention().eval(), inputs(3, 7), DIMS, tmp_path)
     assert list(tmp_path.iterdir()) == []
-
-
-def test_the_package_script_refuses_a_model_without_variable_lengths(monkeypatch, capsys, tmp_path):
-    script = load_script("aot_package")
-    monkeypatch.setattr("sys.argv", ["aot_package.py", "--models", "bert,googlenet", "--cache", str(tmp_path)])
-    with pytest.raises(SystemExit) as stopped:
-        script.main()
-    assert stopped.value.code == 2 and "not variable-length zoo models: ['googlenet']" in capsys.readouterr().err
-    assert list(tmp_path.iterdir()) == []  # refused before anything was built

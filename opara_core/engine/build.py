@@ -328,6 +328,7 @@ def _build_on_gpu(
                 fused = {b for b, c in report.choices.items() if isinstance(c, Candidate) and c.fused}
                 tolerances = {b: settings.fused_tolerance if b in fused else settings.guard_tolerance for b in report.choices}
                 guard_start = time.perf_counter()
+                log.info("checking the %s of %d buckets against eager", kind, len(references))
                 check_against_eager(runner, references, entry, tolerances)
                 report.seconds["guard"] = time.perf_counter() - guard_start
         except (CaptureError, GuardError, RuntimeError) as error:
@@ -431,6 +432,7 @@ def capture_fastest(
             if known and bucket in known:
                 continue
             static_in = static_inputs(entry, bucket, device)
+            log.info("bucket %d: capturing and timing %d candidates", bucket, len(sequential) + len(shortlist))
             timings: dict[Candidate, float] = {}
             failures = []
             seconds = {"capture": 0.0, "timing": 0.0}
@@ -466,6 +468,7 @@ def capture_fastest(
 def trace_for_build(module, entry: zoo.ZooModel, device: torch.device, report: BuildReport) -> OpGraph | None:
     """The model traced (through the trace cache); None, with the reason in the report, if tracing fails."""
     start = time.perf_counter()
+    log.info("tracing the module")
     try:
         graph = trace_zoo(entry, module, device, cache=trace_cache.cache_dir())
     except Exception as error:  # noqa: BLE001 - any tracing failure falls back
@@ -501,6 +504,7 @@ def traced_graphs(
     checks = [tuple(t.to(device) for t in entry.example_inputs(b, seed=7)) for b in buckets]
     if settings.fusion and layouts:
         start = time.perf_counter()
+        log.info("fusing the traced graph (%d ops)", len(graph.dag.nodes))
         try:
             graph, report.fusion = fuse_graph(graph, device, check_inputs=checks, cache=fusion_checks_dir())
         except Exception as error:  # noqa: BLE001 - the unfused graph is still right
@@ -545,10 +549,8 @@ def _fused_lanes_graphs(
     start = time.perf_counter()
     made = {"inductor": fuse_graph(traced, device, passes=INDUCTOR_PASSES, check_inputs=checks, cache=fusion_checks_dir())[0]}
     if has_convs and "inductor-cudnn" in wanted_names:
-        # passes left out of INDUCTOR_PASSES (scripts/pass_ab.py edits the lists) mean no chaining
-        chained = set(INDUCTOR_PASSES) <= set(INDUCTOR_CUDNN_PASSES)
-        base, wanted = (made["inductor"], [p for p in INDUCTOR_CUDNN_PASSES if p not in INDUCTOR_PASSES]) if chained else (traced, INDUCTOR_CUDNN_PASSES)
-        cudnn, fusion = fuse_graph(base, device, passes=wanted, check_inputs=checks, cache=fusion_checks_dir())
+        wanted = [p for p in INDUCTOR_CUDNN_PASSES if p not in INDUCTOR_PASSES]
+        cudnn, fusion = fuse_graph(made["inductor"], device, passes=wanted, check_inputs=checks, cache=fusion_checks_dir())
         if fusion.rewrites.get("conv_relu") or fusion.rewrites.get("conv_add_relu"):  # else the same graph as `inductor`
             made["inductor-cudnn"] = cudnn
     report.seconds["fusion"] = report.seconds.get("fusion", 0.0) + time.perf_counter() - start  # every graph's fusion is the build's
@@ -560,6 +562,7 @@ def profiled(graph: OpGraph, inputs: Sequence[torch.Tensor], device: torch.devic
     cached on disk), for the plans' costs and Alg. 2's resource demand; the
     graph as it was (static estimates) if profiling fails."""
     start = time.perf_counter()
+    log.info("profiling the kernels of a graph of %d ops", len(graph.dag.nodes))
     try:
         measured = apply_profile(graph, profile_graph(graph, inputs, device))
     except Exception as error:  # noqa: BLE001 - static estimates still plan correctly
@@ -604,6 +607,7 @@ def _prepare_fused(captures: Mapping[Candidate, PlanCapture], entry: zoo.ZooMode
     if not runs:
         return CompileCount()
     start = time.perf_counter()
+    log.info("fused lanes: loading or compiling the segments of %d captures (Inductor; minutes on a cold cache)", len(runs))
     try:
         with torch.inference_mode():
             count = prepare_captures(runs)

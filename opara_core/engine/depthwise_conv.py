@@ -17,8 +17,8 @@ planning of each shape in every process is what a warm build waits for.
 
 `depthwise_conv2d` runs one tile configuration; `time_shape` times cuDNN (its
 heuristics, as fused lanes capture) against every candidate at one shape, after
-checking each candidate's answer against a float64 convolution;
-`scripts/depthwise_conv.py` sweeps NASNet's shapes with it. `depthwise_conv` runs
+checking each candidate's answer against a float64 convolution (the probe
+scripts/depthwise_conv.py, since removed, swept NASNet's shapes with it). `depthwise_conv` runs
 whichever `best_of` picked from its first call's timings at that shape (engine.shape_choices),
 and `depthwise_conv_op` is it as a custom op for Inductor's graphs
 (fusion.depthwise_convs puts it there, in the fused-lanes graphs: build.INDUCTOR_PASSES).

@@ -574,7 +574,7 @@ def single_column_linears(gm: GraphModule) -> int:
     product and a row sum, for Inductor to generate and fuse with its neighbours.
 
     As a GEMM it is a library call: on an H100 cuBLAS took 10.7 us for DeepFM's
-    400 -> 1 at batch 1 (`scripts/skinny_gemm.py`, 2026-11-26), a seventh of
+    400 -> 1 at batch 1 (the probe `scripts/skinny_gemm.py`, since removed, 2026-11-26), a seventh of
     the model's whole graph; as a reduction it joins the kernel that makes `x`
     or the one that reads the result. Returns the number of layers rewritten.
     """

@@ -236,7 +236,7 @@ class PackedInputs:
     `VarLenRunners.run` began, against 170 with each input padded into a tensor
     of its own and sent by `GraphRunner.run` (staging, one transfer per input),
     and a copy outside the graph cost 59 us on the host after 1 ms of idle GPU
-    (H100, 2026-11-27, scripts/varlen_host_profile.py; docs/benchmarks.md,
+    (H100, 2026-11-27, the probe scripts/varlen_host_profile.py, since removed; docs/benchmarks.md,
     variable lengths run 9). The inputs must share a dtype (`fits`)."""
 
     def __init__(self, specs: Sequence[TensorSpec], rows: int, device: torch.device):

@@ -410,7 +410,7 @@ def load_saved(path: Path) -> Callable[..., Any]:
     Inductor cache, the cache holds every entry the file carries, and the code
     is looked up there directly; `CompiledArtifact.load` first writes all of
     them again (`load_cache_artifacts`): 14.1 against 8.9 ms per artifact, on
-    NASNet-like cells on an H200 (scripts/artifact_load_probe.py, docs/benchmarks.md
+    NASNet-like cells on an H200 (the probe scripts/artifact_load_probe.py, since removed; docs/benchmarks.md
     run 35), and NASNet's warm build loads 451 (its loads in run 36 were no faster,
     14-19 ms each on slower machine instances: most of a load is Inductor's own
     lookup and the first load's imports there). Where the lookup finds nothing

@@ -7,7 +7,7 @@ Why: at fp32 SDPA runs the memory-efficient CUTLASS kernel, which costs about
 its 588 us; docs/benchmarks.md, variable lengths run 9). A program per (batch,
 head) that holds the whole problem in registers (`short_attention_kernels`)
 takes 3.3 us at 16 tokens and 5.0 at 32, but 15.7 at 64 against the efficient
-kernel's 10.1 (`scripts/short_attention.py`, H100, 2026-11-27): so up to
+kernel's 10.1 (the probe `scripts/short_attention.py`, since removed, H100, 2026-11-27): so up to
 MAX_TOKENS queries and keys.
 
 The op decides per call, so one graph with dynamic sizes serves every cell:

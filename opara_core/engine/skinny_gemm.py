@@ -10,7 +10,7 @@ well as N puts every SM to work; the partial sums are added in a fixed order
 by a second kernel, so results do not vary from run to run. Products and sums
 stay fp32 ("ieee": no TF32). The kernel reads the weight stored transposed,
 [K, N]: with the weight as nn.Linear stores it, it was no faster than cuBLAS
-(scripts/skinny_gemm.py, H100, 2026-11-26).
+(the probe scripts/skinny_gemm.py, since removed, H100, 2026-11-26).
 
 Above MAX_ROWS the GEMMs fill the GPU and cuBLAS's fp32 kernels are compute
 bound without tensor cores (BERT and T5 at batch 8 and 32: 89-96% of
@@ -100,7 +100,7 @@ class SkinnyConfig:
 
 # the configurations timed at each shape (a cold build compiles each once per tile
 # height): around the winners of sweeps of 50-90 per shape over BERT's and T5's
-# shapes at 16-32 rows (scripts/skinny_gemm.py, H100, 2026-11-26)
+# shapes at 16-32 rows (the probe scripts/skinny_gemm.py, since removed, H100, 2026-11-26)
 CANDIDATES: tuple[SkinnyConfig, ...] = (
     *(SkinnyConfig(n, 64, s) for n in (16, 32, 64) for s in (1, 2, 4, 8)),
     SkinnyConfig(32, 64, 4, num_warps=2),
@@ -111,7 +111,7 @@ CANDIDATES: tuple[SkinnyConfig, ...] = (
 # above MAX_ROWS: tensor-core tiles, fp32 accuracy through three TF32 products, on
 # either copy of the weight; the chooser keeps one only where it beats cuBLAS (on an
 # H200 at 16 of BERT's and T5's 18 shapes at 1,024 and 4,096 rows, 1.14-1.70x,
-# docs/benchmarks.md run 24; scripts/skinny_gemm.py --large sweeps the neighbourhood)
+# docs/benchmarks.md run 24, and the removed probe scripts/skinny_gemm.py --large around them)
 LARGE_CANDIDATES: tuple[SkinnyConfig, ...] = tuple(
     SkinnyConfig(n, 32, 1, num_warps=w, num_stages=st, block_m=m, precision="tf32x3", weight_layout=layout)
     for m, n, w, st in ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (64, 64, 4, 4))

@@ -46,7 +46,7 @@ from opara_core import zoo
 from opara_core.models.gpt2 import GPT2Logits, SlotDecoder
 from opara_core.planning.iteration import ITERATION, Limits, Rejected, Scheduler, Sequence
 from opara_core.serving import weights
-from opara_core.serving.startup import ready_line
+from opara_core.serving.startup import model_log_format, ready_line
 from opara_core.serving.triton_backend import StageClock, input_tensor, parameters, select_device
 
 log = logging.getLogger(__name__)
@@ -682,7 +682,7 @@ class GenerationModel:
         import triton_python_backend_utils as pb_utils
 
         started = time.monotonic()
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=logging.INFO, format=model_log_format(args["model_name"]))
         config = json.loads(args["model_config"])
         name = args["model_name"]
         try:

@@ -9,8 +9,8 @@ through here, so what the tests start is what a user starts.
 
 Safe defaults: every endpoint binds 127.0.0.1, model control is `none`, and
 the model-repository, shared-memory, logging and trace APIs need the key in
-OPARA_ADMIN_KEY (`serve` without it: a new random key per start, written 0600
-to the key file of `admin_key`, where the project's client reads it; the
+OPARA_ADMIN_KEY (`serve` without it: a new random key per server, written 0600
+to that server's key files (`admin_key`), where the project's client reads it; the
 container without it: a random key nobody knows, so those APIs are closed).
 
 The public HTTP port is served by the HTTP guard (`http_guard`), which checks
@@ -52,8 +52,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from opara_core.serving.admin_key import ADMIN_KEY_ENV, write_admin_key
-from opara_core.serving.startup import StartupLog
+import psutil
+
+from opara_core.serving.admin_key import ADMIN_KEY_ENV, remove_admin_key, write_admin_key
+from opara_core.serving.startup import StartupHandler, StartupLog
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,16 @@ LOOPBACK = "127.0.0.1"
 ADMIN_HEADER = "admin-key"
 RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
 _ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]{16,}")
+
+# A start has no deadline while it makes progress (TritonServer.wait_ready);
+# this many seconds with no output and no CPU time in the model processes is a
+# stall (a hung build, a deadlock). A cold build's quiet steps (Inductor
+# compiling NASNet's segments prints nothing for minutes) keep their processes
+# busy, so they count as progress whatever this is.
+START_STALL_ENV = "OPARA_START_STALL_S"
+DEFAULT_START_STALL_S = 300.0
+PROGRESS_CPU_S = 1.0  # CPU time below this over a wait is the stubs' idle housekeeping, not work
+WAITING_NOTE_S = 30.0  # how often a start that is still loading says what each model does
 
 
 def pytriton_root() -> Path:
@@ -174,6 +186,10 @@ class ServerConfig:
     extra_args: tuple[str, ...] = ()
     # the key for the restricted APIs; None: a random one per start, so nobody has it
     admin_key: str | None = field(default_factory=lambda: os.environ.get(ADMIN_KEY_ENV) or None, repr=False)
+    # the key is in this server's key files (with_admin_key), removed when it stops
+    key_files: bool = False
+    # seconds without progress after which a start is given up (START_STALL_ENV)
+    start_stall_s: float = DEFAULT_START_STALL_S
 
     def __post_init__(self) -> None:
         passthrough_flags(self.extra_args)  # a flag the launcher owns is refused here, before anything starts
@@ -182,18 +198,26 @@ class ServerConfig:
                 f"{ADMIN_KEY_ENV} must be at least 16 characters from A-Z a-z 0-9 . _ ~ + / - "
                 "(e.g. the output of `openssl rand -hex 32`)"
             )
+        if not self.start_stall_s > 0:
+            raise ValueError(f"{START_STALL_ENV} must be a positive number of seconds, got {self.start_stall_s}")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "ServerConfig":
         """Ports from HTTP_PORT, GRPC_PORT and METRICS_PORT (defaults 8000-8002),
-        the admin key from OPARA_ADMIN_KEY, more tritonserver flags from
-        TRITON_ARGS (split as a shell would), before any `extra_args` given."""
+        the admin key from OPARA_ADMIN_KEY, the stall limit of a start from
+        OPARA_START_STALL_S, more tritonserver flags from TRITON_ARGS (split
+        as a shell would), before any `extra_args` given."""
         env = os.environ if env is None else env
-        ports = {}
+        values: dict = {}
+        if env.get(START_STALL_ENV):
+            try:
+                values["start_stall_s"] = float(env[START_STALL_ENV])
+            except ValueError:
+                raise ValueError(f"{START_STALL_ENV} must be a number of seconds, got {env[START_STALL_ENV]!r}") from None
         for key, var in (("http_port", "HTTP_PORT"), ("grpc_port", "GRPC_PORT"), ("metrics_port", "METRICS_PORT")):
             if env.get(var):
                 try:
-                    ports[key] = int(env[var])
+                    values[key] = int(env[var])
                 except ValueError:
                     raise ValueError(f"{var} must be a port number, got {env[var]!r}") from None
         try:
@@ -201,7 +225,7 @@ class ServerConfig:
         except ValueError as error:
             raise ValueError(f"{TRITON_ARGS_ENV}: {error}") from None
         extra += tuple(overrides.pop("extra_args", ()))
-        return cls(**{**ports, "admin_key": env.get(ADMIN_KEY_ENV) or None, "extra_args": extra, **overrides})
+        return cls(**{**values, "admin_key": env.get(ADMIN_KEY_ENV) or None, "extra_args": extra, **overrides})
 
 
 def shm_prefix(config: ServerConfig) -> str:
@@ -455,7 +479,11 @@ class TritonServer:
             self.record_restart(None)
             guard = [sys.executable, "-m", "opara_core.serving.http_guard", f"--listen={self.http_url}",
                      f"--upstream={self.upstream[0]}:{self.upstream[1]}", f"--status-file={self.status_file}"]  # fmt: skip
-            self.guard = self._spawn(guard)
+            if self.log_path is None and self.startup is not None:
+                self.guard = self._spawn(guard, subprocess.PIPE)
+                threading.Thread(target=self._read_output, args=(self.guard.stdout, False), daemon=True).start()
+            else:
+                self.guard = self._spawn(guard)
             log.info("started the HTTP guard pid %d on %s", self.guard.pid, self.http_url)
         self._log_start = self.log_path.stat().st_size if self.log_path is not None and self.log_path.exists() else 0
         if self.log_path is None and self.startup is not None:
@@ -467,12 +495,12 @@ class TritonServer:
         log.info("started tritonserver pid %d (%s)", self.process.pid, self.config.server_id)
         return self
 
-    def _read_output(self, stream) -> None:
-        """tritonserver's output (its stubs' too) into the startup log, until
-        the last of them exits."""
+    def _read_output(self, stream, progress: bool = True) -> None:
+        """tritonserver's output (its stubs' too; `progress` False: the
+        guard's) into the startup log, until the last of them exits."""
         with stream:
             for raw in stream:
-                self.startup.feed(raw.decode(errors="replace"))
+                self.startup.feed(raw.decode(errors="replace"), progress)
 
     def announce_ready(self) -> None:
         """One line for a server that now answers: how long it took, its models, its URLs."""
@@ -563,9 +591,17 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return True  # no answer: not a sign of an unload
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait until the server answers as itself. No deadline while it makes
+        progress: a cold GPU build of a large model takes minutes, and
+        tritonserver opens no port before every model is loaded. Progress is
+        new output or CPU time spent by the model processes (the backend stubs
+        and the compile workers they start); `config.start_stall_s` seconds
+        without either is a stall, which names the models still loading and
+        what each last said. `timeout_s`: an overall limit besides (tests)."""
+        started = last_progress = last_note = time.monotonic()
+        marker = self._progress_marker()
+        while True:
             if self.process is None or self.process.poll() is not None:
                 raise ServerError(f"tritonserver exited early (code {self.returncode}):\n{self.log_tail()}")
             if self.guard is not None and self.guard.poll() is not None:
@@ -573,8 +609,39 @@ class TritonServer:
             if self._answers_as_self():
                 self.stubs()  # remembered, so that `stop` can end any a killed server leaves behind
                 return
+            now = time.monotonic()
+            if timeout_s is not None and now - started > timeout_s:
+                raise ServerError(f"tritonserver not ready after {timeout_s:.0f} s{self._loading()}:\n{self.log_tail()}")
+            seen = self._progress_marker()
+            if seen[0] != marker[0] or abs(seen[1] - marker[1]) >= PROGRESS_CPU_S:
+                marker, last_progress = seen, now
+            elif now - last_progress > self.config.start_stall_s:
+                raise ServerError(
+                    f"tritonserver made no progress for {now - last_progress:.0f} s (no output, and its model processes "
+                    f"spent no CPU time){self._loading()}; if a model needs longer, raise {START_STALL_ENV} "
+                    f"(now {self.config.start_stall_s:.0f} s):\n{self.log_tail()}"
+                )
+            if self.startup is not None and now - last_note >= WAITING_NOTE_S:
+                self.startup.announce_waiting()
+                last_note = now
             time.sleep(0.25)
-        raise ServerError(f"tritonserver not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def _progress_marker(self) -> tuple[float, float]:
+        """(when output last came, CPU seconds of the model processes): either
+        moving is progress."""
+        if self.startup is not None:
+            output = self.startup.last_output
+        else:
+            try:
+                output = float(self.log_path.stat().st_size) if self.log_path is not None else 0.0
+            except OSError:
+                output = 0.0
+        return output, models_cpu_seconds(self.process.pid) if self.process is not None else 0.0
+
+    def _loading(self) -> str:
+        """`; still loading: nasnet: profiling (290 s ago); t5: queued`, where the startup log knows."""
+        pending = self.startup.pending() if self.startup is not None else []
+        return f"; still loading: {'; '.join(pending)}" if pending else ""
 
     def _answers_as_self(self) -> bool:
         base = f"http://{self.http_url}"
@@ -641,7 +708,8 @@ class TritonServer:
 
     def log_tail(self, lines: int = 60) -> str:
         if self.log_path is None:
-            return "(the log is on the terminal)"
+            full = self.startup.full_log if self.startup is not None else None
+            return f"(the whole log: {full.name})" if full is not None else "(the log is on the terminal)"
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
@@ -658,6 +726,22 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def models_cpu_seconds(server_pid: int) -> float:
+    """CPU seconds spent so far by the processes tritonserver started (its
+    models' backend stubs) and theirs (e.g. Inductor's compile workers),
+    finished children included; 0 where the server is gone."""
+    try:
+        children = psutil.Process(server_pid).children(recursive=True)
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for child in children:
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
+            times = child.cpu_times()
+            total += times.user + times.system + times.children_user + times.children_system
+    return total
 
 
 def alive(pid: int) -> bool:
@@ -827,35 +911,49 @@ def supervise(
 
 
 def with_admin_key(config: ServerConfig, env: dict[str, str] | None = None) -> tuple[ServerConfig, str]:
-    """`make serve`'s admin key: OPARA_ADMIN_KEY, else a new random key written
-    (mode 0600) to the key file, where the project's client finds it. Returns
-    the config with its key and a line that says where the key is."""
+    """`make serve`'s admin key: OPARA_ADMIN_KEY, else a new random key for
+    this server, written (mode 0600) to the key files of its HTTP and gRPC
+    ports, where the project's client finds it (admin_key). Returns the config
+    with its key and a line that says where the key is."""
     if config.admin_key:
         return config, f"admin key: from {ADMIN_KEY_ENV}"
     key = secrets.token_urlsafe(32)
-    path = write_admin_key(key, env)
-    return replace(config, admin_key=key), (
-        f"admin key: new for this start, in {path} (mode 0600; the client reads it there; set {ADMIN_KEY_ENV} to choose one)"
+    paths = write_admin_key(key, server_ports(config), env)
+    return replace(config, admin_key=key, key_files=True), (
+        f"admin key: new for this server, in {' and '.join(map(str, paths))} (mode 0600; the client reads the one "
+        f"of the port it talks to; set {ADMIN_KEY_ENV} to choose one)"
     )
+
+
+def server_ports(config: ServerConfig) -> tuple[int, int]:
+    """The ports a client names: HTTP and gRPC."""
+    return config.http_port, config.grpc_port
 
 
 def serve(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR, image: bool = False) -> int:
     """Run tritonserver (`image`: the container's own) and the HTTP guard in
-    the foreground, their logs on this terminal, under `supervise`. SIGINT
-    and SIGTERM stop both: requests in flight finish, Triton unloads; the
-    parent-death signal covers a killed `make`."""
+    the foreground under `supervise`. `make serve`'s terminal gets the lines a
+    person reads (a line per model, progress while loading, warnings and
+    errors, the ready line) and the whole output goes to a log file; verbose,
+    or in the container (whose log collector wants everything), the whole
+    output goes to the terminal. SIGINT and SIGTERM stop both: requests in
+    flight finish, Triton unloads; the parent-death signal covers a killed `make`."""
     verbose = config.log_verbose > 0 or "--log-verbose" in dict(passthrough_flags(config.extra_args))
     models = expected_models(config)
-    startup = StartupLog(sys.stdout, models, hide_no_gpu_noise=not verbose and not gpu_present())
+    full_log = None if verbose or image else open_server_log(workdir, config)
+    startup = StartupLog(sys.stdout, models, hide_no_gpu_noise=not verbose and not gpu_present(), full_log=full_log)
     server = TritonServer(config, log_path=None, workdir=workdir, image=image, startup=startup)
     behind = f" (guarded; tritonserver's own HTTP on {server.upstream[0]}:{server.upstream[1]})" if config.guard else ""
     loading = f"{len(models)} model{'s' * (len(models) != 1)} ({', '.join(models)})" if models is not None else "models"
     print(
         f"tritonserver: HTTP {config.address}:{config.http_port}{behind}, gRPC {config.address}:{config.grpc_port}, "
         f"metrics {config.address}:{config.metrics_port}; loading {loading} from {config.model_repository}"
-        + (f"; extra flags: {shlex.join(config.extra_args)}" if config.extra_args else ""),
+        + (f"; extra flags: {shlex.join(config.extra_args)}" if config.extra_args else "")
+        + (f"; full log: {full_log.name}" if full_log is not None else ""),
         flush=True,
     )
+    if full_log is not None:  # the launcher's own lines are sorted like the server's
+        logging.getLogger().handlers = [StartupHandler(startup)]
     _die_with_parent()
     stop = threading.Event()
 
@@ -865,10 +963,24 @@ def serve(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR, image: bool = F
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
-    return supervise(server, stop)
+    try:
+        return supervise(server, stop)
+    finally:
+        if config.key_files:
+            remove_admin_key(config.admin_key, server_ports(config))
+        if full_log is not None:
+            full_log.close()
 
 
-def warm(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR, timeout_s: float = 1800.0) -> int:
+def open_server_log(workdir: Path, config: ServerConfig):
+    """The file that keeps a server's whole output: `<workdir>/logs/server-<HTTP
+    port>.log`, begun anew by each launcher (a restart of its server appends)."""
+    path = Path(workdir) / "logs" / f"server-{config.http_port}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "w", encoding="utf-8", errors="replace")
+
+
+def warm(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR) -> int:
     """Load every model of the repository once, as `serve` does, then stop.
 
     The builds fill the on-disk caches (Inductor's compiled code for fused
@@ -876,25 +988,33 @@ def warm(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR, timeout_s: float
     weights; every shape of a variable-length model, whatever its `capture`),
     so the next start of the same models on the same GPU and software builds
     from them: run it when building a container image, with the cache
-    directory inside the image.
-    Exit code 1 if a model failed to load or the server never became ready."""
+    directory inside the image. No deadline while the builds make progress
+    (TritonServer.wait_ready). Exit code 1 if a model failed to load or the
+    server never became ready."""
     models = expected_models(config)
-    startup = StartupLog(sys.stdout, models, hide_no_gpu_noise=not gpu_present())
+    full_log = open_server_log(workdir, config)
+    startup = StartupLog(sys.stdout, models, hide_no_gpu_noise=not gpu_present(), full_log=full_log)
     # variable-length models build every shape (serving.varlen.CAPTURE_ENV), not only those
     # their `capture` "first_use" would build at load, so that later starts find all of them
     # (unless the caller chose otherwise, e.g. to time a first-use start)
     os.environ.setdefault("OPARA_CAPTURE", "load")
     server = TritonServer(config, log_path=None, workdir=workdir, startup=startup)
-    print(f"warming: loading {', '.join(models) if models else 'the models'} from {config.model_repository}, then stopping", flush=True)
+    logging.getLogger().handlers = [StartupHandler(startup)]
+    print(
+        f"warming: loading {', '.join(models) if models else 'the models'} from {config.model_repository}, then stopping; "
+        f"full log: {full_log.name}",
+        flush=True,
+    )
     _die_with_parent()
     problem = None
     try:
-        server.start().wait_ready(timeout_s)
+        server.start().wait_ready()
         startup.announce_ready("stopping")
     except ServerError as error:
         problem = str(error)
     finally:
         server.stop()
+        full_log.close()
     if startup.failed:  # why: in its `failed to load` line above
         problem = f"failed to load: {', '.join(startup.failed)} (the reason is in its line above)"
     if problem:
@@ -915,7 +1035,6 @@ def main(argv: list[str] | None = None) -> int:
     warming = sub.add_parser("warm", help="load every model once and stop: fills the build caches (e.g. for a container image)")
     warming.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     warming.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
-    warming.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for every model (default 1800)")
     container = sub.add_parser(
         "container",
         help="run the image's own tritonserver with the safe flags, behind the HTTP guard, supervised (the "
@@ -940,9 +1059,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.model_repository.is_dir():
             raise ValueError(f"model repository {args.model_repository} is not a directory")
         if args.command == "warm":  # free ports: a running server is no obstacle
-            ports = dict(zip(("http_port", "grpc_port", "metrics_port"), free_ports(3)))
-            config = ServerConfig(model_repository=args.model_repository, guard=False, **ports)
-            return warm(config, args.workdir, args.timeout)
+            ports = dict(zip(("HTTP_PORT", "GRPC_PORT", "METRICS_PORT"), map(str, free_ports(3))))
+            config = ServerConfig.from_env({**os.environ, **ports}, model_repository=args.model_repository, guard=False)
+            return warm(config, args.workdir)
         if args.command == "container":
             config = ServerConfig.from_env(
                 model_repository=args.model_repository, log_verbose=args.log_verbose, address="0.0.0.0", extra_args=extra

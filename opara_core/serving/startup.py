@@ -1,23 +1,30 @@
 """What a starting server says, in one place: the line each model logs when
-it is ready, and the launcher's reading of tritonserver's output into
-progress lines.
+it is ready, the format of a model's own log lines, and the launcher's
+reading of tritonserver's output into progress lines.
 
 tritonserver loads every model before it opens any port, so while it starts
 there is nothing to poll: its output is the only source. The launcher feeds
-each line to `StartupLog`, which passes it on and adds its own lines:
+each line to `StartupLog`, which keeps the whole output (a log file, or the
+terminal when verbose) and writes the lines a person reads:
 
     loaded 3/8: bert (multi-stream graph, 6 buckets on cuda:0, 8.2 s to initialize; 41 s after start)
+    still loading after 90 s (3 of 8 loaded): nasnet: profiling 312 kernels (4 s ago); t5: waiting for cuda:0 (30 s ago); gpt2: queued
     ready after 95 s: 8 of 8 models loaded; HTTP http://127.0.0.1:8000, gRPC 127.0.0.1:8001, ...
 
-The model's part comes from the line its `initialize` logs (`ready_line`),
-the rest from Triton's own `loading:` / `successfully loaded` lines. On a
-host without a GPU, Triton 2.51 prints four alarming but harmless lines about
-CUDA (`CudaDriverHelper has not been initialized`, the pinned and CUDA memory
-pools); they are replaced by one note. No torch here: the launcher imports it.
+A model's own lines carry its name (`INFO [bert] opara_core.engine.build:
+...`, `model_log_format`), so the launcher knows what each model is doing
+and can name it when a start makes no progress. The `loaded` part comes from
+the line a model logs at the end of `initialize` (`ready_line`), the rest
+from Triton's own `loading:` / `successfully loaded` lines. On a host
+without a GPU, Triton 2.51 prints four alarming but harmless lines about
+CUDA (`CudaDriverHelper has not been initialized`, the pinned and CUDA
+memory pools); they are replaced by one note. No torch here: the launcher
+imports it.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -29,8 +36,15 @@ READY = re.compile(
     r"model (?P<model>\S+) ready on (?P<device>\S+) in (?P<seconds>[\d.]+) s: (?P<built>[^|]*?)\s*(?:\| (?P<details>.*))?$"
 )
 # Triton's lines (2.51 quotes its messages; older releases did not)
+LOADING = re.compile(r"loading: (?P<model>[^:\s\"]+):\d+")
 LOADED = re.compile(r"successfully loaded '(?P<model>[^']+)'")
 FAILED = re.compile(r"failed to load '(?P<model>[^']+)'(?: version \d+)?: (?P<why>.*?)\"?$")
+# A line of a model's own (model_log_format): level, [model], logger, message
+MODEL_LINE = re.compile(r"^(?P<level>[A-Z]+) \[(?P<model>[^\]\s]+)\] (?P<logger>\S+): (?P<message>.*)$")
+# Lines only the full log keeps when the terminal gets the short version:
+# Triton's informational lines (glog `I<date>`) and Python's INFO and DEBUG.
+# Triton's status tables (`+----+`, `| bert | 1 | READY |`) too: the loaded and failed lines say the same.
+CHATTER = re.compile(r"^I\d{4} |^(?:INFO|DEBUG) |^[+|]")
 
 # Triton 2.51 on a host without a GPU (or without a driver): nothing is wrong,
 # the CUDA pools are simply off and requests use ordinary host memory.
@@ -54,17 +68,25 @@ def ready_line(model: str, device: str, seconds: float, built: str, details: Seq
     return line + (" | " + "; ".join(details) if details else "")
 
 
+def model_log_format(model: str) -> str:
+    """The logging format of a model's backend process: every line names the model."""
+    return f"%(levelname)s [{model}] %(name)s: %(message)s"
+
+
 class StartupLog:
     """Reads tritonserver's output, line by line (from the launcher's reader
-    thread), writes it to `out` with the progress lines added.
+    thread), and writes it with the progress lines added.
 
-    `expected`: the models the server will load (None: unknown, e.g. explicit
-    model control). `hide_no_gpu_noise`: replace the CUDA lines of a GPU-less
-    host by one note.
+    `out`: the terminal. `expected`: the models the server will load (None:
+    unknown, e.g. explicit model control). `hide_no_gpu_noise`: replace the
+    CUDA lines of a GPU-less host by one note. `full_log`: where every line
+    goes; with one, `out` gets only what a person reads (warnings, errors,
+    a line per model, the progress and ready lines).
     """
 
-    def __init__(self, out: TextIO, expected: Sequence[str] | None, hide_no_gpu_noise: bool):
+    def __init__(self, out: TextIO, expected: Sequence[str] | None, hide_no_gpu_noise: bool, full_log: TextIO | None = None):
         self.out = out
+        self.full_log = full_log
         self.expected = None if expected is None else sorted(expected)
         self.hide_no_gpu_noise = hide_no_gpu_noise
         self._lock = threading.Lock()
@@ -74,20 +96,32 @@ class StartupLog:
     def restart(self) -> None:
         """A new tritonserver process: counts start again."""
         with self._lock:
-            self.started = time.monotonic()
+            self.started = self.last_output = time.monotonic()
             self.built: dict[str, str] = {}  # model -> what its ready line says it built
             self.loaded: list[str] = []
             self.failed: list[str] = []
+            self.activity: dict[str, tuple[str, float]] = {}  # model -> (what it last said, when)
 
-    def feed(self, line: str) -> None:
+    def feed(self, line: str, progress: bool = True) -> None:
+        """One line of output; `progress`: it is tritonserver's (a sign of
+        progress), not the launcher's or the guard's own."""
         line = line.rstrip("\n")
+        now = time.monotonic()
         with self._lock:
+            if progress:
+                self.last_output = now
+            if self.full_log is not None:
+                self.full_log.write(line + "\n")
+                self.full_log.flush()
             if self.hide_no_gpu_noise and NO_GPU_NOISE.search(line):
                 if not self._noted:
                     self._noted = True
                     self._write(NO_GPU_NOTE)
                 return
-            self._write(line)
+            if self.full_log is None or not CHATTER.search(line):
+                self._write(line, full=False)
+            if own := MODEL_LINE.match(line):
+                self.activity[own["model"]] = (own["message"], now)
             if ready := READY.search(line):
                 seconds = float(ready["seconds"])
                 self.built[ready["model"]] = f"{ready['built']} on {ready['device']}, {seconds:.1f} s to initialize"
@@ -95,6 +129,8 @@ class StartupLog:
                 self._progress("loaded", loaded["model"], self.loaded)
             elif failed := FAILED.search(line):
                 self._progress("failed to load", failed["model"], self.failed, failed["why"])
+            elif (loading := LOADING.search(line)) and loading["model"] not in self.activity:
+                self.activity[loading["model"]] = ("loading", now)
 
     def _progress(self, verb: str, model: str, into: list[str], why: str = "") -> None:
         into.append(model)
@@ -102,6 +138,33 @@ class StartupLog:
         count = f"{done}/{len(self.expected)}" if self.expected is not None else str(done)
         what = "; ".join(p for p in (self.built.get(model, ""), why, f"{time.monotonic() - self.started:.0f} s after start") if p)
         self._write(f"{verb} {count}: {model} ({what})")
+
+    def pending(self) -> list[str]:
+        """The models not loaded (nor failed) yet, each with what it last did:
+        `nasnet: profiling 312 kernels (4 s ago)`, `gpt2: queued`."""
+        with self._lock:
+            now = time.monotonic()
+            done = {*self.loaded, *self.failed}
+            names = self.expected if self.expected is not None else sorted(self.activity)
+            described = []
+            for name in names:
+                if name in done:
+                    continue
+                if name in self.activity:
+                    what, when = self.activity[name]
+                    described.append(f"{name}: {_short(what)} ({now - when:.0f} s ago)")
+                else:
+                    described.append(f"{name}: queued (Triton loads a few models at a time)")
+            return described
+
+    def announce_waiting(self) -> None:
+        """One line for a start that is still loading: which models, doing what."""
+        pending = self.pending()
+        if not pending:
+            return
+        with self._lock:
+            total = f" of {len(self.expected)}" if self.expected is not None else ""
+            self._write(f"still loading after {time.monotonic() - self.started:.0f} s ({len(self.loaded)}{total} loaded): " + "; ".join(pending))
 
     def announce_ready(self, urls: str) -> None:
         """The one line for a server that answers: how long it took, how many
@@ -111,6 +174,33 @@ class StartupLog:
             failed = f", {len(self.failed)} failed ({', '.join(self.failed)})" if self.failed else ""
             self._write(f"ready after {time.monotonic() - self.started:.0f} s: {len(self.loaded)}{total} models loaded{failed}; {urls}")
 
-    def _write(self, text: str) -> None:
+    def _write(self, text: str, full: bool = True) -> None:
+        """`text` to the terminal, and to the full log too where it is the
+        launcher's own line (`full`: a tritonserver line is there already)."""
         self.out.write(text + "\n")
         self.out.flush()
+        if full and self.full_log is not None:
+            self.full_log.write(text + "\n")
+            self.full_log.flush()
+
+
+class StartupHandler(logging.Handler):
+    """The launcher's own log records into the startup log, sorted as
+    tritonserver's lines are (INFO to the full log only; warnings and errors
+    to the terminal too), and never counted as the server's progress."""
+
+    def __init__(self, startup: StartupLog):
+        super().__init__()
+        self.startup = startup
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.startup.feed(self.format(record), progress=False)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
+def _short(text: str, limit: int = 120) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -36,7 +36,7 @@ import torch
 from opara_core import zoo
 from opara_core.engine.build import EngineSettings, build_runner
 from opara_core.serving import weights
-from opara_core.serving.startup import ready_line
+from opara_core.serving.startup import model_log_format, ready_line
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ class OparaModel:
         import triton_python_backend_utils as pb_utils
 
         started = time.monotonic()
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=logging.INFO, format=model_log_format(args["model_name"]))
         self._pb = pb_utils
         config = json.loads(args["model_config"])
         try:
@@ -279,8 +279,10 @@ class OparaModel:
             raise pb_utils.TritonModelException(f"model {args['model_name']}: {error}") from None
         self.max_batch = max(int(config.get("max_batch_size", 0)), 1)
         # the server's models build one at a time on each GPU
-        turn = exclusive_lock(gpu_lock_path(self.device)) if self.device.type == "cuda" else contextlib.nullcontext()
+        waiting = f"waiting for {self.device}: another model on this machine is building on it"
+        turn = exclusive_lock(gpu_lock_path(self.device), waiting) if self.device.type == "cuda" else contextlib.nullcontext()
         with turn:
+            log.info("building on %s", self.device)
             self.runner, self.report = self._build(module, settings, config)
         if threads is not None:  # after the build, which may use every core (tracing, CPU fallbacks)
             torch.set_num_threads(threads)
@@ -519,8 +521,9 @@ def gpu_lock_path(device: torch.device) -> Path:
 
 
 @contextlib.contextmanager
-def exclusive_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive flock on `path` (blocking until it is free).
+def exclusive_lock(path: Path, waiting: str = "") -> Iterator[None]:
+    """Hold an exclusive flock on `path` (blocking until it is free; `waiting`
+    is logged first where it is not free at once).
 
     Model builds in one server take turns on a GPU: Triton loads models in
     parallel, one backend process each, and `auto` compares replay timings
@@ -530,7 +533,12 @@ def exclusive_lock(path: Path) -> Iterator[None]:
     """
     descriptor = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)  # read-only: another user's file works too
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                log.info("%s", waiting)
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
         yield
     finally:
         os.close(descriptor)  # releases the lock

@@ -3,9 +3,9 @@ machine taking the next job when its last one ends, until a deadline. A job the
 deadline cuts runs again in the next call and does only what is left, so a
 table too large for one call (seven models at three batch sizes) fills up over
 several. (Engine runs 12-15 in docs/benchmarks.md used the `benchgrid` step
-of scripts/gpu_checks.sh, which this replaced.)
+of dev/gpu_checks.sh, which this replaced.)
 
-    python3 scripts/gpu_queue.py --limit 565 --done done/ JOB [JOB ...]
+    python3 dev/gpu_queue.py --limit 565 --done done/ JOB [JOB ...]
 
 JOB is one of
   bench:MODEL[:BATCHES[:COLUMNS[:ARGS]]]
@@ -20,8 +20,6 @@ JOB is one of
                                    'bench:resnet50:1:compile max-autotune:--compile-autotune resnet50';
                                    rows count only from runs with the same ARGS, and a --cache-dir
                                    among them is the job's cache folder instead of CACHE/MODEL
-  profile:MODELS:BATCHES           scripts/kernel_profile.py (compile's replay against auto's; its chrome
-                                   traces stay in /tmp/gpu_queue_traces: too large to return)
   tests:ARG[,ARG...]               pytest over those arguments (files, node ids, `--deselect`
                                    NODE: a heavy test can run as a job of its own), the tests
                                    marked gpu among them
@@ -151,13 +149,10 @@ def job_for(spec: str, out: Path, done: Path, cache: Path) -> Job:
         if not name or not command or re.search(r"[^\w.-]", name):
             raise ValueError(f"job {spec!r}: run:NAME=COMMAND, NAME of letters, digits, '_', '.', '-'")
         command = command.replace("{out}", str(out))
-    elif kind == "profile":
-        models, _, batches = rest.partition(":")
-        command = f"python3 scripts/kernel_profile.py --models {models} --batch {batches or 1} --json {out / name}.json --traces /tmp/gpu_queue_traces"
     elif kind == "tests":
         command = f"python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --durations=10 {' '.join(map(shlex.quote, rest.split(',')))}"
     else:
-        raise ValueError(f"job {spec!r}: bench:, profile:, tests: or run:")
+        raise ValueError(f"job {spec!r}: bench:, tests: or run:")
     return Job(spec, name, None if (done / f"{name}.done").exists() else command)
 
 

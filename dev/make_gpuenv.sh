@@ -44,7 +44,7 @@ XZ_OPT=-9 tar -C "$tmp/unpacked" --exclude='*.cpp' --exclude='*.pyx' --exclude='
 rm -rf "$tmp"
 
 cat >"$out/setup_env.sh" <<'EOF'
-# source me on the GPU machine, in the repository root (made by scripts/make_gpuenv.sh)
+# source me on the GPU machine, in the repository root (made by dev/make_gpuenv.sh)
 if [ ! -d /tmp/site/pytriton ]; then
   mkdir -p /tmp/site /tmp/pa /tmp/tc
   tar -C /tmp/site -xJf .gpuenv/triton.tar.xz

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU checks the open issues still need, as named steps that fit the GPU
-# machine's 10-minute calls: `bash scripts/gpu_checks.sh STEP[:SECONDS] [...]`
+# machine's 10-minute calls: `bash dev/gpu_checks.sh STEP[:SECONDS] [...]`
 # (SECONDS: the step's time limit, default 560; e.g. `csan:150 racecheck:420`).
 #
 #   tests      every test marked gpu (engine, fallback metric; 89 tests, the first 12 took 175 s on an
@@ -58,7 +58,7 @@
 #   bench      python -m opara_core.bench for $BENCH_MODELS (default googlenet,bert) at $BENCH_BATCH
 #              (default 1,8,32): every column incl. torch.compile with freezing and fused lanes, the
 #              serving build cold and warm; $OUT/bench.json (rows saved after each model), $OUT/bench.log
-#   (several bench runs at once, one per GPU, over several calls: scripts/gpu_queue.py)
+#   (several bench runs at once, one per GPU, over several calls: dev/gpu_queue.py)
 #   generation scripts/generation_bench.py at the model's defaults, 64 slots, log-normal outputs (mean 64, cap 384):
 #              both schedulings at 64 req/s (the same load), iteration-level at 352 and 416, request-level at 72
 #              and 80 (their limits on the H200, generation's sixth run), 1,000 requests each;
@@ -72,7 +72,7 @@
 # still leaves its log. The serving stack must be importable: the nvidia-pytriton
 # wheel (tritonserver 2.51) and tritonclient on PYTHONPATH, perf_analyzer 2.60 in
 # $PERF_ANALYZER, and OPARA_ADMIN_KEY set: on the GPU machine, carry .gpuenv
-# (scripts/make_gpuenv.sh makes it here) and `source .gpuenv/setup_env.sh` first.
+# (dev/make_gpuenv.sh makes it here) and `source .gpuenv/setup_env.sh` first.
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
