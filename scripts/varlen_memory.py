@@ -11,9 +11,9 @@ free block only for an allocation on the same stream) into bytes in use
 Free bytes on a stream no later shape allocates on are memory the pool keeps
 for nothing. With several `--policies` the model is built once per policy (a
 fresh pool each time), so the split by stream can be compared with a plan
-that never leaves one stream; `inductor` and `saved` build with the whole-model
-Inductor graph (`engine.whole_model`: `torch.compile`'s, or the saved artifact,
-the server's default compiler) instead of the engine's per-shape plans.
+that never leaves one stream; `saved` builds with the whole-model Inductor
+graph (`engine.whole_model`'s saved artifact, the server's default compiler)
+instead of the engine's per-shape plans.
 `--order` builds the shapes as `capture` "first_use" would when requests
 first need them in that order (`random`, seeded; `ascending`, fewest tokens
 first) instead of as "load" does (largest first). A policy suffixed `/one-priority` (an
@@ -136,7 +136,7 @@ def measure(model: str, variant: str, buckets: tuple[int, ...], lengths: tuple[i
     module = entry.build().to(device).eval()
     axes = tuple(axis_buckets(axis, lengths) for axis in entry.lengths)
     start = time.perf_counter()
-    whole_model = policy in ("inductor", "saved")
+    whole_model = policy == "saved"
     compiler = policy if whole_model else "engine"
     settings = EngineSettings(policy="auto" if whole_model else policy, buckets=buckets)
     capture = "load" if order == "load" else "first_use"
@@ -184,7 +184,7 @@ def print_table(result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="bert", help="variable-length zoo models (default bert)")
-    parser.add_argument("--policies", default="inductor,auto,sequential", help="engine policies to build with, or inductor or saved, one pool each; suffix /one-priority for the experiment (default inductor,auto,sequential)")
+    parser.add_argument("--policies", default="saved,auto,sequential", help="engine policies to build with, or saved, one pool each; suffix /one-priority for the experiment (default saved,auto,sequential)")
     parser.add_argument("--order", default="load", help="load (largest first), or the order first uses build in: random (seed 1), ascending (fewest tokens first); comma-separated for several")
     parser.add_argument("--buckets", default="1,2,4,8,16,32", help="batch buckets (default the served config's)")
     parser.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTH_BUCKETS)), help="sequence buckets below each axis's limit")

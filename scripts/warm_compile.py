@@ -42,7 +42,7 @@ def child(model: str, device: str, setting: str, cache: Path) -> dict:
 
     from opara_core import zoo
     from opara_core.engine.whole_model import WholeModelSaved
-    from opara_core.serving.varlen import aot_example, dynamic_dims
+    from opara_core.serving.varlen import dynamic_dims, export_example
 
     entry = zoo.get(model)
     started = time.perf_counter()
@@ -56,7 +56,7 @@ def child(model: str, device: str, setting: str, cache: Path) -> dict:
     started = time.perf_counter()
     with torch._inductor.config.patch(config), torch.inference_mode():
         if setting == "saved":
-            run = WholeModelSaved(module, aot_example(entry, torch.device(device)), dynamic_dims(entry, 32), cache / "saved").runner
+            run = WholeModelSaved(module, export_example(entry, torch.device(device)), dynamic_dims(entry, 32), cache / "saved").runner
         else:
             run = torch.compile(module, dynamic=True)
         run(*inputs)
