@@ -350,6 +350,18 @@ def test_parameters_parse_and_bad_ones_are_named():
     assert step_spans(512) == (64, 128, 256, 512) and step_spans(100) == (64, 100) and step_spans(40) == (40,)
 
 
+def test_an_idle_generator_logs_no_statistics_line():
+    """Idle, the loop still counts an iteration each time its wait for a request
+    times out, and the senders' probing time grows: neither is work worth a line."""
+    from opara_core.serving.generation import worked
+
+    before = {"events:iterations": 10, "events:rows": 5, "events:prefills": 1, "events:responses": 6, "events:tokens": 6, "seconds:probe": 0.1}
+    idle = {**before, "events:iterations": 30, "seconds:probe": 0.2}
+    assert not worked(before, idle)
+    for event in ("events:rows", "events:prefills", "events:responses"):
+        assert worked(before, {**idle, event: before[event] + 1}), event
+
+
 # --- the responder's merging, with a response sender that stalls (no server) ---------------------
 
 

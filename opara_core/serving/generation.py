@@ -18,7 +18,7 @@ and since a send costs the same round trip whatever it carries, a stream
 whose sender is behind gets its waiting tokens in one response.
 The loop's time per iteration (prefill, step, drain, respond) and the senders'
 time are counted (`GenerationStats`), exported as Prometheus counters and
-logged every `LOG_SECONDS` while busy.
+logged every `LOG_SECONDS` while busy (an idle model logs nothing).
 
 Every response carries the stream's next tokens in `output_ids` (one, unless
 its sender fell behind and `merge_tokens` is on: see Responder); the last is
@@ -528,7 +528,7 @@ class Generator:
 
 class GenerationMetrics:
     """The generator's counts as Prometheus counters beside Triton's, and a
-    log line every `LOG_SECONDS` while it is busy.
+    log line every `LOG_SECONDS` while it is busy (none while it is idle: `worked`).
 
     opara_generation_seconds_total{model,stage}: the loop thread's seconds in
     prefill, step, drain and respond (LoopClock), and the sender
@@ -574,7 +574,7 @@ class GenerationMetrics:
             self._push(now)
             since, before = self._logged
             if time.monotonic() - since >= self.LOG_SECONDS:
-                if now["events:iterations"] > before["events:iterations"]:
+                if worked(before, now):
                     log.info("%s: %s", self._model, summary(before, now, time.monotonic() - since))
                 self._logged = (time.monotonic(), now)
 
@@ -600,6 +600,13 @@ def totals(generator: Generator) -> dict[str, float]:
     for name in ("responses", "tokens"):
         values[f"events:{name}"] = sum(s[name] for s in senders)
     return values
+
+
+def worked(before: dict[str, float], after: dict[str, float]) -> bool:
+    """Whether the generator did anything between two `totals`: prefilled, decoded
+    or sent something. Not its iterations: an idle loop still counts one each time
+    its wait for a request times out, and the senders' probing time grows too."""
+    return any(after[name] > before[name] for name in ("events:prefills", "events:rows", "events:responses"))
 
 
 def summary(before: dict[str, float], after: dict[str, float], wall_s: float) -> str:
