@@ -194,6 +194,9 @@ def show(value: Any) -> str:
     return str(value)
 
 
+# a variable axis's sequence buckets where its length_buckets.<axis> says none: those below its limit, then the limit
+LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512)
+
 P = Parameter
 SCHEMA: tuple[Parameter, ...] = (
     # --- every model's adapter
@@ -262,8 +265,8 @@ SCHEMA: tuple[Parameter, ...] = (
       (VARLEN,), VARLEN_GROUP, choices=("saved", "engine"),
       retired=(("aot", "AOTInductor's loader died of SIGSEGV on the GPU machine"),
                ("inductor", "torch.compile at every start made BERT's warm start 66 s against saved's 11 s"))),
-    P("length_buckets.<axis>", "integers", None, "the sequence buckets of a variable axis (BERT: `sequence`; T5: `encoder`, `decoder`), ascending from 1 or more, the last one the axis's limit",
-      (VARLEN,), VARLEN_GROUP, minimum=1, shown_default="16,32,64,128,256,512 below the axis's limit, then the limit"),
+    P("length_buckets.<axis>", "integers", LENGTH_BUCKETS, "the sequence buckets of a variable axis (BERT: `sequence`; T5: `encoder`, `decoder`), ascending from 1 or more, the last one the axis's limit",
+      (VARLEN,), VARLEN_GROUP, minimum=1, shown_default=f"`{show(LENGTH_BUCKETS)}` below the axis's limit, then the limit"),
     P("max_length.<input>", "integer", None, "the longest sequence of a variable-length input, published for clients (`python -m client` caps random lengths at it); must equal the model's limit",
       (VARLEN,), MODEL, minimum=1, shown_default="required: the model's limit"),
     # --- generation (opara_core.serving.generation.GenerationSettings, in its field order)
@@ -304,11 +307,6 @@ def declared(kind: str | None = None) -> tuple[Parameter, ...]:
     if kind is not None and kind not in KINDS:
         raise KeyError(f"unknown kind of model {kind!r}; known: {', '.join(KINDS)}")
     return tuple(p for p in SCHEMA if kind is None or kind in p.kinds)
-
-
-def lookup(key: str, kind: str | None = None) -> Parameter | None:
-    """The declaration of `key` (a plain key or a family member) for `kind`, or None."""
-    return next((p for p in declared(kind) if p.matches(key)), None)
 
 
 def get(name: str) -> Parameter:
@@ -455,7 +453,7 @@ def markdown() -> str:
     lines += ["## Removed", "", "A config that still sets one of these fails to load, with the reason.", ""]
     for p in SCHEMA:
         for retired, why in p.retired:
-            lines.append(f"- `{p.name}` `{retired}`: {why}; use {p.allowed()} (default `{p.default_text()}`).")
+            lines.append(f"- `{p.name}` `{retired}`: {why}; use one of {p.allowed()} (default `{p.default_text()}`).")
     for name, why in REMOVED:
         lines.append(f"- `{name}`: {why}.")
     return "\n".join(lines) + "\n"

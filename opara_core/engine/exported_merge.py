@@ -5,7 +5,7 @@ Why: a saved Inductor artifact cannot be frozen, and without freezing Inductor
 merges no linear layers; BERT's query, key and value projections stayed three
 small GEMMs, each with a bias add of its own (nothing else takes the add: the
 attention op is opaque). H100, 2026-11-27, the 16-token cell
-(`scripts/varlen_cell_profile.py --parts saved,dynamic`): 0.687 ms with 72 GEMMs
+(the since removed `scripts/varlen_cell_profile.py --parts saved,dynamic`): 0.687 ms with 72 GEMMs
 and 36 bias kernels, against the frozen graph's 0.523 ms with 48 and none.
 
 The graph's `opara::skinny_mm` calls (`skinny_gemm.SkinnyLinear`'s, after the

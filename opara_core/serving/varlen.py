@@ -72,7 +72,10 @@ from opara_core.serving.triton_backend import TRITON_DTYPES, OparaModel, Request
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512)
+DEFAULT_LENGTH_BUCKETS = parameters.LENGTH_BUCKETS
+# overrides every model's `capture` (declared with it in opara_core.parameters): the launcher's
+# `warm` sets it to "load", so that an image's cache holds every shape
+CAPTURE_ENV = parameters.get("capture").env
 # the token-count model: a run costs its padded tokens, attention adding one token's
 # worth per ATTENTION_SPAN tokens of length, plus a fixed overhead worth OVERHEAD_TOKENS
 ATTENTION_SPAN = 512
