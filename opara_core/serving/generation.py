@@ -44,7 +44,7 @@ import torch
 
 from opara_core import parameters, zoo
 from opara_core.models.gpt2 import GPT2Logits, SlotDecoder
-from opara_core.planning.iteration import ITERATION, Limits, Rejected, Scheduler, Sequence
+from opara_core.planning.iteration import Limits, Rejected, Scheduler, Sequence
 from opara_core.serving import weights
 from opara_core.serving.startup import ready_line
 from opara_core.serving.triton_backend import StageClock, input_tensor, select_device
