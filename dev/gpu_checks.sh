@@ -42,12 +42,12 @@
 #              adds arguments (e.g. "--instances 2", "--set bert:compiler=engine")
 #   varlentests the variable-length GPU tests: two BERT shapes in one graph pool replayed in turns, and
 #              every scheduler on a few shapes' graphs, each against eager (tests/test_capture.py, tests/test_varlen.py);
-#              BERT's and T5's whole-model Inductor compiles make it longer than 210 s cold (H100, 2026-11-26: 302 s
-#              without the aot case); with BERT's AOTInductor package compiled as well, give it 560
+#              BERT's and T5's whole-model Inductor compiles make it longer than 210 s cold (H100, 2026-11-26: 302 s,
+#              with the cases of the since removed compilers inductor and aot)
 #   warmbuild  a serving build cold then warm: a repository of $WARM_MODELS (default googlenet) with the
 #              parameters $WARM_PARAMS (KEY=VALUE ..., default fused_lanes=true, empty for none; e.g. WARM_MODELS="bert t5"
-#              WARM_PARAMS=compiler=aot), `python -m opara_core.serving.launcher warm` twice with one fresh
-#              OPARA_CACHE_DIR (Inductor's compiled code, AOTInductor packages, profiles, traces, seeded weights):
+#              WARM_PARAMS=compiler=engine), `python -m opara_core.serving.launcher warm` twice with one fresh
+#              OPARA_CACHE_DIR (Inductor's compiled code, saved whole-model artifacts, profiles, traces, seeded weights):
 #              each model's build seconds both times; `warm` builds every shape of a variable-length model
 #              unless OPARA_CAPTURE is set (OPARA_CAPTURE=first_use times a first-use start);
 #              $WARM_CACHE: that cache directory instead of a fresh one, $WARM_RUNS: the runs (default

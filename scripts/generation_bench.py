@@ -183,7 +183,7 @@ def main() -> int:
         "--ttft-bound-ms", type=float, default=2000.0,
         help="with the TPOT bound, a rate counts as sustained only if its p99 TTFT is within this (an overloaded queue shows there)",
     )  # fmt: skip
-    parser.add_argument("--merge-tokens", default="1", help="the model's merge_tokens parameter (0: one token per response)")
+    parser.add_argument("--merge-tokens", default="true", choices=("true", "false"), help="the model's merge_tokens parameter (false: one token per response)")
     parser.add_argument("--admit-every", default="4", help="the model's admit_every parameter (iterations between admissions while generating)")
     parser.add_argument("--sender-threads", default="2", help="the model's sender_threads parameter")
     parser.add_argument("--switch-interval-us", default="0", help="the model's switch_interval_us parameter (0: Python's 5 ms)")

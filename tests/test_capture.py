@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from opara_core import zoo
-from opara_core.engine import runtime
+from opara_core.engine import build, runtime
 from opara_core.engine.build import Candidate, EngineSettings, build_runner, static_inputs
 from opara_core.engine.capture import CaptureError, GraphPool, LanePool, PlanCapture, pool_mb, time_replays
 from opara_core.engine.compare import max_relative_error
@@ -91,11 +91,16 @@ def test_auto_is_never_slower_than_sequential_and_passes_the_guard():
         assert chosen[bucket] <= 1.03 * alone[bucket], (bucket, report.choices[bucket], chosen, alone)
 
 
-def test_a_failed_capture_falls_back_to_the_sequential_graph_with_the_reason(strict_fp32):
+def test_a_failed_capture_falls_back_to_the_sequential_graph_with_the_reason(strict_fp32, monkeypatch):
+    def failing_capture(*args, **kwargs):
+        raise CaptureError("capture failure forced by the test")
+
+    monkeypatch.setattr(build, "capture_fastest", failing_capture)  # the multi-stream capture of auto's candidates
     module, _ = traced("googlenet")
-    runner, report = build_runner(module, zoo.get("googlenet"), torch.device("cuda"), 8, EngineSettings(buckets=(1,), fail_capture=True))
+    # remember_choices off: a failed build forgets the choices an earlier build remembered
+    runner, report = build_runner(module, zoo.get("googlenet"), torch.device("cuda"), 8, EngineSettings(buckets=(1,), remember_choices=False))
     assert report.runner == "sequential graph"
-    assert "fail_capture" in report.fallbacks[0]
+    assert report.fallbacks[0] == "multi-stream graph: capture failure forced by the test"
     inputs = zoo.get("googlenet").example_inputs(1, seed=3)
     with torch.inference_mode():
         expected = module(inputs[0].cuda()).cpu()

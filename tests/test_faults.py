@@ -227,7 +227,7 @@ def test_a_model_that_fails_to_initialize_is_unavailable_while_the_others_serve(
         states = {m["name"]: m for m in index}
         assert states["googlenet"]["state"] == "READY"
         assert states["deepfm_broken"]["state"] == "UNAVAILABLE"
-        assert "model deepfm_broken: unknown policy 'no_such_policy'" in states["deepfm_broken"]["reason"]
+        assert "model deepfm_broken: parameter policy is 'no_such_policy'; allowed: auto, " in states["deepfm_broken"]["reason"]
         assert not http_client.is_model_ready("deepfm_broken") and not grpc_client.is_model_ready("deepfm_broken")
         # strict readiness: the server as a whole says "not ready" while a model is down
         assert http_client.is_server_live() and not http_client.is_server_ready()
@@ -281,9 +281,34 @@ def test_unsupervised_a_killed_backend_process_fails_every_request_but_looks_rea
 # --- GPU: a failed capture falls back, with the reason in the log and a metric ------------------
 
 
+# the googlenet model.py of the test below: in the stub process, before the adapter builds
+# anything, the engine's multi-stream capture (auto's capture and timing of its candidate
+# plans) raises as a failed capture would, so the build falls back for real
+FAILING_CAPTURE_MODEL_PY = '''"""googlenet whose multi-stream capture always fails (tests/test_faults.py)."""
+
+from opara_core.engine import build
+from opara_core.engine.capture import CaptureError
+from opara_core.serving.triton_backend import OparaModel
+
+
+def failing_capture(*args, **kwargs):
+    raise CaptureError("capture failure forced by the test's model.py")
+
+
+class TritonPythonModel(OparaModel):
+    zoo_name = "googlenet"
+
+    def initialize(self, args):
+        build.capture_fastest = failing_capture
+        super().initialize(args)
+'''
+
+
 @pytest.mark.gpu
 def test_a_forced_capture_failure_falls_back_with_the_reason_in_log_and_metric(tmp_path, admin_key):
-    repository = make_repository(tmp_path / "models", {"googlenet": "googlenet"}, {"fail_capture": "true"})
+    # remember_choices false: a failed build would forget the choices an earlier build remembered
+    repository = make_repository(tmp_path / "models", {"googlenet": "googlenet"}, {"remember_choices": "false"})
+    (repository / "googlenet" / "1" / "model.py").write_text(FAILING_CAPTURE_MODEL_PY)
     with TritonServer(server_config(repository), tmp_path / "server.log") as server:
         with grpcclient.InferenceServerClient(server.grpc_url) as client:
             x = example("googlenet", 3, seed=8)[0]
@@ -294,5 +319,5 @@ def test_a_forced_capture_failure_falls_back_with_the_reason_in_log_and_metric(t
         line for line in metrics.splitlines() if "opara" in line
     ]
     log_text = (tmp_path / "server.log").read_text()
-    assert "falling back to a sequential graph: capture failure forced by the fail_capture switch" in log_text
+    assert "falling back to a sequential graph: capture failure forced by the test's model.py" in log_text
     assert re.search(r"model googlenet ready on cuda:\d+ in [\d.]+ s: sequential graph, \d+ buckets, after 1 fallback\(s\) \| ", log_text)

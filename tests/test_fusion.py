@@ -479,10 +479,11 @@ def test_unknown_passes_are_refused(patterns):
 
 
 def test_the_engine_settings_switch_fusion():
+    from opara_core.parameters import BATCH, parse
     from opara_core.serving.triton_backend import engine_settings
 
     assert EngineSettings().fusion is True
-    assert engine_settings({"parameters": {"fusion": {"string_value": "off"}}}).fusion is False
+    assert engine_settings(parse(BATCH, {"fusion": "false"})).fusion is False
 
 
 # ---- zoo models ----------------------------------------------------------------------

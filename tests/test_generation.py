@@ -328,22 +328,38 @@ def test_parameters_parse_and_bad_ones_are_named():
     settings = GenerationSettings.from_parameters({"scheduling": "request", "max_active": "3", "config_overrides": "n_layer=2,initializer_range=0.2"})
     assert settings.scheduling == "request" and settings.limits().kv_tokens == 3 * settings.max_context
     assert settings.overrides() == {"n_layer": 2, "initializer_range": 0.2}
+    assert GenerationSettings().cuda_graphs is True and GenerationSettings.from_parameters({"merge_tokens": "false"}).merge_tokens is False
     for params, problem in (
-        ({"max_slots": "3"}, "unknown parameters ['max_slots']"),
-        ({"max_active": "many"}, "max_active has an invalid value"),
-        ({"max_active": "0"}, "max_active must be >= 1"),
-        ({"scheduling": "orca"}, "scheduling must be one of"),
+        ({"max_slots": "3"}, "unknown parameters ['max_slots'] for a generation model; known: admit_every, config_overrides, "),
+        ({"buckets": "1,2"}, "unknown parameters ['buckets'] for a generation model"),  # a batch model's
+        ({"max_active": "many"}, "parameter max_active is 'many'; allowed: an integer >= 1"),
+        ({"max_active": "0"}, "parameter max_active is '0'; allowed: an integer >= 1"),
+        ({"scheduling": "orca"}, "parameter scheduling is 'orca'; allowed: iteration, request"),
         ({"config_overrides": "n_layer"}, "expected key=number"),
-        ({"sender_threads": "0"}, "sender_threads must be >= 1"),
-        ({"switch_interval_us": "-5"}, "switch_interval_us must be >= 0"),
-        ({"merge_tokens": "2"}, "merge_tokens must be 0 or 1"),
-        ({"admit_every": "0"}, "admit_every must be >= 1"),
+        ({"sender_threads": "0"}, "parameter sender_threads is '0'; allowed: an integer >= 1"),
+        ({"switch_interval_us": "-5"}, "parameter switch_interval_us is '-5'; allowed: an integer >= 0"),
+        ({"merge_tokens": "2"}, "parameter merge_tokens is '2'; allowed: true, false"),
+        ({"merge_tokens": "0"}, "parameter merge_tokens is '0'; allowed: true, false"),  # one spelling of a boolean
+        ({"cuda_graphs": "yes"}, "parameter cuda_graphs is 'yes'; allowed: true, false"),
+        ({"admit_every": "0"}, "parameter admit_every is '0'; allowed: an integer >= 1"),
     ):
         with pytest.raises(ValueError, match=re.escape(problem)):
             GenerationSettings.from_parameters(params)
     assert graph_buckets(1) == (1,) and graph_buckets(12) == (1, 2, 4, 8, 12)
     assert prefill_shapes(2, 48) == ((1, 16), (1, 32), (1, 48), (2, 16), (2, 32), (2, 48))
     assert step_spans(512) == (64, 128, 256, 512) and step_spans(100) == (64, 100) and step_spans(40) == (40,)
+
+
+def test_an_idle_generator_logs_no_statistics_line():
+    """Idle, the loop still counts an iteration each time its wait for a request
+    times out, and the senders' probing time grows: neither is work worth a line."""
+    from opara_core.serving.generation import worked
+
+    before = {"events:iterations": 10, "events:rows": 5, "events:prefills": 1, "events:responses": 6, "events:tokens": 6, "seconds:probe": 0.1}
+    idle = {**before, "events:iterations": 30, "seconds:probe": 0.2}
+    assert not worked(before, idle)
+    for event in ("events:rows", "events:prefills", "events:responses"):
+        assert worked(before, {**idle, event: before[event] + 1}), event
 
 
 # --- the responder's merging, with a response sender that stalls (no server) ---------------------

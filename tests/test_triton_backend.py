@@ -14,7 +14,7 @@ import pytest
 
 from opara_core import zoo
 from opara_core.engine.build import EngineSettings
-from opara_core.serving import varlen
+from opara_core.parameters import BATCH, VARLEN, parse, strings
 from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY
 from opara_core.serving.triton_backend import (
     RangeCheck,
@@ -49,13 +49,12 @@ def config_of(model: str, repository: Path = DEFAULT_MODEL_REPOSITORY) -> dict:
 def test_every_repository_config_passes_the_load_checks(model):
     config = config_of(model)
     entry = zoo.get(model)
-    if entry.lengths:  # variable lengths: serving.varlen checks the config (tests/test_varlen.py)
-        assert isinstance(engine_settings(config, varlen.OWN_PARAMETERS), EngineSettings)
-    else:
+    values = parse(VARLEN if entry.lengths else BATCH, strings(config))
+    if not entry.lengths:  # variable lengths: serving.varlen checks the config (tests/test_varlen.py)
         check_config(entry, config)
-        assert isinstance(engine_settings(config), EngineSettings)
-    check_ranges(entry, config)
-    assert output_memory(config) == "host"
+    assert isinstance(engine_settings(values), EngineSettings)
+    check_ranges(entry, values)
+    assert output_memory(config) == values["output_memory"] == "host"
 
 
 @pytest.mark.parametrize("model", zoo.names())
@@ -70,18 +69,20 @@ def test_batch_models_let_gpu_inputs_through(model):
 @pytest.mark.parametrize(
     ("parameters", "problem"),
     [
-        ({"FORCE_CPU_ONLY_INPUT_TENSORS": "false"}, "FORCE_CPU_ONLY_INPUT_TENSORS must be 'yes' or 'no'"),
-        ({"output_memory": "device"}, "output_memory must be one of auto, host, gpu"),
+        ({"FORCE_CPU_ONLY_INPUT_TENSORS": "false"}, "parameter FORCE_CPU_ONLY_INPUT_TENSORS is 'false'; allowed: yes, no"),
+        ({"output_memory": "device"}, "parameter output_memory is 'device'; allowed: host, auto, gpu"),
     ],
 )
 def test_bad_transport_parameters_are_named(parameters, problem):
-    with pytest.raises(ValueError, match=problem):
+    """Also where output_memory is read alone, from another model's config (the floor model)."""
+    with pytest.raises(ValueError, match=re.escape(problem)):
         output_memory({"parameters": {k: {"string_value": v} for k, v in parameters.items()}})
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        parse(BATCH, parameters)
 
 
 def threads_of(value: str | None, device: str) -> int | None:
-    config = {"parameters": {} if value is None else {"torch_threads": {"string_value": value}}}
-    return torch_threads(config, torch.device(device))
+    return torch_threads(parse(BATCH, {} if value is None else {"torch_threads": value})["torch_threads"], torch.device(device))
 
 
 def test_torch_threads_auto_is_one_on_a_gpu_instance_and_torch_default_on_a_cpu_instance():
@@ -93,7 +94,7 @@ def test_torch_threads_auto_is_one_on_a_gpu_instance_and_torch_default_on_a_cpu_
 
 @pytest.mark.parametrize("value", ["many", "-1", "1.5", ""])
 def test_a_bad_torch_threads_value_is_named(value):
-    with pytest.raises(ValueError, match="torch_threads must be 'auto' or a number"):
+    with pytest.raises(ValueError, match=re.escape(f"parameter torch_threads is {value!r}; allowed: auto, or an integer >= 0")):
         threads_of(value, "cuda")
 
 
@@ -107,33 +108,44 @@ def test_a_config_that_differs_from_the_model_fails_at_load():
 def test_published_id_ranges_must_match_the_model():
     config = config_of("bert")
     config["parameters"]["value_range.input_ids"] = {"string_value": "0,100"}
-    with pytest.raises(ValueError, match="value_range.input_ids"):
-        check_ranges(zoo.get("bert"), config)
+    with pytest.raises(ValueError, match=re.escape("parameter value_range.input_ids is '0,100', the model's is '0,30522'")):
+        check_ranges(zoo.get("bert"), parse(VARLEN, strings(config)))
+    del config["parameters"]["value_range.input_ids"]
+    with pytest.raises(ValueError, match=re.escape("parameter value_range.input_ids is not set, the model's is '0,30522'")):
+        check_ranges(zoo.get("bert"), parse(VARLEN, strings(config)))
+    config["parameters"]["value_range.image"] = {"string_value": "0,1"}
+    with pytest.raises(ValueError, match=re.escape("parameter value_range.image is '0,1', the model's is not set")):
+        check_ranges(zoo.get("bert"), parse(VARLEN, strings(config)))
 
 
 @pytest.mark.parametrize(
     ("parameters", "problem"),
     [
-        ({"policy": "fastest"}, "unknown policy"),
-        ({"max_streams": "0"}, "max_streams"),
-        ({"max_streams": "many"}, "max_streams"),
-        ({"buckets": "1,two"}, "buckets"),
-        ({"guard": "maybe"}, "guard"),
-        ({"layout": "nhcw"}, "unknown layout"),
-        ({"colour": "blue"}, "unknown parameters"),
-        ({"fused_lanes_autotune": "true", "autotune": "false"}, "needs autotune"),
+        ({"policy": "fastest"}, "parameter policy is 'fastest'; allowed: auto, sequential, opara, nimble, asap, wavefront"),
+        ({"max_streams": "0"}, "parameter max_streams is '0'; allowed: an integer >= 1"),
+        ({"max_streams": "many"}, "parameter max_streams is 'many'; allowed: an integer >= 1"),
+        ({"buckets": "1,two"}, "parameter buckets is '1,two'; allowed: comma-separated integers >= 1"),
+        ({"buckets": "0,8"}, "parameter buckets is '0,8'; allowed: comma-separated integers >= 1"),
+        ({"guard": "maybe"}, "parameter guard is 'maybe'; allowed: true, false"),
+        ({"guard": "off"}, "parameter guard is 'off'; allowed: true, false"),  # one spelling of a boolean
+        ({"guard": "1"}, "parameter guard is '1'; allowed: true, false"),
+        ({"guard_tolerance": "tight"}, "parameter guard_tolerance is 'tight'; allowed: a number >= 0"),
+        ({"layout": "nhcw"}, "parameter layout is 'nhcw'; allowed: auto, nchw, nhwc"),
+        ({"colour": "blue", "fail_capture": "true"}, "unknown parameters ['colour', 'fail_capture'] for a batch model (fail_capture was removed: "),
+        ({"scheduler": "dp"}, "unknown parameters ['scheduler'] for a batch model; known: FORCE_CPU_ONLY_INPUT_TENSORS, autotune, buckets, "),
+        ({"fused_lanes_autotune": "true", "autotune": "false"}, "parameter fused_lanes_autotune is true, which needs autotune true too; autotune is false"),
     ],
 )
 def test_bad_parameters_are_named(parameters, problem):
-    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
-    with pytest.raises(ValueError, match=problem):
-        engine_settings(config)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        parse(BATCH, parameters)
 
 
 def test_parameters_become_engine_settings():
-    given = {"policy": "nimble", "max_streams": "4", "buckets": "1, 8", "guard": "off", "layout": "nhwc", "fused_lanes_autotune": "true"}
-    config = {"parameters": {k: {"string_value": v} for k, v in given.items()}}
-    assert engine_settings(config) == EngineSettings(policy="nimble", max_streams=4, buckets=(1, 8), guard=False, layout="nhwc", fused_lanes_autotune=True)
+    given = {"policy": "nimble", "max_streams": "4", "buckets": "1, 8", "guard": "false", "layout": "nhwc", "fused_lanes_autotune": "true"}
+    expected = EngineSettings(policy="nimble", max_streams=4, buckets=(1, 8), guard=False, layout="nhwc", fused_lanes_autotune=True)
+    assert engine_settings(parse(BATCH, given)) == expected
+    assert engine_settings(parse(VARLEN, given)) == expected
 
 
 def good_bert(batch: int = 2) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ from test_triton_backend import config_of
 from test_varlen import KEPT, first_use_runners_with_kept_table
 
 from opara_core import zoo
+from opara_core.parameters import VARLEN, parse, strings
 from opara_core.serving.varlen import check_config, varlen_settings
 
 load_script("serving_bench")  # varlen_bench imports it by name
@@ -26,7 +27,7 @@ def test_overrides_instances_and_queue_delay_reach_a_config_that_loads(tmp_path)
         assert re.findall(r"max_queue_delay_microseconds: (\d+)", text) == ["250"]
         config = config_of(model, repository)
         check_config(zoo.get(model), config)
-        settings = varlen_settings(zoo.get(model), config)
+        settings = varlen_settings(zoo.get(model), parse(VARLEN, strings(config)))
         assert (settings.scheduler, settings.compiler) == (("greedy", "engine") if model == "bert" else ("dp", "saved"))
     assert config_of("bert", repository)["parameters"]["policy"] == {"string_value": "sequential"}
 

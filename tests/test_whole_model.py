@@ -1,8 +1,7 @@
-"""engine.whole_model's saved forms on the CPU, the AOTInductor package and the
-saved Inductor artifact: one answers every size its dynamic dimensions allow as
-the eager module does; a later start loads it without compiling; other weights
-get one of their own. (Capturing them into CUDA graphs is a GPU test in
-tests/test_varlen.py.)"""
+"""engine.whole_model's saved Inductor artifact on the CPU: one answers every
+size its dynamic dimensions allow as the eager module does; a later start loads
+it without compiling; it reads the live weights, so other weights share it.
+(Capturing it into CUDA graphs is a GPU test in tests/test_varlen.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import torch
 from serving import assert_close
 
 from opara_core.engine import whole_model
-from opara_core.engine.whole_model import WholeModelAOT, WholeModelSaved
+from opara_core.engine.whole_model import WholeModelSaved
 
 DIMS = ({0: ("batch", 1, 4), 1: ("tokens", 1, 16)}, {0: ("batch", 1, 4), 1: ("tokens", 1, 16)})
 
@@ -33,10 +32,6 @@ class TinyAttention(torch.nn.Module):
         return torch.softmax(scores, -1) @ x
 
 
-# each saved form and the torch function that compiles it
-KINDS = [pytest.param(WholeModelAOT, "aoti_compile_and_package", id="aot"), pytest.param(WholeModelSaved, "standalone_compile", id="saved")]
-
-
 def inputs(batch: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(batch * 100 + tokens)
     mask = torch.ones(batch, tokens, dtype=torch.int64)
@@ -44,14 +39,13 @@ def inputs(batch: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 50, (batch, tokens), generator=generator), mask
 
 
-@pytest.mark.parametrize(("kind", "compiler"), KINDS)
-def test_one_package_answers_every_size_as_eager_and_a_later_start_only_loads_it(tmp_path, monkeypatch, kind, compiler):
+def test_one_artifact_answers_every_size_as_eager_and_a_later_start_only_loads_it(tmp_path, monkeypatch):
     module = TinyAttention().eval()
-    first = kind(module, inputs(3, 7), DIMS, tmp_path)
+    first = WholeModelSaved(module, inputs(3, 7), DIMS, tmp_path)
     assert first.compiled_now and first.path.exists()
-    if kind is WholeModelSaved:  # its linear layer exported as the skinny GEMM op (with its transposed weight); the module itself as it was
-        assert ["BUFFER", "project.weight_t"] in json.loads(first.signature_path.read_text())["inputs"]
-        assert type(module.project) is torch.nn.Linear and not hasattr(module.project, "weight_t")
+    # its linear layer exported as the skinny GEMM op (with its transposed weight); the module itself as it was
+    assert ["BUFFER", "project.weight_t"] in json.loads(first.signature_path.read_text())["inputs"]
+    assert type(module.project) is torch.nn.Linear and not hasattr(module.project, "weight_t")
     with torch.inference_mode():
         for batch, tokens in [(1, 1), (1, 16), (3, 7), (4, 12)]:  # sizes of 1 too: no specialisation
             example = inputs(batch, tokens)
@@ -60,8 +54,8 @@ def test_one_package_answers_every_size_as_eager_and_a_later_start_only_loads_it
     def no_compiling(*args, **kwargs):
         raise AssertionError("a later start compiled again")
 
-    monkeypatch.setattr(torch._inductor, compiler, no_compiling)
-    again = kind(TinyAttention().eval(), inputs(2, 5), DIMS, tmp_path)  # same weights, other example sizes
+    monkeypatch.setattr(torch._inductor, "standalone_compile", no_compiling)
+    again = WholeModelSaved(TinyAttention().eval(), inputs(2, 5), DIMS, tmp_path)  # same weights, other example sizes
     assert not again.compiled_now and again.path == first.path
     with torch.inference_mode():
         example = inputs(2, 9)
@@ -84,15 +78,6 @@ def test_a_saved_artifact_reads_the_live_weights_and_its_key_follows_the_attenti
     assert plain.compiled_now and plain.path != saved.path
 
 
-def test_the_key_follows_weights_and_allowed_sizes_not_example_values():
-    module, example = TinyAttention(), inputs(3, 7)
-    key = whole_model.package_key(module, example, DIMS)
-    assert whole_model.package_key(TinyAttention(), inputs(2, 5), DIMS) == key
-    assert whole_model.package_key(TinyAttention(seed=1), example, DIMS) != key
-    longer = ({0: ("batch", 1, 4), 1: ("tokens", 1, 32)}, {0: ("batch", 1, 4), 1: ("tokens", 1, 32)})
-    assert whole_model.package_key(module, example, longer) != key
-
-
 def test_the_artifact_key_follows_structure_and_allowed_sizes_not_weight_values():
     """A saved artifact holds code, its weights are inputs: other values, one key."""
     module, example = TinyAttention(), inputs(3, 7)
@@ -105,35 +90,22 @@ def test_the_artifact_key_follows_structure_and_allowed_sizes_not_weight_values(
     assert whole_model.artifact_key(module, example, longer) != key
 
 
-@pytest.mark.parametrize(("kind", "compiler"), KINDS)
-def test_a_damaged_package_is_compiled_again(tmp_path, kind, compiler):
+def test_a_damaged_artifact_is_compiled_again(tmp_path):
     module = TinyAttention().eval()
-    path = kind(module, inputs(3, 7), DIMS, tmp_path).path
-    path.write_bytes(b"not a package")  # a disk that lost it, say
-    again = kind(module, inputs(3, 7), DIMS, tmp_path)
+    path = WholeModelSaved(module, inputs(3, 7), DIMS, tmp_path).path
+    path.write_bytes(b"not an artifact")  # a disk that lost it, say
+    again = WholeModelSaved(module, inputs(3, 7), DIMS, tmp_path)
     assert again.compiled_now and again.path == path
     with torch.inference_mode():
         example = inputs(2, 9)
         assert_close(again.runner(*example).numpy(), module(*example).numpy(), 1e-5)
 
 
-@pytest.mark.parametrize(("kind", "compiler"), KINDS)
-def test_a_failed_compile_leaves_no_package(tmp_path, monkeypatch, kind, compiler):
-    def broken(*args, package_path=None, **kwargs):
-        if package_path:
-            open(package_path, "wb").write(b"half")
+def test_a_failed_compile_leaves_no_artifact(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
         raise RuntimeError("compiler crashed")
 
-    monkeypatch.setattr(torch._inductor, compiler, broken)
+    monkeypatch.setattr(torch._inductor, "standalone_compile", broken)
     with pytest.raises(RuntimeError, match="compiler crashed"):
-        kind(TinyAttention().eval(), inputs(3, 7), DIMS, tmp_path)
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_a_package_that_kills_its_loader_is_refused_and_not_kept(tmp_path, monkeypatch):
-    """What AOTInductor's loader did on the GPU machine (SIGSEGV, 2026-11-26): the
-    test load dies, not this process, and the error says how."""
-    monkeypatch.setattr(whole_model, "PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
-    with pytest.raises(whole_model.PackageLoadError, match="killed by SIGSEGV"):
-        WholeModelAOT(TinyAttention().eval(), inputs(3, 7), DIMS, tmp_path)
+        WholeModelSaved(TinyAttention().eval(), inputs(3, 7), DIMS, tmp_path)
     assert list(tmp_path.iterdir()) == []

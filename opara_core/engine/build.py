@@ -23,7 +23,7 @@ from typing import Any, Collection, Mapping, Sequence
 
 import torch
 
-from opara_core import zoo
+from opara_core import parameters, zoo
 from opara_core.engine import choices, heap, runtime, trace_cache
 from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, LanePool, PlanCapture, capture_module, time_replays
 from opara_core.engine.interpreter import reordered_graph
@@ -38,9 +38,6 @@ from opara_core.engine.profile import apply_profile, profile_graph
 from opara_core.planning.plan import Plan
 
 log = logging.getLogger(__name__)
-
-POLICIES = ("sequential", "opara", "nimble", "asap", "wavefront")
-LAYOUTS = ("auto", "nchw", "nhwc")
 
 # What `auto` captures and times at the smallest bucket, per layout; larger
 # buckets re-time only the best few of the bucket before, plus the sequential graph.
@@ -85,57 +82,32 @@ def fusion_checks_dir() -> Path:
     return cache_root() / "fusion"
 
 
+_DEFAULT = parameters.defaults(parameters.ENGINE)
+
+
 @dataclass(frozen=True)
 class EngineSettings:
-    """How a model is compiled; set per model by config.pbtxt parameters."""
+    """How a model is compiled; each field is the config.pbtxt parameter of its
+    name, declared (type, default, allowed values, help) in opara_core.parameters
+    and checked there: fields and declarations are one list (tests/test_parameters.py)."""
 
-    policy: str = "auto"  # one of POLICIES, or "auto"
-    max_streams: int = 8
-    buckets: tuple[int, ...] = runtime.DEFAULT_BUCKETS
-    guard: bool = True
-    guard_tolerance: float = 1e-4
-    fail_capture: bool = False  # a test switch: every multi-stream capture fails
-    fusion: bool = True  # fold, merge and fuse kernels before planning (opara_core.engine.fusion)
-    # convolution layout: NHWC (channels_last) wins at larger batches and on some
-    # models, NCHW on others; "auto" times both (one traced graph, NHWC weights) per bucket
-    layout: str = "auto"
-    # cudnn.benchmark: time every convolution algorithm per shape (faster graphs,
-    # slower builds: each new shape in each bucket and layout is autotuned)
-    autotune: bool = True
-    # fused lanes: auto also tries plans whose segments Inductor compiles (GPU
-    # only). Every bucket compiles its segments' shapes once; the compiled code
-    # is kept on disk (engine.segment_compiler) and loaded by later builds
-    fused_lanes: bool = False
-    # fused lanes' convolutions pick cuDNN's algorithms by timing them too (with
-    # `autotune`), not by its heuristics: ResNet-50's fused lanes at batch 8
-    # 0.918 -> 0.795 ms in one call, 0.817 with this setting in another; its
-    # warm build 3.2 -> 8.1 s (H200, docs/benchmarks.md run 39)
-    fused_lanes_autotune: bool = False
-    # auto's choice per bucket is remembered on disk (engine.choices); a later
-    # build of the same graphs on the same GPU and software captures only it
-    remember_choices: bool = True
-    # kernels profiled on the GPU (engine.profile, cached on disk) give the
-    # plans measured costs and Alg. 2 its resource demand; off: static estimates
-    profile: bool = True
-    # where Inductor keeps compiled code ("": TORCHINDUCTOR_CACHE_DIR, else
-    # $OPARA_CACHE_DIR/inductor, else ~/.cache/opara/inductor)
-    inductor_cache: str = ""
-    # Inductor picks other convolution algorithms and layouts than eager (TF32
-    # convolutions: 1.6e-2 relative on GoogLeNet against eager on an H100), so
-    # fused lanes are checked against eager with this tolerance
-    fused_tolerance: float = 5e-2
+    policy: str = _DEFAULT["policy"]  # "auto", or one of planning.policies
+    max_streams: int = _DEFAULT["max_streams"]
+    buckets: tuple[int, ...] = _DEFAULT["buckets"]
+    guard: bool = _DEFAULT["guard"]
+    guard_tolerance: float = _DEFAULT["guard_tolerance"]
+    fusion: bool = _DEFAULT["fusion"]
+    layout: str = _DEFAULT["layout"]
+    autotune: bool = _DEFAULT["autotune"]
+    fused_lanes: bool = _DEFAULT["fused_lanes"]
+    fused_lanes_autotune: bool = _DEFAULT["fused_lanes_autotune"]
+    remember_choices: bool = _DEFAULT["remember_choices"]
+    profile: bool = _DEFAULT["profile"]
+    inductor_cache: str = _DEFAULT["inductor_cache"]
+    fused_tolerance: float = _DEFAULT["fused_tolerance"]
 
     def __post_init__(self) -> None:
-        if self.policy not in (*POLICIES, "auto"):
-            raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join((*POLICIES, 'auto'))}")
-        if self.max_streams < 1:
-            raise ValueError(f"max_streams must be at least 1, got {self.max_streams}")
-        if not self.buckets or min(self.buckets) < 1:
-            raise ValueError(f"buckets must be positive batch sizes, got {list(self.buckets)}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
-        if self.fused_lanes_autotune and not self.autotune:
-            raise ValueError("fused_lanes_autotune times the fused lanes' convolution algorithms, which needs autotune on too")
+        parameters.check_fields(self, parameters.ENGINE)
 
 
 @dataclass(frozen=True, order=True)
@@ -261,8 +233,6 @@ def _build_on_gpu(
         report.seconds["captures made"] = report.seconds.get("captures made", 0.0) + time.perf_counter() - start
 
     def multi_stream() -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
-        if settings.fail_capture:
-            raise CaptureError("capture failure forced by the fail_capture switch")
         handle = None if pool is None else pool.handle
         known = remembered()
         if from_recipe and (known is None or not set(known) >= set(settings.buckets)):  # a recipe without its choices

@@ -27,8 +27,6 @@ from opara_core.spec import TensorSpec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
-
 # One model input of one batch: a tensor, or its row blocks in order (one per request).
 Blocks = torch.Tensor | Sequence[torch.Tensor]
 

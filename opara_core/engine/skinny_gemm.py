@@ -40,8 +40,7 @@ at every row count, above MAX_ROWS too (BERT's feed-forward down-projection at
 4,096 rows: `tn` 4,569 against `nn` 4,147 us per replay on an H200,
 docs/benchmarks.md run 17; the price: the layer's weight twice in memory), and
 optionally a bias, where no pointwise work follows that could take the add
-(`engine.skinny_pass`: the GEMMs Inductor kept as `addmm`; `fusion.skinny_linears`
-by the same rule): the kernel adds it as it writes, or cuBLAS runs `addmm` or
+(`fusion.skinny_linears`: the GEMMs Inductor would keep as `addmm`): the kernel adds it as it writes, or cuBLAS runs `addmm` or
 `mm` then an add, whichever was measured faster at that shape with a bias
 (cuBLASLt's fp32 `addmm` lost at 128 and 1,024 rows; at 4,096 it tied for
 BERT's q/k/v and lost for its down-projection: H200, docs/benchmarks.md run 18).
@@ -316,8 +315,8 @@ def skinny_mm_op():
 
 class SkinnyLinear(torch.nn.Module):
     """An nn.Linear's forward through `opara::skinny_mm`, for a graph whose
-    weights are inputs rather than frozen constants (`engine.skinny_pass`
-    rewrites those; `whole_model.WholeModelSaved` cannot freeze): the same weight
+    weights are inputs rather than frozen constants (`whole_model.WholeModelSaved`
+    cannot freeze): the same weight
     and bias parameters, plus the weight stored transposed as a buffer. The
     bias is added outside the op, where Inductor fuses it into the next kernel."""
 

@@ -3,27 +3,20 @@
 A variable-length model's cells (sequence bucket x batch bucket) differ only in
 sizes. Built per cell, every cell traced, planned and timed its own graphs (BERT's
 36 cells: 93 s on an H100) and the multi-lane plans kept memory per lane
-stream. Compiled once by `torch.compile` with dynamic sizes (Inductor's
-freezing, under `inference_mode`, as an inference user runs it), the model is
-one generated graph (two: Dynamo specialises sizes of 1), and each cell is a
-CUDA graph captured around it on one stream: every cell's graph reuses the
+stream. Exported once with dynamic sizes and compiled by Inductor into a saved
+artifact (`WholeModelSaved`), the model is one generated graph, and each cell is
+a CUDA graph captured around it on one stream: every cell's graph reuses the
 blocks the larger ones freed.
 
-Measured on one H100, 2026-11-26 (`scripts/varlen_cells.py --models bert`):
-54 s to compile for all 36 cells; 0.93 ms at 16 tokens batch 1 against 1.54-1.94
-for the engine's ATen graphs, 69.97 against 71.1 at 512 x 32; the pool of all 36
-cells 778 MiB.
+Two other forms were measured and removed: `torch.compile(dynamic=True)` with
+freezing at every start (H100: 54 s to compile for BERT's 36 cells, and a warm
+start still reran Dynamo and AOTAutograd: 66 s, against the saved artifact's
+11 s) and an AOTInductor package (compiled once, loaded by later starts; on
+the GPU machine, torch 2.11+cu130, its loader died of SIGSEGV even for a
+two-layer model's package). docs/benchmarks.md, variable lengths, has the runs.
 
-The compiled module must outlive its CUDA graphs (they read its frozen
-weights): each CapturedGraph keeps it as its `owner`. `torch._dynamo.reset()`
-in the same process would drop the compiled code while graphs still read it.
-
-`WholeModelAOT` is the same model compiled ahead of time by AOTInductor and
-kept whole on disk: `torch.compile` reruns Dynamo, AOTAutograd and freezing at
-every start, whatever Inductor's cache holds (H100: BERT 41 s, T5 80 s with a
-warm cache), where a saved package only loads (BERT on the CPU machine,
-torch 2.14.1, `scripts/aot_package.py`: compile 31.6 s, load 2.7 s, one package
-for batch 1-32 and 1-512 tokens, within 1e-6 of eager).
+The loaded artifact must outlive its CUDA graphs (they read the weights it was
+bound to): each CapturedGraph keeps it as its `owner`.
 """
 
 from __future__ import annotations
@@ -32,90 +25,22 @@ import hashlib
 import json
 import logging
 import os
-import signal
-import subprocess
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from opara_core.engine import custom_ops, skinny_gemm
 from opara_core.engine.capture import CapturedGraph, CaptureError, capture_module
 from opara_core.engine.exported_merge import MERGE_VERSION, merge_linears
-from opara_core.engine.segment_compiler import python_interpreter
 from opara_core.engine.short_attention import ShortAttentionPass
-from opara_core.engine.skinny_pass import SkinnyGemmPass
 from opara_core.engine.trace_cache import module_fingerprint
 
 log = logging.getLogger(__name__)
 
 # per input, {dimension: (name, smallest, largest)}; dimensions of one name are one size
 DynamicDims = Sequence[dict[int, tuple[str, int, int]]]
-
-
-class WholeModelInductor:
-    """`torch.compile(module, dynamic=True)`; compiles on the first capture and
-    again only where a shape breaks its guards (a size of 1). With
-    `skinny_gemms` its frozen-weight GEMMs go through `opara::skinny_mm`
-    (`engine.skinny_pass`: the small-row kernel where a cell's rows are few),
-    with `short_attention` its efficient-attention calls through
-    `opara::short_attention` (`engine.short_attention`: a small kernel where a
-    cell's sequences are short)."""
-
-    label = "whole-model inductor graph"
-
-    def __init__(self, module: torch.nn.Module, skinny_gemms: bool = True, short_attention: bool = True):
-        self.module = module
-        self.compiled = torch.compile(module, dynamic=True)
-        self.skinny_pass = SkinnyGemmPass() if skinny_gemms else None
-        self.attention_pass = ShortAttentionPass() if short_attention else None
-        custom_ops.register_all()  # before Inductor's code (compiled or cached) calls one
-        passes = tuple(p for p in (self.skinny_pass, self.attention_pass) if p is not None)
-        self.post_grad_pass = InOrder(passes) if passes else None
-
-    def capture(self, static_in: Sequence[torch.Tensor], pool: Any, prologue: Callable[[], None] | None = None) -> CapturedGraph:
-        """The compiled model at these inputs' shapes, as one CUDA graph in `pool`
-        (the capture's warm-up compiles what is missing, and times the shapes the
-        skinny GEMM op has not met); `prologue`, if any, captured ahead of it."""
-        with torch._inductor.config.patch(freezing=True, post_grad_custom_post_pass=self.post_grad_pass):
-            return _capture(self.compiled, static_in, pool, "the whole-model Inductor graph", prologue)
-
-
-class InOrder(CustomGraphPass):
-    """Inductor takes one post-grad custom pass: these, one after the other,
-    keyed for its FX graph cache by all their uuids."""
-
-    def __init__(self, passes: Sequence[CustomGraphPass]):
-        self.passes = tuple(passes)
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        for graph_pass in self.passes:
-            graph_pass(graph)
-
-    def uuid(self) -> bytes:
-        return hashlib.sha256(b"".join(graph_pass.uuid() for graph_pass in self.passes)).digest()
-
-
-class WholeModelAOT:
-    """The model exported with dynamic sizes and compiled by AOTInductor (with
-    freezing) into one package under `directory`, named by what it depends on
-    (`package_key`): compiled once, loaded by every later start."""
-
-    label = "whole-model AOTInductor package"
-
-    def __init__(self, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dims: DynamicDims, directory: Path):
-        self.module = module
-        self.path = Path(directory) / f"{package_key(module, example_inputs, dims)}.pt2"
-        self.runner, self.compiled_now = compiled_or_loaded(
-            self.path, lambda: compile_package(module, example_inputs, dims, self.path), lambda: _load_package(self.path, example_inputs[0].device), "AOTInductor package"
-        )
-
-    def capture(self, static_in: Sequence[torch.Tensor], pool: Any, prologue: Callable[[], None] | None = None) -> CapturedGraph:
-        """The package's model at these inputs' shapes, as one CUDA graph in `pool`
-        (`prologue`, if any, captured ahead of it)."""
-        return _capture(self.runner, static_in, pool, "the whole-model AOTInductor package", prologue)
 
 
 def compiled_or_loaded(path: Path, compile: Callable[[], None], load: Callable[[], Callable], what: str) -> tuple[Callable, bool]:
@@ -151,17 +76,6 @@ def _after(prologue: Callable[[], None], model: Callable) -> Callable:
     return run
 
 
-def _load_package(path: Path, device: torch.device) -> Callable:
-    # single-threaded: without the container's cross-thread bookkeeping (events it
-    # records and queries around each run), which CUDA graph capture does not allow
-    return torch._inductor.aoti_load_package(str(path), run_single_threaded=True, device_index=_device_index(device))
-
-
-def _device_index(device: torch.device) -> int:
-    """aoti_load_package's device_index: -1 for the current device."""
-    return -1 if device.index is None else device.index
-
-
 def _capture(
     model: Callable, static_in: Sequence[torch.Tensor], pool: Any, what: str, prologue: Callable[[], None] | None = None, warmup: int = 3
 ) -> CapturedGraph:
@@ -174,22 +88,12 @@ def _capture(
         raise CaptureError(f"{what} failed at {[tuple(x.shape) for x in static_in]}: {type(error).__name__}: {error}") from error
 
 
-def package_key(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dims: DynamicDims) -> str:
-    """sha256 of what a package depends on: torch, the device, the module's class,
-    its weights and buffers (bytes: a package holds them frozen), the inputs'
-    dtypes and ranks, and the sizes each dynamic dimension may take."""
-    digest = hashlib.sha256(_compile_setting(module, example_inputs, dims).encode())
-    for name, tensor in module.state_dict().items():
-        digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
-        digest.update(tensor.detach().contiguous().flatten().view(torch.uint8).cpu().numpy().tobytes())
-    return digest.hexdigest()
-
-
 def artifact_key(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dims: DynamicDims) -> str:
-    """sha256 of what a saved artifact's code depends on: as `package_key`, but
-    the module's structure (`trace_cache.module_fingerprint`: tensors' names,
-    shapes and dtypes, classes and settings) instead of its weights' bytes, which
-    are the artifact's inputs: no 440 MB to copy and hash at each BERT start."""
+    """sha256 of what a saved artifact's code depends on: torch, the device, the
+    module's class and structure (`trace_cache.module_fingerprint`: tensors' names,
+    shapes and dtypes, classes and settings; not its weights' bytes, which are the
+    artifact's inputs: no 440 MB to copy and hash at each BERT start), the inputs'
+    dtypes and ranks, and the sizes each dynamic dimension may take."""
     return hashlib.sha256((_compile_setting(module, example_inputs, dims) + module_fingerprint(module)).encode()).hexdigest()
 
 
@@ -202,21 +106,6 @@ def _compile_setting(module: torch.nn.Module, example_inputs: Sequence[torch.Ten
         "inputs": [[str(x.dtype), x.dim()] for x in example_inputs],
         "dims": [{str(k): list(v) for k, v in sorted(d.items())} for d in dims],
     }, sort_keys=True)  # fmt: skip
-
-
-def compile_package(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dims: DynamicDims, path: Path) -> None:
-    """Export `module` with `dims` dynamic and compile it into the package `path`
-    (written whole or not at all: servers may start side by side)."""
-    exported = export_dynamic(module, example_inputs, dims)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
-    try:
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(partial), inductor_configs={"freezing": True})
-        probe_load(partial, example_inputs[0].device)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-    log.info("AOTInductor package compiled: %s", path)
 
 
 def export_dynamic(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dims: DynamicDims) -> torch.export.ExportedProgram:
@@ -341,31 +230,3 @@ class WholeModelSaved:
         keeps three: a new shape may compile there; each run at BERT's 512 x 32 is
         about 70 ms of a start)."""
         return _capture(self.runner, static_in, pool, "the whole-model saved Inductor artifact", prologue, warmup=1)
-
-
-class PackageLoadError(RuntimeError):
-    """A freshly compiled package that a test process could not load."""
-
-
-# the child loads as _load_package does
-PROBE = "import sys, torch; torch._inductor.aoti_load_package(sys.argv[1], run_single_threaded=True, device_index=int(sys.argv[2]))"
-PROBE_SECONDS = 600
-
-
-def probe_load(path: Path, device: torch.device) -> None:
-    """Load the package in a child process before this one does: on the GPU
-    machine (torch 2.11+cu130, 2026-11-26) AOTInductor's loader died of SIGSEGV
-    even for a two-layer model's package, and in-process that would take the
-    serving stub, and every model it was building, with it. Only a package that
-    loaded here is kept, so a later start loads it without a probe."""
-    try:
-        done = subprocess.run(
-            [python_interpreter(), "-c", PROBE, str(path), str(_device_index(device))], capture_output=True, text=True, errors="replace", timeout=PROBE_SECONDS
-        )
-    except subprocess.TimeoutExpired:
-        raise PackageLoadError(f"AOTInductor package did not load within {PROBE_SECONDS} s in a test process") from None
-    if done.returncode != 0:
-        killer = next((s.name for s in signal.Signals if s == -done.returncode), f"signal {-done.returncode}")
-        how = f"killed by {killer}" if done.returncode < 0 else f"exit code {done.returncode}"
-        last = done.stderr.strip().splitlines()[-1:] or ["no message"]
-        raise PackageLoadError(f"AOTInductor package did not load in a test process ({how}): {last[0]}")

@@ -18,7 +18,7 @@ and since a send costs the same round trip whatever it carries, a stream
 whose sender is behind gets its waiting tokens in one response.
 The loop's time per iteration (prefill, step, drain, respond) and the senders'
 time are counted (`GenerationStats`), exported as Prometheus counters and
-logged every `LOG_SECONDS` while busy.
+logged every `LOG_SECONDS` while busy (an idle model logs nothing).
 
 Every response carries the stream's next tokens in `output_ids` (one, unless
 its sender fell behind and `merge_tokens` is on: see Responder); the last is
@@ -36,67 +36,49 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from opara_core import zoo
+from opara_core import parameters, zoo
 from opara_core.models.gpt2 import GPT2Logits, SlotDecoder
-from opara_core.planning.iteration import ITERATION, Limits, Rejected, Scheduler, Sequence
+from opara_core.planning.iteration import Limits, Rejected, Scheduler, Sequence
 from opara_core.serving import weights
 from opara_core.serving.startup import model_log_format, ready_line
-from opara_core.serving.triton_backend import StageClock, input_tensor, parameters, select_device
+from opara_core.serving.triton_backend import StageClock, input_tensor, select_device
 
 log = logging.getLogger(__name__)
 
 OUTPUT = "output_ids"
 
 
+_DEFAULT = parameters.defaults(parameters.GENERATION_GROUP)
+
+
 @dataclass(frozen=True)
 class GenerationSettings:
-    """config.pbtxt parameters of a generation model.
+    """config.pbtxt parameters of a generation model: each field is the
+    parameter of its name, declared (type, default, allowed values, help) in
+    opara_core.parameters and checked there (docs/configuration.md). What needs
+    more than one field (the limits, config_overrides, admit_every with the
+    scheduling) is checked here, by `from_values`."""
 
-    scheduling: "iteration" (Orca) or "request" (the baseline); max_active:
-    requests per decoding step (cache slots); max_context: positions per
-    slot (prompt + generated); kv_tokens: positions all admitted requests may
-    reserve together (0: max_active * max_context); max_queue: waiting
-    requests before new ones are refused; config_overrides: "key=value,..."
-    GPT2Config fields that replace the zoo's GPT-2 small configuration (empty:
-    none; the tests serve a small GPT-2 this way, since GPT-2 small generates
-    too slowly for CI on a shared two-core CPU), with weights from the zoo seed;
-    cuda_graphs: 1 (default) captures the decoding step as one CUDA graph per
-    (rows, span) shape (graph_buckets x step_spans) on a GPU instance, 0 runs it eagerly;
-    sender_threads: threads that send the responses (each owns the streams
-    whose key maps to it, so a stream's responses stay in order); 2 by
-    default: with 8, every send and the loop's step slowed down several
-    fold, the threads fighting over the GIL and the stub's one message queue
-    to the server (docs/benchmarks.md, generation's sixth run);
-    switch_interval_us: the stub process's Python thread switch interval
-    (sys.setswitchinterval; 0 keeps Python's 5 ms): how long the loop thread
-    may wait for the GIL behind the sender threads once its step is done;
-    merge_tokens: 1 (default) lets a response carry every token its stream
-    generated since its last response (one while the senders keep up), and
-    the loop never waits for the senders; 0 sends exactly one token per
-    response and the loop waits for each iteration's responses before
-    handing over the next (the transport then paces the decoding steps);
-    admit_every: while requests generate, waiting ones join (are prefilled)
-    at most every that many iterations, so that one prefill forward takes
-    several arrivals (Scheduler); 1 admits at every iteration.
-    """
+    scheduling: str = _DEFAULT["scheduling"]
+    max_active: int = _DEFAULT["max_active"]
+    max_context: int = _DEFAULT["max_context"]
+    kv_tokens: int = _DEFAULT["kv_tokens"]
+    max_queue: int = _DEFAULT["max_queue"]
+    config_overrides: str = _DEFAULT["config_overrides"]
+    cuda_graphs: bool = _DEFAULT["cuda_graphs"]
+    sender_threads: int = _DEFAULT["sender_threads"]
+    switch_interval_us: int = _DEFAULT["switch_interval_us"]
+    merge_tokens: bool = _DEFAULT["merge_tokens"]
+    admit_every: int = _DEFAULT["admit_every"]
 
-    scheduling: str = ITERATION
-    max_active: int = 8
-    max_context: int = 256
-    kv_tokens: int = 0
-    max_queue: int = 64
-    config_overrides: str = ""
-    cuda_graphs: int = 1
-    sender_threads: int = 2
-    switch_interval_us: int = 0
-    merge_tokens: int = 1
-    admit_every: int = 4
+    def __post_init__(self) -> None:
+        parameters.check_fields(self, parameters.GENERATION_GROUP)
 
     def limits(self) -> Limits:
         return Limits(
@@ -121,25 +103,12 @@ class GenerationSettings:
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> GenerationSettings:
-        known = {f.name: f.type for f in fields(cls)}
-        unknown = sorted(set(params) - set(known) - {"weights"})
-        if unknown:
-            raise ValueError(f"unknown parameters {unknown}; known: {sorted([*known, 'weights'])}")
-        values = {}
-        for key, text in params.items():
-            if key == "weights":
-                continue
-            try:
-                values[key] = text.strip() if known[key] == "str" else int(text)
-            except ValueError:
-                raise ValueError(f"parameter {key} has an invalid value {text!r}") from None
-        settings = cls(**values)
-        if settings.sender_threads < 1:
-            raise ValueError(f"sender_threads must be >= 1, got {settings.sender_threads}")
-        if settings.merge_tokens not in (0, 1):
-            raise ValueError(f"merge_tokens must be 0 or 1, got {settings.merge_tokens}")
-        if settings.switch_interval_us < 0:
-            raise ValueError(f"switch_interval_us must be >= 0, got {settings.switch_interval_us}")
+        """The settings of a generation model's parameters (strings: `parameters.strings(config)`)."""
+        return cls.from_values(parameters.parse(parameters.GENERATION, params))
+
+    @classmethod
+    def from_values(cls, values: parameters.Values) -> GenerationSettings:
+        settings = cls(**values.settings(parameters.GENERATION_GROUP))
         settings.limits()  # raises on impossible limits
         settings.overrides()
         Scheduler(settings.limits(), settings.scheduling, settings.admit_every)  # raises on an unknown mode or admit_every
@@ -397,7 +366,7 @@ class Responder:
 class LoopClock(StageClock):
     """The loop thread's seconds by stage: prefill (the admitted requests'
     batched prefill), step (the decoding step, tokens on the host), drain
-    (merge_tokens 0 only: waiting for the senders to finish the previous
+    (merge_tokens false only: waiting for the senders to finish the previous
     iteration's responses),
     respond (handing tokens and final responses to the senders, retiring)."""
 
@@ -427,7 +396,7 @@ class Generator:
         self.streams: dict[int, Stream] = {}
         self.stats = GenerationStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.responder = Responder(pb_utils, settings.sender_threads, self._inbox.put, merge=bool(settings.merge_tokens))
+        self.responder = Responder(pb_utils, settings.sender_threads, self._inbox.put, merge=settings.merge_tokens)
         self._keys = itertools.count()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="generation", daemon=True)
@@ -559,7 +528,7 @@ class Generator:
 
 class GenerationMetrics:
     """The generator's counts as Prometheus counters beside Triton's, and a
-    log line every `LOG_SECONDS` while it is busy.
+    log line every `LOG_SECONDS` while it is busy (none while it is idle: `worked`).
 
     opara_generation_seconds_total{model,stage}: the loop thread's seconds in
     prefill, step, drain and respond (LoopClock), and the sender
@@ -605,7 +574,7 @@ class GenerationMetrics:
             self._push(now)
             since, before = self._logged
             if time.monotonic() - since >= self.LOG_SECONDS:
-                if now["events:iterations"] > before["events:iterations"]:
+                if worked(before, now):
                     log.info("%s: %s", self._model, summary(before, now, time.monotonic() - since))
                 self._logged = (time.monotonic(), now)
 
@@ -631,6 +600,13 @@ def totals(generator: Generator) -> dict[str, float]:
     for name in ("responses", "tokens"):
         values[f"events:{name}"] = sum(s[name] for s in senders)
     return values
+
+
+def worked(before: dict[str, float], after: dict[str, float]) -> bool:
+    """Whether the generator did anything between two `totals`: prefilled, decoded
+    or sent something. Not its iterations: an idle loop still counts one each time
+    its wait for a request times out, and the senders' probing time grows too."""
+    return any(after[name] > before[name] for name in ("events:prefills", "events:rows", "events:responses"))
 
 
 def summary(before: dict[str, float], after: dict[str, float], wall_s: float) -> str:
@@ -689,10 +665,10 @@ class GenerationModel:
             entry = zoo.get(self.zoo_name or name)
             if not pb_utils.using_decoupled_model_transaction_policy(config):
                 raise ValueError("a generation model needs model_transaction_policy { decoupled: true }")
-            params = parameters(config)
-            settings = GenerationSettings.from_parameters(params)
+            values = parameters.parse(parameters.GENERATION, parameters.strings(config))
+            settings = GenerationSettings.from_values(values)
             version_dir = Path(args["model_repository"]) / args["model_version"]
-            weights_file = weights.weights_path(version_dir, params["weights"]) if params.get("weights") else None
+            weights_file = weights.weights_path(version_dir, values["weights"]) if values["weights"] else None
             lm = build_lm(entry, settings, weights_file)
         except (KeyError, ValueError) as error:
             raise pb_utils.TritonModelException(f"model {name}: {error}") from None

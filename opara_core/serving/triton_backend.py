@@ -35,6 +35,7 @@ import torch
 
 from opara_core import zoo
 from opara_core.engine.build import EngineSettings, build_runner
+from opara_core.parameters import BATCH, ENGINE, Values, parse, show, strings, value
 from opara_core.serving import weights
 from opara_core.serving.startup import model_log_format, ready_line
 
@@ -53,100 +54,34 @@ class RequestError(ValueError):
     """A problem with one request: reported to its client as INVALID_ARG."""
 
 
-# Parameters the adapter reads itself; every other parameter is an EngineSettings field.
-# `value_range.<input>` ("low,high", half-open) and `upper_bounds.<input>` (one
-# bound per position) publish valid ids to clients; they must match the model.
-ADAPTER_PARAMETERS = ("weights", "output_memory", "torch_threads")
-RANGE_PREFIXES = ("value_range.", "upper_bounds.")
-# Read by Triton's Python backend itself: "no" hands the model inputs where the
-# client put them (GPU tensors from CUDA shared memory) instead of copying every
-# input to the host first.
-BACKEND_PARAMETERS = ("FORCE_CPU_ONLY_INPUT_TENSORS",)
-# output_memory: "host" (the default) returns host tensors; "auto" GPU tensors for a
-# batch whose inputs came on the GPU and host tensors otherwise; "gpu" always GPU tensors.
-# H100, GoogLeNet, CUDA shared memory in, concurrency 16: host 3,552/s against auto's
-# 2,492 (docs/benchmarks.md, transport experiment): a GPU output costs the Python
-# backend a synchronisation and a second round trip to the stub.
-OUTPUT_MEMORY = ("auto", "host", "gpu")
-
-
-def parameters(config: dict) -> dict[str, str]:
-    """config.pbtxt `parameters` as plain strings."""
-    return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-
-
-def engine_settings(config: dict, own: tuple[str, ...] = ()) -> EngineSettings:
-    """EngineSettings from config.pbtxt `parameters` (all values are strings there);
-    `own`: parameters (or prefixes) a subclass of the adapter reads itself."""
-    ours = (*ADAPTER_PARAMETERS, *BACKEND_PARAMETERS)
-    skip = (*RANGE_PREFIXES, *own)
-    params = {k: v for k, v in parameters(config).items() if k not in ours and not k.startswith(skip)}
-    parsers = {
-        "policy": str,
-        "max_streams": int,
-        "buckets": lambda text: tuple(int(b) for b in text.split(",")),
-        "guard": _boolean,
-        "guard_tolerance": float,
-        "fail_capture": _boolean,
-        "fusion": _boolean,
-        "layout": str,
-        "autotune": _boolean,
-        "fused_lanes": _boolean,
-        "fused_lanes_autotune": _boolean,
-        "fused_tolerance": float,
-        "inductor_cache": str,
-        "remember_choices": _boolean,
-        "profile": _boolean,
-    }
-    unknown = sorted(set(params) - set(parsers))
-    if unknown:
-        raise ValueError(f"unknown parameters {unknown}; known: {sorted([*parsers, *ours])}")
-    values = {}
-    for key, text in params.items():
-        try:
-            values[key] = parsers[key](text.strip())
-        except ValueError:
-            raise ValueError(f"parameter {key} has an invalid value {text!r}") from None
-    return EngineSettings(**values)
-
-
-def _boolean(text: str) -> bool:
-    if text.lower() in ("true", "yes", "1", "on"):
-        return True
-    if text.lower() in ("false", "no", "0", "off"):
-        return False
-    raise ValueError(text)
+def engine_settings(values: Values) -> EngineSettings:
+    """EngineSettings from a model's parameters (`opara_core.parameters.parse`)."""
+    return EngineSettings(**values.settings(ENGINE))
 
 
 def output_memory(config: dict) -> str:
-    """The `output_memory` parameter, checked; FORCE_CPU_ONLY_INPUT_TENSORS is
-    checked here too, since the Python backend reads it without a word on a typo."""
-    params = parameters(config)
-    force_cpu = params.get("FORCE_CPU_ONLY_INPUT_TENSORS", "yes")
-    if force_cpu not in ("yes", "no"):
-        raise ValueError(f"parameter FORCE_CPU_ONLY_INPUT_TENSORS must be 'yes' or 'no', got {force_cpu!r}")
-    value = params.get("output_memory", "host")
-    if value not in OUTPUT_MEMORY:
-        raise ValueError(f"parameter output_memory must be one of {', '.join(OUTPUT_MEMORY)}, got {value!r}")
-    return value
+    """The `output_memory` parameter of a config, checked, the config's other
+    parameters left alone (the floor model reads it from a benchmarked model's
+    config); FORCE_CPU_ONLY_INPUT_TENSORS is checked too, since the Python
+    backend reads it without a word on a typo."""
+    params = strings(config)
+    value(params, "FORCE_CPU_ONLY_INPUT_TENSORS")
+    return value(params, "output_memory")
 
 
-def torch_threads(config: dict, device: torch.device) -> int | None:
-    """The `torch_threads` parameter: the stub's intra-op threads, None for torch's default.
+def torch_threads(setting: str | int, device: torch.device) -> int | None:
+    """The stub's intra-op threads for the `torch_threads` parameter, None for torch's default.
 
     "auto" (the default) is 1 on a GPU instance, whose only CPU work is copying
     a batch into pinned staging: with torch's default (a thread per core) each
     image's copy is an OpenMP region that wakes and spins threads on the cores
     the gRPC front end, the batcher and the client need. A CPU instance runs the
-    model on those threads, so it keeps torch's default. "0": torch's default;
+    model on those threads, so it keeps torch's default. 0: torch's default;
     N > 0: N threads.
     """
-    text = parameters(config).get("torch_threads", "auto").strip()
-    if text == "auto":
+    if setting == "auto":
         return 1 if device.type == "cuda" else None
-    if not text.isdigit():
-        raise ValueError(f"parameter torch_threads must be 'auto' or a number of threads (0: torch's default), got {text!r}")
-    return int(text) or None
+    return int(setting) or None
 
 
 def check_config(entry: zoo.ZooModel, config: dict) -> None:
@@ -166,19 +101,25 @@ def check_config(entry: zoo.ZooModel, config: dict) -> None:
                 )
 
 
-def check_ranges(entry: zoo.ZooModel, config: dict) -> None:
-    """The id ranges a config publishes must be exactly the model's."""
-    declared = {k: v for k, v in parameters(config).items() if k.startswith(RANGE_PREFIXES)}
-    expected = {}
+def check_ranges(entry: zoo.ZooModel, values: Values) -> None:
+    """The id ranges a config publishes (`value_range.<input>`, `upper_bounds.<input>`)
+    must be exactly the model's."""
+    declared, expected = {}, {}
+    for family in ("value_range", "upper_bounds"):
+        declared.update({f"{family}.{name}": bounds for name, bounds in values.family(family).items()})
     for spec in entry.inputs:
         if spec.value_range is not None:
-            expected[f"value_range.{spec.name}"] = ",".join(map(str, spec.value_range))
+            expected[f"value_range.{spec.name}"] = tuple(spec.value_range)
         if spec.upper_bounds is not None:
-            expected[f"upper_bounds.{spec.name}"] = ",".join(map(str, spec.upper_bounds))
+            expected[f"upper_bounds.{spec.name}"] = tuple(spec.upper_bounds)
     for key in sorted(set(declared) | set(expected)):
-        got = declared.get(key, "").replace(" ", "")
-        if got != expected.get(key):
-            raise ValueError(f"parameter {key} is {declared.get(key)!r}, the model's is {expected.get(key)!r}")
+        got, wanted = declared.get(key), expected.get(key)
+        if got != wanted:
+            raise ValueError(f"parameter {key} is {_shown(got)}, the model's is {_shown(wanted)}")
+
+
+def _shown(bounds: tuple[int, ...] | None) -> str:
+    return "not set" if bounds is None else repr(show(bounds))
 
 
 def request_tensors(entry: zoo.ZooModel, tensors: dict[str, torch.Tensor | None]) -> list[torch.Tensor]:
@@ -265,13 +206,14 @@ class OparaModel:
         config = json.loads(args["model_config"])
         try:
             self.entry = zoo.get(self.zoo_name or args["model_name"])
-            self._check_config(config)
-            check_ranges(self.entry, config)
-            settings = engine_settings(config, self.OWN_PARAMETERS)
-            self.output_memory = output_memory(config)
+            values = parse(self.PARAMETER_KIND, strings(config))
+            self._check_config(config, values)
+            check_ranges(self.entry, values)
+            settings = engine_settings(values)
+            self.output_memory = values["output_memory"]
             self.device = select_device(args)
-            threads = torch_threads(config, self.device)
-            weights_file = parameters(config).get("weights")
+            threads = torch_threads(values["torch_threads"], self.device)
+            weights_file = values["weights"]
             version_dir = Path(args["model_repository"]) / args["model_version"]
             module = weights.load_module(self.entry, weights.weights_path(version_dir, weights_file) if weights_file else None)
             log.info("model %s: module built in %.1f s", args["model_name"], time.monotonic() - started)
@@ -335,9 +277,9 @@ class OparaModel:
         self.metrics.close()
 
     # Hooks for subclasses that serve differently (serving.varlen: variable lengths)
-    OWN_PARAMETERS: tuple[str, ...] = ()  # config parameters (or prefixes) the subclass reads itself
+    PARAMETER_KIND = BATCH  # which parameters the config may set (opara_core.parameters)
 
-    def _check_config(self, config: dict) -> None:
+    def _check_config(self, config: dict, values: Values) -> None:
         check_config(self.entry, config)
 
     def _build(self, module: torch.nn.Module, settings: EngineSettings, config: dict):

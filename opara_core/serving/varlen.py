@@ -18,14 +18,13 @@ default) exports the whole model once with dynamic sizes, compiles it with
 Inductor into an artifact saved in the cache directory (weights not frozen:
 graph inputs) and captures it at every cell, on one stream; later starts load
 the artifact and run no Dynamo (BERT's warm start on an H100: 10.7 s against
-66 s, with cells as fast; docs/benchmarks.md, variable lengths run 12);
-"inductor" does the same with `torch.compile` and freezing at every start
-(`engine.whole_model`); "aot"
-does the same from an AOTInductor package kept in the cache directory
-(compiled once, only loaded by later starts); "engine" builds each shape with
-`engine.build.build_runner` (the plan `auto` picks, ATen kernels on several
-lanes). A shape whose whole-model graph fails to capture or disagrees with
-eager falls back to the engine's build. `capture` "load" builds every shape
+66 s for torch.compile, with cells as fast; docs/benchmarks.md, variable
+lengths run 12); "engine" builds each shape with `engine.build.build_runner`
+(the plan `auto` picks, ATen kernels on several lanes). (`compiler` "inductor",
+torch.compile at every start, and "aot", an AOTInductor package, whose loader
+died of SIGSEGV on the GPU machine, were removed.) A shape whose whole-model
+graph fails to capture or disagrees with eager falls back to the engine's
+build. `capture` "load" builds every shape
 when the model loads, largest first; "first_use" builds the smallest shape at
 load (the compile) and any other the first time a sub-batch needs it, after
 the largest, so that the graph pool fills as at load (the environment
@@ -37,11 +36,12 @@ not built yet, from the timings an earlier start that built every shape kept
 runners, from a token-count model (`modelled_seconds`) in the timed cells'
 units, never below a timed cell that the shape holds.
 
-Config parameters (besides the engine's): `scheduler` (dp, greedy, padded,
-single; a request may choose another with its own parameter `scheduler`, which
-benchmarks use to compare them on one server), `compiler`, `capture`,
-`length_buckets.<axis>` (ascending, the last one the axis's limit) and
-`max_length.<input>` (published to clients; must equal the model's limit).
+Config parameters (besides the engine's; all declared in opara_core.parameters,
+docs/configuration.md): `scheduler` (a request may choose another with its own
+parameter `scheduler`, which benchmarks use to compare them on one server),
+`compiler`, `capture`, `length_buckets.<axis>` (ascending, the last one the
+axis's limit) and `max_length.<input>` (published to clients; must equal the
+model's limit).
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import statistics
 import threading
 import time
@@ -60,26 +59,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opara_core import zoo
+from opara_core import parameters, zoo
 from opara_core.engine.build import BuildReport, EngineSettings, GuardError, build_runner, check_rows_against_eager, static_inputs
 from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, pool_mb, time_replays
 from opara_core.engine.inductor_cache import cache_root, use_inductor_cache
 from opara_core.engine.runtime import GraphRunner, PackedInputs, Runner, RunnerInfo
-from opara_core.engine.whole_model import DynamicDims, WholeModelAOT, WholeModelInductor, WholeModelSaved
+from opara_core.engine.whole_model import DynamicDims, WholeModelSaved
 from opara_core.planning import batching
 from opara_core.planning.batching import CostTable
 from opara_core.serving import varlen_costs
-from opara_core.serving.triton_backend import TRITON_DTYPES, OparaModel, RequestError, parameters, request_tensors
+from opara_core.serving.triton_backend import TRITON_DTYPES, OparaModel, RequestError, request_tensors
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512)
-CAPTURE_MODES = ("load", "first_use")
-# overrides every model's `capture`: the launcher's `warm` sets it to "load", so that
-# an image's cache holds every shape and first-use builds only load what it compiled
-CAPTURE_ENV = "OPARA_CAPTURE"
-COMPILERS = ("inductor", "saved", "aot", "engine")
-OWN_PARAMETERS = ("scheduler", "compiler", "capture", "length_buckets.", "max_length.")
+DEFAULT_LENGTH_BUCKETS = parameters.LENGTH_BUCKETS
+# overrides every model's `capture` (declared with it in opara_core.parameters): the launcher's
+# `warm` sets it to "load", so that an image's cache holds every shape
+CAPTURE_ENV = parameters.get("capture").env
 # the token-count model: a run costs its padded tokens, attention adding one token's
 # worth per ATTENTION_SPAN tokens of length, plus a fixed overhead worth OVERHEAD_TOKENS
 ATTENTION_SPAN = 512
@@ -91,22 +87,22 @@ OVERHEAD_TOKENS = 64
 COST_TIMING = {"seconds": 0.005, "repeats": 3, "warmup": 1, "least": 1}
 
 
+_DEFAULT = parameters.defaults(parameters.VARLEN_GROUP)
+
+
 @dataclass(frozen=True)
 class VarLenSettings:
-    """How a variable-length model is served; from config.pbtxt parameters."""
+    """How a variable-length model is served: its sequence buckets per variable
+    axis (`length_buckets.<axis>`) and the parameters declared, with their
+    defaults and allowed values, in opara_core.parameters (checked there)."""
 
     axes: tuple[tuple[int, ...], ...]  # sequence buckets per variable axis
-    scheduler: str = "dp"
-    capture: str = "load"
-    compiler: str = "saved"
+    scheduler: str = _DEFAULT["scheduler"]
+    capture: str = _DEFAULT["capture"]
+    compiler: str = _DEFAULT["compiler"]
 
     def __post_init__(self) -> None:
-        if self.scheduler not in batching.SCHEDULERS:
-            raise ValueError(f"unknown scheduler {self.scheduler!r}; known: {', '.join(batching.SCHEDULERS)}")
-        if self.compiler not in COMPILERS:
-            raise ValueError(f"unknown compiler {self.compiler!r}; known: {', '.join(COMPILERS)}")
-        if self.capture not in CAPTURE_MODES:
-            raise ValueError(f"unknown capture {self.capture!r} (parameter capture or {CAPTURE_ENV}); known: {', '.join(CAPTURE_MODES)}")
+        parameters.check_fields(self, parameters.VARLEN_GROUP)
 
 
 def axis_buckets(axis: zoo.LengthAxis, lengths: tuple[int, ...] = DEFAULT_LENGTH_BUCKETS) -> tuple[int, ...]:
@@ -114,26 +110,29 @@ def axis_buckets(axis: zoo.LengthAxis, lengths: tuple[int, ...] = DEFAULT_LENGTH
     return tuple(b for b in lengths if b < axis.limit) + (axis.limit,)
 
 
-def varlen_settings(entry: zoo.ZooModel, config: dict) -> VarLenSettings:
-    """VarLenSettings from the config's parameters, checked against the model's axes."""
-    params = parameters(config)
+def varlen_settings(entry: zoo.ZooModel, values: parameters.Values) -> VarLenSettings:
+    """VarLenSettings from a variable-length model's parameters (`parameters.parse`),
+    checked against the model's axes and inputs."""
+    given = values.family("length_buckets")
+    names = [axis.name for axis in entry.lengths]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ValueError(f"parameter length_buckets.{unknown[0]} names no variable axis of the model; its axes: {', '.join(names)}")
     axes = []
     for axis in entry.lengths:
-        text = params.get(f"length_buckets.{axis.name}")
-        try:
-            buckets = tuple(int(b) for b in text.split(",")) if text else axis_buckets(axis)
-        except ValueError:
-            raise ValueError(f"parameter length_buckets.{axis.name} has an invalid value {text!r}") from None
+        buckets = given.get(axis.name) or axis_buckets(axis)
         if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] != axis.limit:
-            raise ValueError(f"length_buckets.{axis.name} must ascend from 1 or more to the axis's limit {axis.limit}, got {list(buckets)}")
+            raise ValueError(f"parameter length_buckets.{axis.name} must ascend from 1 or more to the axis's limit {axis.limit}, got {parameters.show(buckets)!r}")
         axes.append(buckets)
-    for axis in entry.lengths:
-        for name in axis.inputs:
-            declared = params.get(f"max_length.{name}", "").strip()
-            if declared != str(axis.limit):
-                raise ValueError(f"parameter max_length.{name} is {declared!r}, the model's is '{axis.limit}'")
-    capture = os.environ.get(CAPTURE_ENV) or params.get("capture", "load").strip()
-    return VarLenSettings(tuple(axes), params.get("scheduler", "dp").strip(), capture, params.get("compiler", "saved").strip())
+    declared = values.family("max_length")
+    limits = {name: axis.limit for axis in entry.lengths for name in axis.inputs}
+    for name in sorted(set(declared) | set(limits)):
+        if name not in limits:
+            raise ValueError(f"parameter max_length.{name} names no variable-length input of the model; they are: {', '.join(limits)}")
+        if declared.get(name) != limits[name]:
+            shown = "not set" if name not in declared else repr(str(declared[name]))
+            raise ValueError(f"parameter max_length.{name} is {shown}, the model's is '{limits[name]}'")
+    return VarLenSettings(tuple(axes), **values.settings(parameters.VARLEN_GROUP))
 
 
 def check_config(entry: zoo.ZooModel, config: dict) -> None:
@@ -194,7 +193,7 @@ def check_request(entry: zoo.ZooModel, tensors: dict[str, torch.Tensor | None], 
 
 def dynamic_dims(entry: zoo.ZooModel, max_batch: int) -> DynamicDims:
     """Per input, the dimensions a request may vary: the batch, and the length of
-    each variable axis the input is on (what an AOTInductor package must allow)."""
+    each variable axis the input is on (what the exported whole-model graph must allow)."""
     dims = []
     for spec in entry.inputs:
         dim = {0: ("batch", 1, max_batch)}
@@ -203,7 +202,7 @@ def dynamic_dims(entry: zoo.ZooModel, max_batch: int) -> DynamicDims:
     return dims
 
 
-def aot_example(entry: zoo.ZooModel, device: torch.device) -> list[torch.Tensor]:
+def export_example(entry: zoo.ZooModel, device: torch.device) -> list[torch.Tensor]:
     """Inputs to export with: no size 1 and no two sizes alike (export would
     specialise or tie them), within every axis's limit."""
     lengths = tuple(max(min(axis.limit, 24 - 4 * k), 2) for k, axis in enumerate(entry.lengths))
@@ -232,7 +231,7 @@ class VarLenReport:
     scheduler: str = "dp"
     compiler: str = "saved"
     compiler_fallback: str = ""  # why no shape could use the whole-model graph
-    whole_model: str = ""  # what the saved whole-model compile did (artifact or AOTInductor package: compiled or loaded, seconds)
+    whole_model: str = ""  # what the saved whole-model compile did (compiled or loaded, seconds)
     shapes: dict[tuple[int, ...], BuildReport] = field(default_factory=dict)
     build_seconds: dict[tuple[int, ...], float] = field(default_factory=dict)
     memory_bytes: dict[tuple[int, ...], int] = field(default_factory=dict)  # device memory reserved by each shape's build
@@ -353,25 +352,21 @@ class VarLenRunners:
         self.report.runner = "+".join(sorted(kinds))
         self.info = RunnerInfo(self.report.runner, str(device), self._batches)
 
-    def _whole_model(self, module: torch.nn.Module, compiler: str) -> WholeModelInductor | WholeModelSaved | WholeModelAOT | None:
-        """The model compiled once for every shape (compiler "inductor", "saved" or "aot", on a GPU)."""
+    def _whole_model(self, module: torch.nn.Module, compiler: str) -> WholeModelSaved | None:
+        """The model compiled once for every shape (compiler "saved", on a GPU)."""
         if not self._cuda or compiler == "engine":
             return None
-        saved = {"saved": WholeModelSaved, "aot": WholeModelAOT}.get(compiler)
-        label = saved.label if saved else WholeModelInductor.label
         start = time.perf_counter()
         try:
             self.inductor_cache = str(use_inductor_cache(self.engine_settings.inductor_cache))
             module = module.to(self.device).eval()
-            if compiler == "inductor":
-                return WholeModelInductor(module)
-            kept = saved(module, aot_example(self.entry, self.device), dynamic_dims(self.entry, self.max_batch), cache_root() / compiler)
+            kept = WholeModelSaved(module, export_example(self.entry, self.device), dynamic_dims(self.entry, self.max_batch), cache_root() / compiler)
         except Exception as error:  # noqa: BLE001 - an unwritable cache, export and compile errors: the engine's builds still serve
-            self.report.compiler_fallback = f"{label}: {type(error).__name__}: {error}"
+            self.report.compiler_fallback = f"{WholeModelSaved.label}: {type(error).__name__}: {error}"
             log.warning("%s; building every shape with the engine instead", self.report.compiler_fallback)
             return None
         done = "compiled" if kept.compiled_now else "loaded"
-        self.report.whole_model = f"{label} {done} in {time.perf_counter() - start:.1f} s: {kept.path}"
+        self.report.whole_model = f"{WholeModelSaved.label} {done} in {time.perf_counter() - start:.1f} s: {kept.path}"
         log.info("%s", self.report.whole_model)
         return kept
 
@@ -399,7 +394,7 @@ class VarLenRunners:
         return timings
 
     def _whole_model_runner(self, shape: tuple[int, ...]) -> tuple[GraphRunner | None, BuildReport]:
-        """The shape's graphs captured from the whole-model graph (Inductor, saved or AOT), largest
+        """The shape's graphs captured from the whole-model graph (the saved artifact), largest
         batch first, each checked against the eager model; None (and the reason
         in the report's fallbacks) if a capture or a check fails."""
         entry, settings = self.entry.at(shape), self.engine_settings
@@ -595,11 +590,11 @@ def request_scheduler(request, default: str) -> str:
 class VarLenModel(OparaModel):
     """The adapter for models with variable sequence axes (model.py of bert, t5)."""
 
-    OWN_PARAMETERS = OWN_PARAMETERS
+    PARAMETER_KIND = parameters.VARLEN
 
-    def _check_config(self, config: dict) -> None:
+    def _check_config(self, config: dict, values: parameters.Values) -> None:
         check_config(self.entry, config)
-        self.varlen = varlen_settings(self.entry, config)
+        self.varlen = varlen_settings(self.entry, values)
 
     def _build(self, module: torch.nn.Module, settings: EngineSettings, config: dict):
         runners = VarLenRunners(module, self.entry, self.device, settings, self.varlen)
