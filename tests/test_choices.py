@@ -8,24 +8,23 @@ import pytest
 import torch
 
 from opara_core import zoo
-from opara_core.engine import choices
+from opara_core.engine import build, choices
 from opara_core.engine.build import BuildReport, Candidate, EngineSettings, build_runner, needed, recipe_key, trace_for_build, traced_graphs
 
 CPU = torch.device("cpu")
-GRAPHS = {"nchw": "sha256:aaa", "nhwc": "sha256:aaa"}
-CANDIDATES = ["nchw:sequential/1", "nchw:opara/8", "nhwc:asap/4"]
+PARTS = {"traced": "sha256:aaa", "code": "c0de", "settings": "EngineSettings()"}
 
 
 def test_the_key_changes_with_each_thing_the_choice_depends_on():
-    key = choices.choices_key(GRAPHS, CANDIDATES, (1, 8), CPU)
-    assert key == choices.choices_key(dict(reversed(GRAPHS.items())), reversed(CANDIDATES), (8, 1, 8), CPU)
-    assert key != choices.choices_key({**GRAPHS, "nhwc": "sha256:bbb"}, CANDIDATES, (1, 8), CPU)
-    assert key != choices.choices_key(GRAPHS, CANDIDATES[:2], (1, 8), CPU)
-    assert key != choices.choices_key(GRAPHS, CANDIDATES, (1, 8, 32), CPU)
+    key = choices.key(PARTS, (1, 8), CPU)
+    assert key == choices.key(dict(reversed(PARTS.items())), (8, 1, 8), CPU)
+    assert key != choices.key({**PARTS, "traced": "sha256:bbb"}, (1, 8), CPU)
+    assert key != choices.key({**PARTS, "code": "c0dd"}, (1, 8), CPU)
+    assert key != choices.key(PARTS, (1, 8, 32), CPU)
     saved = torch.backends.cudnn.benchmark
     try:
         torch.backends.cudnn.benchmark = not saved
-        assert key != choices.choices_key(GRAPHS, CANDIDATES, (1, 8), CPU)
+        assert key != choices.key(PARTS, (1, 8), CPU)
     finally:
         torch.backends.cudnn.benchmark = saved
 
@@ -33,10 +32,11 @@ def test_the_key_changes_with_each_thing_the_choice_depends_on():
 def test_stored_choices_read_back_and_forget_removes_them(tmp_path):
     picked = {1: Candidate("nchw", "opara", 8), 8: Candidate("nhwc", "asap", 4)}
     timings = {1: {Candidate("nchw", "opara", 8): 0.4, Candidate("nchw", "sequential", 1): 0.6}, 8: {Candidate("nhwc", "asap", 4): 0.9}}
-    choices.store("k", picked, timings, tmp_path)
-    got, got_timings = choices.load("k", tmp_path)
-    assert {b: Candidate.parse(c) for b, c in got.items()} == picked
-    assert got_timings == {1: {"nchw:opara/8": 0.4, "nchw:sequential/1": 0.6}, 8: {"nhwc:asap/4": 0.9}}
+    choices.store("k", picked, timings, {"nchw": "sha256:aaa", "nhwc": "sha256:bbb"}, tmp_path)
+    got = choices.load("k", tmp_path)
+    assert {b: Candidate.parse(c) for b, c in got.choices.items()} == picked
+    assert got.timings_ms == {1: {"nchw:opara/8": 0.4, "nchw:sequential/1": 0.6}, 8: {"nhwc:asap/4": 0.9}}
+    assert got.graphs == {"nchw": "sha256:aaa", "nhwc": "sha256:bbb"}
     choices.forget("k", tmp_path)
     assert choices.load("k", tmp_path) is None
 
@@ -46,15 +46,18 @@ def test_an_unreadable_file_is_ignored(tmp_path):
     assert choices.load("k", tmp_path) is None
     (tmp_path / "k.json").write_text('{"choices": []}')
     assert choices.load("k", tmp_path) is None
+    (tmp_path / "k.json").write_text('{"choices": {"1": "nchw:opara/8"}, "timings_ms": {}}')  # no graphs
+    assert choices.load("k", tmp_path) is None
 
 
-def test_a_recipe_reads_back_and_forget_removes_it(tmp_path):
-    choices.store_recipe("r", "k", {"inductor-cudnn": "sha256:aaa"}, tmp_path)
-    assert choices.load_recipe("r", tmp_path) == ("k", {"inductor-cudnn": "sha256:aaa"})
-    choices.forget_recipe("r", tmp_path)
-    assert choices.load_recipe("r", tmp_path) is None
-    (tmp_path / "recipe-r.json").write_text('{"key": "k"}')  # no graphs: unreadable, ignored
-    assert choices.load_recipe("r", tmp_path) is None
+def test_remembered_choices_are_offered_only_where_they_cover_every_bucket():
+    found = choices.Remembered({1: "nchw:opara/8", 8: "inductor:sequential/1"}, {1: {"nchw:opara/8": 0.3}}, {"nchw": "a", "inductor": "b"})
+    known, timings = build._parsed(found, (1, 8))
+    assert known == {1: Candidate("nchw", "opara", 8), 8: Candidate("inductor", "sequential", 1)}
+    assert timings == {1: {Candidate("nchw", "opara", 8): 0.3}}
+    assert build._parsed(found, (1, 8, 32)) is None
+    assert build._parsed(choices.Remembered({1: "opara/8"}, {}, {}), (1,)) is None  # not a candidate's text
+    assert build._parsed(None, (1,)) is None
 
 
 def test_the_recipe_key_changes_with_the_traced_graph_and_every_setting():
@@ -110,9 +113,29 @@ def test_a_second_build_captures_only_the_remembered_choices(tmp_path, monkeypat
     assert not any(k.startswith("timing") for k in second.seconds), second.seconds
     # the second build made only the graphs its choices use (engine.choices' recipe)
     used = {c.graph for c in first.choices.values()}
-    _, graphs = choices.load_recipe(recipe_key(trace_for_build(entry.build().to(device).eval(), entry, device, BuildReport()), settings, device))
+    graphs = choices.load(recipe_key(trace_for_build(entry.build().to(device).eval(), entry, device, BuildReport()), settings, device)).graphs
     assert set(graphs) == used, graphs
     assert (second.fusion is None) == used.isdisjoint({"nchw", "nhwc"}), (used, second.fusion)
     inputs = entry.example_inputs(3, seed=11)
     for a, b in zip(first_runner.run(inputs), second_runner.run(inputs)):
         assert torch.allclose(a.cpu(), b.cpu(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_build_tries_the_remembered_choices_then_every_candidate_then_the_sequential_graph(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
+    entry = zoo.get("googlenet")
+    module = entry.build().eval()
+    settings = EngineSettings(fusion=False)
+
+    def tried(settings: EngineSettings, traced=True) -> list[tuple[str, str, list[str] | None]]:
+        state = build.Build(module, entry, CPU, settings, None, BuildReport(), None, traced=object() if traced else None, key="k" if traced else None)
+        return [(a.label, a.kind, None if a.graphs is None else sorted(a.graphs)) for a in build.attempts(state)]
+
+    assert tried(settings) == [("multi-stream graph", "multi-stream graph", None), ("sequential graph", "sequential graph", ["nchw"])]
+    choices.store("k", {b: Candidate("nhwc", "opara", 8) for b in settings.buckets}, {}, {"nhwc": "sha256:aaa"})
+    assert tried(settings)[0] == ("remembered choices", "multi-stream graph", ["nhwc"])
+    assert len(tried(settings)) == 3
+    assert tried(EngineSettings(fusion=False, buckets=(1, 64))) == tried(settings)[1:]  # the remembered buckets differ
+    assert tried(EngineSettings(fusion=False, policy="sequential")) == [("sequential graph", "sequential graph", ["nchw"])]
+    assert tried(EngineSettings(fusion=False, layout="nhwc"))[-1] == ("sequential graph", "sequential graph", ["nhwc"])
+    assert tried(settings, traced=False) == [("sequential graph", "sequential graph", ["nchw"])]  # of the untraced module

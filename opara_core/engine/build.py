@@ -23,7 +23,7 @@ from typing import Any, Collection, Mapping, Sequence
 
 import torch
 
-from opara_core import parameters, zoo
+from opara_core import parameters
 from opara_core.engine import choices, heap, runtime, trace_cache
 from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, LanePool, PlanCapture, capture_module, time_replays
 from opara_core.engine.interpreter import reordered_graph
@@ -36,6 +36,7 @@ from opara_core.engine.trace import OpGraph, trace_model
 from opara_core.engine.interpreter import plan_graph
 from opara_core.engine.profile import apply_profile, profile_graph
 from opara_core.planning.plan import Plan
+from opara_core.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears", 
 # 2.41 -> 2.02 ms at batch 32, the same within 1.5% at 1 and 8.
 # Made from the `inductor` graph, with only the passes it lacks (_fused_lanes_graphs).
 INDUCTOR_CUDNN_PASSES = (*INDUCTOR_PASSES, "conv_add_relu", "conv_relu")
+ATEN_GRAPHS = ("nchw", "nhwc")  # graphs of ATen kernels, one per layout
 FUSED_GRAPHS = ("inductor", "inductor-cudnn")  # graphs whose candidates are fused lanes
 
 
@@ -172,155 +174,207 @@ class GuardError(RuntimeError):
 
 def build_runner(
     module: torch.nn.Module,
-    entry: zoo.ZooModel,
+    model: ModelSpec,
     device: torch.device,
     max_batch: int,
     settings: EngineSettings = EngineSettings(),
     pool: GraphPool | None = None,
 ) -> tuple[runtime.Runner, BuildReport]:
-    """The fastest correct runner for `module` on `device`, and how it was chosen.
+    """The fastest correct runner for `module` (whose interface `model`
+    describes) on `device`, and how it was chosen.
 
     `pool`: the graph memory pool and lane streams to capture into, shared
     with other runners whose graphs never replay concurrently with these
     (serving.varlen: one pool for every shape of a model); a new one if None."""
     if device.type != "cuda":
-        return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), BuildReport()
+        return runtime.EagerRunner(module, model.inputs, model.outputs, device, max_batch), BuildReport()
     with heap.long_lived_frozen():  # full collections skip what the build keeps
-        return _build_on_gpu(module, entry, device, max_batch, settings, pool)
+        return _build_on_gpu(module, model, device, max_batch, settings, pool)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One way a build may end, tried in order until one passes its guard:
+    remembered choices, then every candidate timed, then the sequential graph
+    (then, outside the list, eager). `graphs`: the graphs it needs (None:
+    every graph); `known`: a choice per bucket to capture without timing, and
+    `fingerprints` what its graphs must be."""
+
+    kind: str  # "multi-stream graph" or "sequential graph": the runner it makes
+    graphs: frozenset[str] | None = None
+    known: Mapping[int, Candidate] | None = None
+    fingerprints: Mapping[str, str] | None = None
+    timings_ms: Mapping[int, Mapping[Candidate, float]] | None = None
+
+    @property
+    def label(self) -> str:
+        return "remembered choices" if self.known is not None else self.kind
+
+
+@dataclass
+class Build:
+    """One build's state, filled stage by stage: trace, then per attempt
+    fuse and profile (the graphs it needs, each made once), plan, capture,
+    check, remember."""
+
+    module: torch.nn.Module
+    model: ModelSpec
+    device: torch.device
+    settings: EngineSettings
+    pool: GraphPool | None
+    report: BuildReport
+    lane_pool: LanePool
+    traced: OpGraph | None = None
+    key: str | None = None  # where its choices are remembered (engine.choices)
+    graphs: dict[str, OpGraph] = field(default_factory=dict)  # made so far, by name
+    inductor_dir: str = ""  # fused lanes: Inductor's cache directory (set with the fused graphs)
 
 
 def _build_on_gpu(
-    module: torch.nn.Module, entry: zoo.ZooModel, device: torch.device, max_batch: int, settings: EngineSettings, pool: GraphPool | None
+    module: torch.nn.Module, model: ModelSpec, device: torch.device, max_batch: int, settings: EngineSettings, pool: GraphPool | None
 ) -> tuple[runtime.Runner, BuildReport]:
-    report = BuildReport()
     module = module.to(device).eval()
     torch.backends.cudnn.benchmark = settings.autotune
-    traced = trace_for_build(module, entry, device, report)
+    build = Build(module, model, device, settings, pool, BuildReport(), LanePool(device) if pool is None else pool.lanes)
+    build.traced = trace_for_build(module, model, device, build.report)
     heap.freeze_more()
-    recipe = recipe_key(traced, settings, device) if traced is not None and settings.remember_choices else None
-    # a build whose choices are remembered fuses and profiles only the graphs they use
-    graphs, key = _remembered_graphs(recipe, module, entry, device, settings, report, traced) if recipe else ({}, "")
-    from_recipe = bool(graphs)
-    if not graphs and traced is not None:
-        graphs = traced_graphs(module, entry, device, settings, report, traced=traced)
-    heap.freeze_more()  # the graphs live as long as the runner
-    lane_pool = LanePool(device) if pool is None else pool.lanes
-    segment_cache = Path(report.inductor) / "segments" if report.inductor else None  # set where fused lanes are on
-    plans = candidates(graphs, settings)
-
-    def full_key() -> str:
-        """The choices' key from every graph and candidate (engine.choices)."""
-        timed = ["fused lanes autotune"] if settings.fused_lanes_autotune else []  # other algorithms, other times
-        return choices.choices_key({k: g.fingerprint for k, g in graphs.items()}, [*map(str, plans), *timed], settings.buckets, device)
-
-    key = key or full_key()
-    captures: dict[Candidate, PlanCapture] = {}
-    compiled: list[CompileCount] = []  # what preparing fused lanes up front loaded and compiled
-
-    def every_graph() -> None:
-        """Every graph, its candidates and the full key, as a build without a
-        recipe has them: for timing every candidate again, or the sequential fallback."""
-        nonlocal graphs, plans, key, from_recipe
-        if from_recipe:
-            graphs = traced_graphs(module, entry, device, settings, report, traced=traced)
-            plans = candidates(graphs, settings)
-            key = full_key()
-            from_recipe = False
-
-    def make_captures(wanted: Mapping[Candidate, Plan]) -> None:
-        start = time.perf_counter()
-        captures.update({c: plan_capture(c, graphs[c.graph], plan, lane_pool, segment_cache, settings.fused_lanes_autotune) for c, plan in wanted.items() if c not in captures})
-        report.seconds["captures made"] = report.seconds.get("captures made", 0.0) + time.perf_counter() - start
-
-    def multi_stream() -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
-        handle = None if pool is None else pool.handle
-        known = remembered()
-        if from_recipe and (known is None or not set(known) >= set(settings.buckets)):  # a recipe without its choices
-            report.remembered = False
-            report.choices.clear()
-            report.timings_ms.clear()
-            every_graph()
-            known = remembered()
-        make_captures(needed(plans, known, settings.buckets))
-        start = time.perf_counter()
-        compiled.append(_prepare_fused(captures, entry, device, settings.buckets, known))
-        if segment_cache is not None:
-            report.seconds["fused lanes prepare"] = time.perf_counter() - start
-        try:
-            chosen = capture_fastest(captures, entry, device, settings.buckets, report, handle, known)
-        except CaptureError as error:
-            if not report.remembered:
-                raise
-            log.warning("the remembered choices failed (%s); timing every candidate again", error)
-            forget()
-            report.remembered = False
-            report.choices.clear()
-            report.timings_ms.clear()
-            every_graph()
-            make_captures(plans)
-            chosen = capture_fastest(captures, entry, device, settings.buckets, report, handle)
-        return chosen, {b: graphs[c.graph].module for b, c in report.choices.items()}
-
-    def remembered() -> dict[int, Candidate] | None:
-        known = choices.load(key) if settings.remember_choices else None
-        return _remembered(known, plans, report) if known is not None else None
-
-    def forget() -> None:
-        choices.forget(key)
-        if recipe:
-            choices.forget_recipe(recipe)
-
-    def sequential() -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
-        every_graph()  # its graph is the ATen one
-        shared = torch.cuda.graph_pool_handle() if pool is None else pool.handle
-        with torch.inference_mode():  # no autograd state in the graphs or their outputs
-            if graphs:
-                layout, graph = next(iter(graphs.items()))  # an ATen graph
-                capture = PlanCapture(graph, plan_graph(graph, "sequential"), lane_pool)
-                captured = {b: capture(static_inputs(entry, b, device), shared) for b in sorted(settings.buckets, reverse=True)}
-                reference, choice = graph.module, Candidate(layout, "sequential", 1)
-            else:
-                captured = {b: capture_module(module, static_inputs(entry, b, device), shared) for b in sorted(settings.buckets, reverse=True)}
-                reference, choice = module, "module"
-        report.choices = dict.fromkeys(captured, choice)
-        return captured, dict.fromkeys(captured, reference)
-
-    # each attempt: (what the runner is, its build-time key, how to capture it); a failure falls to the next
-    attempts = [("sequential graph", "capture", sequential)]
-    if graphs and settings.policy != "sequential":
-        attempts.insert(0, ("multi-stream graph", "plan+capture", multi_stream))
-    for kind, seconds_key, capture in attempts:
+    if build.traced is not None and settings.remember_choices:
+        build.key = recipe_key(build.traced, settings, device)
+    tried = attempts(build)
+    for number, attempt in enumerate(tried):
         start = time.perf_counter()
         try:
-            captured, references = capture()
-            runner = runtime.GraphRunner(captured, entry.inputs, entry.outputs, device, max_batch)
+            captured, references = (capture_multi_stream if attempt.kind == "multi-stream graph" else capture_sequential)(build, attempt)
+            runner = runtime.GraphRunner(captured, model.inputs, model.outputs, device, max_batch)
             if settings.guard:
-                fused = {b for b, c in report.choices.items() if isinstance(c, Candidate) and c.fused}
-                tolerances = {b: settings.fused_tolerance if b in fused else settings.guard_tolerance for b in report.choices}
-                guard_start = time.perf_counter()
-                log.info("checking the %s of %d buckets against eager", kind, len(references))
-                check_against_eager(runner, references, entry, tolerances)
-                report.seconds["guard"] = time.perf_counter() - guard_start
-        except (CaptureError, GuardError, RuntimeError) as error:
-            if report.remembered:
-                forget()
-            report.fallbacks.append(f"{kind}: {error}")
-            log.warning("%s failed, falling back to %s: %s", kind, "a sequential graph" if kind != "sequential graph" else "eager", error)
-            report.choices.clear()
-            report.timings_ms.clear()
+                check(build, runner, references, attempt.kind)
+        except Exception as error:  # noqa: BLE001 - any failure falls to the next attempt, the reason kept
+            if attempt.known is not None:
+                choices.forget(build.key)
+            reason = str(error) if isinstance(error, (CaptureError, GuardError)) else f"{type(error).__name__}: {error}"
+            build.report.fallbacks.append(f"{attempt.label}: {reason}")
+            after = f"a {tried[number + 1].kind}" if number + 1 < len(tried) else "eager"
+            log.warning("%s failed, falling back to %s: %s", attempt.label, after, reason)
+            build.report.choices.clear()
+            build.report.timings_ms.clear()
+            build.report.remembered = False
             continue
-        report.seconds[seconds_key] = time.perf_counter() - start
-        report.runner = kind
-        if kind == "multi-stream graph" and settings.remember_choices and not report.remembered:
-            choices.store(key, report.choices, report.timings_ms)
-        if kind == "multi-stream graph" and recipe and not from_recipe:
-            choices.store_recipe(recipe, key, {c.graph: graphs[c.graph].fingerprint for c in report.choices.values() if isinstance(c, Candidate)})
-        if segment_cache is not None:
-            counts = [*compiled, *(c.count for c in captures.values() if isinstance(c, InductorCapture))]
-            report.inductor += f": {sum(counts, CompileCount())}"
-        return runner, report
-    report.runner = "eager"
-    return runtime.EagerRunner(module, entry.inputs, entry.outputs, device, max_batch), report
+        build.report.seconds["plan+capture" if attempt.kind == "multi-stream graph" else "capture"] = time.perf_counter() - start
+        build.report.runner = attempt.kind
+        remember(build, attempt)
+        return runner, build.report
+    build.report.runner = "eager"
+    return runtime.EagerRunner(module, model.inputs, model.outputs, device, max_batch), build.report
+
+
+def attempts(build: Build) -> list[Attempt]:
+    """What the build tries, in order: the remembered choices (only the
+    graphs they use), every candidate timed, the sequential graph of the ATen
+    graph (or of the untraced module where tracing failed)."""
+    tried = []
+    if build.traced is not None and build.settings.policy != "sequential":
+        found = choices.load(build.key) if build.key is not None else None
+        known = _parsed(found, build.settings.buckets)
+        if known is not None:
+            tried.append(Attempt("multi-stream graph", frozenset(found.graphs), known[0], dict(found.graphs), known[1]))
+        tried.append(Attempt("multi-stream graph"))
+    aten = [layout for layout in graph_names(build.module, build.settings, build.device) if layout in ATEN_GRAPHS]
+    tried.append(Attempt("sequential graph", frozenset(aten[:1])))
+    return tried
+
+
+def _parsed(found: choices.Remembered | None, buckets: Sequence[int]) -> tuple[dict[int, Candidate], dict[int, dict[Candidate, float]]] | None:
+    """Remembered choices as candidates, where they cover every bucket."""
+    if found is None or not set(found.choices) >= set(buckets):
+        return None
+    try:
+        known = {bucket: Candidate.parse(text) for bucket, text in found.choices.items()}
+        timings = {b: {Candidate.parse(c): t for c, t in per.items()} for b, per in found.timings_ms.items()}
+    except ValueError:
+        return None
+    return known, timings
+
+
+def graphs_for(build: Build, names: frozenset[str] | None) -> dict[str, OpGraph]:
+    """The fused and profiled graphs `names` (None: every graph), each made
+    once per build: a later attempt that needs more makes only the rest."""
+    wanted = set(graph_names(build.module, build.settings, build.device)) if names is None else set(names)
+    missing = wanted - set(build.graphs)
+    if missing:
+        build.graphs.update(traced_graphs(build.module, build.model, build.device, build.settings, build.report, traced=build.traced, only=missing))
+        build.inductor_dir = build.inductor_dir or build.report.inductor  # where fused lanes keep compiled code
+    heap.freeze_more()  # the graphs live as long as the runner
+    return {name: graph for name, graph in build.graphs.items() if name in wanted}
+
+
+def capture_multi_stream(build: Build, attempt: Attempt) -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
+    """Plan every candidate of the attempt's graphs, capture them and keep the
+    fastest per bucket (or the remembered one)."""
+    settings, report = build.settings, build.report
+    graphs = graphs_for(build, attempt.graphs)
+    if attempt.fingerprints is not None and {name: g.fingerprint for name, g in graphs.items()} != dict(attempt.fingerprints):
+        raise CaptureError("the remembered choices' graphs came out otherwise; timing every candidate")
+    plans = candidates(graphs, settings)
+    known = attempt.known
+    if known is not None:
+        if not all(c in plans for c in known.values()):
+            raise CaptureError("a remembered choice is no longer a candidate; timing every candidate")
+        report.choices.update(known)
+        report.timings_ms.update(attempt.timings_ms or {})
+        report.remembered = True
+    start = time.perf_counter()
+    segment_cache = Path(build.inductor_dir) / "segments" if build.inductor_dir else None
+    captures = {c: plan_capture(c, graphs[c.graph], plan, build.lane_pool, segment_cache, settings.fused_lanes_autotune) for c, plan in needed(plans, known, settings.buckets).items()}
+    report.seconds["captures made"] = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled = _prepare_fused(captures, build.model, build.device, settings.buckets, known)
+    if segment_cache is not None:
+        report.seconds["fused lanes prepare"] = time.perf_counter() - start
+    chosen = capture_fastest(captures, build.model, build.device, settings.buckets, report, None if build.pool is None else build.pool.handle, known)
+    if segment_cache is not None:
+        counts = [compiled, *(c.count for c in captures.values() if isinstance(c, InductorCapture))]
+        report.inductor = f"{build.inductor_dir}: {sum(counts, CompileCount())}"
+    return chosen, {b: graphs[c.graph].module for b, c in report.choices.items()}
+
+
+def capture_sequential(build: Build, attempt: Attempt) -> tuple[dict[int, CapturedGraph], dict[int, torch.nn.Module]]:
+    """One stream, topological order: of the ATen graph, or of the untraced
+    module where tracing failed."""
+    model, device, buckets = build.model, build.device, sorted(build.settings.buckets, reverse=True)
+    shared = torch.cuda.graph_pool_handle() if build.pool is None else build.pool.handle
+    graphs = graphs_for(build, attempt.graphs) if build.traced is not None else {}
+    with torch.inference_mode():  # no autograd state in the graphs or their outputs
+        if graphs:
+            layout, graph = next(iter(graphs.items()))
+            capture = PlanCapture(graph, plan_graph(graph, "sequential"), build.lane_pool)
+            captured = {b: capture(static_inputs(model, b, device), shared) for b in buckets}
+            reference, choice = graph.module, Candidate(layout, "sequential", 1)
+        else:
+            captured = {b: capture_module(build.module, static_inputs(model, b, device), shared) for b in buckets}
+            reference, choice = build.module, "module"
+    build.report.choices = dict.fromkeys(captured, choice)
+    return captured, dict.fromkeys(captured, reference)
+
+
+def check(build: Build, runner: runtime.Runner, references: Mapping[int, torch.nn.Module], kind: str) -> None:
+    """The guard: every bucket's replay against its graph run eagerly, fused
+    lanes with their own tolerance."""
+    settings = build.settings
+    fused = {b for b, c in build.report.choices.items() if isinstance(c, Candidate) and c.fused}
+    tolerances = {b: settings.fused_tolerance if b in fused else settings.guard_tolerance for b in build.report.choices}
+    start = time.perf_counter()
+    log.info("checking the %s of %d buckets against eager", kind, len(references))
+    check_against_eager(runner, dict(references), build.model, tolerances)
+    build.report.seconds["guard"] = time.perf_counter() - start
+
+
+def remember(build: Build, attempt: Attempt) -> None:
+    """Keep a multi-stream build's timed choices for the next build (engine.choices)."""
+    report = build.report
+    if attempt.kind != "multi-stream graph" or attempt.known is not None or build.key is None:
+        return
+    used = {c.graph for c in report.choices.values() if isinstance(c, Candidate)}
+    choices.store(build.key, report.choices, report.timings_ms, {name: build.graphs[name].fingerprint for name in sorted(used)})
 
 
 @functools.cache
@@ -334,39 +388,28 @@ def _code_digest() -> str:
 
 def recipe_key(traced: OpGraph, settings: EngineSettings, device: torch.device) -> str:
     """The key of what a build starts from: the traced graph, the settings and
-    the code that fuses, plans and chooses (engine.choices' recipe)."""
-    return choices.choices_key({"traced": traced.fingerprint, "code": _code_digest()}, [repr(settings)], settings.buckets, device)
+    the code that fuses, plans and chooses (engine.choices)."""
+    return choices.key({"traced": traced.fingerprint, "code": _code_digest(), "settings": repr(settings)}, settings.buckets, device)
 
 
-def _remembered_graphs(
-    recipe: str, module, entry: zoo.ZooModel, device: torch.device, settings: EngineSettings, report: BuildReport, traced: OpGraph
-) -> tuple[dict[str, OpGraph], str]:
-    """Only the graphs an earlier build's remembered choices use, and the key
-    they are stored under; ({}, "") where there is no recipe, or a graph came
-    out other than it was then (the build then makes every graph)."""
-    found = choices.load_recipe(recipe)
-    if found is None:
-        return {}, ""
-    key, fingerprints = found
-    try:
-        graphs = traced_graphs(module, entry, device, settings, report, traced=traced, only=fingerprints)
-    except Exception as error:  # noqa: BLE001 - every graph is still made
-        log.warning("the remembered graphs could not be made (%s: %s); making every graph", type(error).__name__, error)
-        return {}, ""
-    if {name: graph.fingerprint for name, graph in graphs.items()} != fingerprints:
-        log.info("the remembered choices' graphs changed; making every graph")
-        return {}, ""
-    return graphs, key
+def graph_names(module: torch.nn.Module, settings: EngineSettings, device: torch.device) -> tuple[str, ...]:
+    """The graphs `traced_graphs` makes for `module` (inductor-cudnn only where
+    some convolution fuses with cuDNN; it may then be absent)."""
+    has_convs = any(isinstance(m, torch.nn.Conv2d) for m in module.modules())
+    names = {"auto": ("nchw", "nhwc") if has_convs else ("nchw",), "nchw": ("nchw",), "nhwc": ("nhwc",)}[settings.layout]
+    if settings.fused_lanes and torch.device(device).type == "cuda":
+        names += FUSED_GRAPHS if has_convs else FUSED_GRAPHS[:1]
+    return names
 
 
-def static_inputs(entry: zoo.ZooModel, bucket: int, device: torch.device) -> list[torch.Tensor]:
+def static_inputs(model: ModelSpec, bucket: int, device: torch.device) -> list[torch.Tensor]:
     """A bucket's static input tensors, filled with valid random values."""
-    return [spec.random(bucket, device=device) for spec in entry.inputs]
+    return [spec.random(bucket, device=device) for spec in model.inputs]
 
 
 def capture_fastest(
     captures: dict[Candidate, PlanCapture],
-    entry: zoo.ZooModel,
+    model: ModelSpec,
     device: torch.device,
     buckets: Sequence[int],
     report: BuildReport,
@@ -401,7 +444,7 @@ def capture_fastest(
         for bucket in sorted(set(buckets)):
             if known and bucket in known:
                 continue
-            static_in = static_inputs(entry, bucket, device)
+            static_in = static_inputs(model, bucket, device)
             log.info("bucket %d: capturing and timing %d candidates", bucket, len(sequential) + len(shortlist))
             timings: dict[Candidate, float] = {}
             failures = []
@@ -430,17 +473,17 @@ def capture_fastest(
             log.info("auto: bucket %d -> %s (%s)", bucket, ranked[0], ", ".join(f"{c} {timings[c]:.3f} ms" for c in ranked))
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
-        chosen = {b: captures[report.choices[b]](static_inputs(entry, b, device), pool) for b in sorted(set(buckets), reverse=True)}
+        chosen = {b: captures[report.choices[b]](static_inputs(model, b, device), pool) for b in sorted(set(buckets), reverse=True)}
         report.seconds["capture chosen"] = time.perf_counter() - start
     return chosen
 
 
-def trace_for_build(module, entry: zoo.ZooModel, device: torch.device, report: BuildReport) -> OpGraph | None:
+def trace_for_build(module, model: ModelSpec, device: torch.device, report: BuildReport) -> OpGraph | None:
     """The model traced (through the trace cache); None, with the reason in the report, if tracing fails."""
     start = time.perf_counter()
     log.info("tracing the module")
     try:
-        graph = trace_model(entry, module, device, cache=trace_cache.cache_dir())
+        graph = trace_model(model, module, device, cache=trace_cache.cache_dir())
     except Exception as error:  # noqa: BLE001 - any tracing failure falls back
         report.fallbacks.append(f"tracing: {error}")
         return None
@@ -449,7 +492,7 @@ def trace_for_build(module, entry: zoo.ZooModel, device: torch.device, report: B
 
 
 def traced_graphs(
-    module, entry: zoo.ZooModel, device: torch.device, settings: EngineSettings, report: BuildReport, traced: OpGraph | None = None, only: Collection[str] | None = None
+    module, model: ModelSpec, device: torch.device, settings: EngineSettings, report: BuildReport, traced: OpGraph | None = None, only: Collection[str] | None = None
 ) -> dict[str, OpGraph]:
     """The model traced (and fused) in each layout to try; empty if tracing fails.
     `traced`: the model already traced (trace_for_build); `only`: just these of
@@ -466,12 +509,12 @@ def traced_graphs(
     layouts = {"auto": ("nchw", "nhwc") if has_convs else ("nchw",), "nchw": ("nchw",), "nhwc": ("nhwc",)}[settings.layout]
     if only is not None:
         layouts = tuple(layout for layout in layouts if layout in only)
-    traced = traced if traced is not None else trace_for_build(module, entry, device, report)
+    traced = traced if traced is not None else trace_for_build(module, model, device, report)
     if traced is None:
         return {}
     graph = traced
     buckets = sorted({min(settings.buckets), max(settings.buckets)})
-    checks = [tuple(t.to(device) for t in entry.example_inputs(b, seed=7)) for b in buckets]
+    checks = [tuple(t.to(device) for t in model.example_inputs(b, seed=7)) for b in buckets]
     if settings.fusion and layouts:
         start = time.perf_counter()
         log.info("fusing the traced graph (%d ops)", len(graph.dag.nodes))
@@ -482,7 +525,7 @@ def traced_graphs(
         report.seconds["fusion"] = time.perf_counter() - start
     # kernels measured on the GPU at the smallest bucket, the latency-bound one
     on_gpu = torch.device(device).type == "cuda"
-    profile_inputs = [t.to(device) for t in entry.example_inputs(min(settings.buckets), seed=5)]
+    profile_inputs = [t.to(device) for t in model.example_inputs(min(settings.buckets), seed=5)]
     if settings.profile and on_gpu and layouts:
         graph = profiled(graph, profile_inputs, device, report)
     # NHWC is the same traced and fused graph with channels-last convolution
@@ -567,12 +610,12 @@ def plan_capture(
     return PlanCapture(graph, plan, lane_pool)
 
 
-def _prepare_fused(captures: Mapping[Candidate, PlanCapture], entry: zoo.ZooModel, device: torch.device, buckets: Sequence[int], known: Mapping[int, Candidate] | None) -> CompileCount:
+def _prepare_fused(captures: Mapping[Candidate, PlanCapture], model: ModelSpec, device: torch.device, buckets: Sequence[int], known: Mapping[int, Candidate] | None) -> CompileCount:
     """Load or compile the segments of every fused-lanes candidate at every
     bucket (only the remembered ones with `known`) in one go, so that one pool
     of compile workers gets all of it. A failure here is left to the candidate's
     own capture, which then drops only that candidate."""
-    runs = [(capture, static_inputs(entry, bucket, device)) for bucket in sorted(set(buckets)) for candidate, capture in captures.items()
+    runs = [(capture, static_inputs(model, bucket, device)) for bucket in sorted(set(buckets)) for candidate, capture in captures.items()
             if isinstance(capture, InductorCapture) and (known is None or known.get(bucket) == candidate)]
     if not runs:
         return CompileCount()
@@ -600,23 +643,6 @@ def needed(plans: Mapping[Candidate, Plan], known: Mapping[int, Candidate] | Non
     return {c: p for c, p in plans.items() if c in known.values()}
 
 
-def _remembered(known: tuple[dict[int, str], dict[int, dict[str, float]]], offered: Collection[Candidate], report: BuildReport) -> dict[int, Candidate] | None:
-    """An earlier build's choices as candidates of this build (into `report`),
-    or None if one of them is not a candidate now."""
-    chosen, timings = known
-    try:
-        parsed = {bucket: Candidate.parse(text) for bucket, text in chosen.items()}
-        times = {b: {Candidate.parse(c): t for c, t in per.items()} for b, per in timings.items()}
-    except ValueError:
-        return None
-    if not all(c in offered for c in parsed.values()):
-        return None
-    report.choices.update(parsed)
-    report.timings_ms.update(times)
-    report.remembered = True
-    return parsed
-
-
 def channels_last_graph(graph: OpGraph) -> OpGraph:
     """A copy of `graph` whose 2-d convolution weights are channels-last: cuDNN
     then runs the whole network in NHWC, the layout its tensor-core kernels
@@ -639,26 +665,26 @@ def channels_last_graph(graph: OpGraph) -> OpGraph:
 
 
 def check_against_eager(
-    runner: runtime.Runner, references: dict[int, torch.nn.Module], entry: zoo.ZooModel, tolerance: float | dict[int, float]
+    runner: runtime.Runner, references: dict[int, torch.nn.Module], model: ModelSpec, tolerance: float | dict[int, float]
 ) -> None:
     """Replay every bucket on fresh random inputs and compare with the graph it
     replays, run eagerly (`references`: bucket -> module; `tolerance`: one for
     all, or per bucket)."""
     for bucket, reference in references.items():
-        inputs = entry.example_inputs(bucket, seed=1000 + bucket)
+        inputs = model.example_inputs(bucket, seed=1000 + bucket)
         outputs = [out.clone() for out in runner.run(inputs)]
         with torch.inference_mode(), no_cudnn_autotuning():  # eager convolutions of every bucket: values only
             expected = runtime._as_tuple(reference(*(x.to(runner.device) for x in inputs)))
         _compare(bucket, outputs, expected, tolerance[bucket] if isinstance(tolerance, dict) else tolerance)
 
 
-def check_rows_against_eager(runner: runtime.Runner, reference: torch.nn.Module, buckets: list[int], entry: zoo.ZooModel, tolerance: float) -> None:
+def check_rows_against_eager(runner: runtime.Runner, reference: torch.nn.Module, buckets: list[int], model: ModelSpec, tolerance: float) -> None:
     """`check_against_eager` for a module whose rows never interact (a row's
     answer is the same whatever else is in the batch, which variable-length
     serving relies on anyway): one eager run at the largest bucket, each
     bucket's replay compared with its leading rows. One eager run a bucket
     took T5 144 runs of about 20 ms per start, most of it Python."""
-    inputs = entry.example_inputs(max(buckets), seed=1000)
+    inputs = model.example_inputs(max(buckets), seed=1000)
     with torch.inference_mode(), no_cudnn_autotuning():
         expected = runtime._as_tuple(reference(*(x.to(runner.device) for x in inputs)))
     for bucket in buckets:
