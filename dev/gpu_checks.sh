@@ -63,6 +63,9 @@
 #              both schedulings at 64 req/s (the same load), iteration-level at 352 and 416, request-level at 72
 #              and 80 (their limits on the H200, generation's sixth run), 1,000 requests each;
 #              $OUT/generation.json, $OUT/generation_server.log
+#   servestart the shipped model_repository started as `make serve` starts it, on an empty cache
+#              ($SERVE_CACHE to keep one), until its "ready after" line: the terminal in
+#              $OUT/servestart_terminal.log, the whole server log in $OUT/servestart_full.log
 #   soak       GoogLeNet served by `python -m opara_core.serving.launcher serve` on ports 18000-18002,
 #              scripts/soak.py over gRPC at 1, 8 and 64 ($SOAK_SECONDS each, default 30, and as long a warm-up): errors, wrong
 #              answers, host and GPU memory growth
@@ -107,6 +110,22 @@ else:
     local rc=$?
     kill -TERM $server
     wait $server
+    return $rc
+}
+
+servestart() {
+    local cache=${SERVE_CACHE:-$(mktemp -d)} terminal=$out/servestart_terminal.log start=$SECONDS
+    OPARA_CACHE_DIR=$cache HTTP_PORT=18100 GRPC_PORT=18101 METRICS_PORT=18102 \
+        python3 -m opara_core.serving.launcher serve --model-repository model_repository >"$terminal" 2>&1 &
+    local server=$! rc=1
+    while kill -0 $server 2>/dev/null; do
+        if grep -q "^ready after " "$terminal"; then rc=0; break; fi
+        sleep 1
+    done
+    echo "== $((SECONDS - start)) s to the ready line (rc $rc)"
+    kill -TERM $server 2>/dev/null
+    wait $server
+    cp .triton/logs/server-18100.log "$out/servestart_full.log" 2>/dev/null
     return $rc
 }
 
@@ -173,7 +192,7 @@ transportexp() {
     return $rc
 }
 
-export -f soak instances twogpu warmbuild transportexp
+export -f servestart soak instances twogpu warmbuild transportexp
 export out
 
 for spec in "$@"; do
@@ -201,6 +220,7 @@ for spec in "$@"; do
         --concurrency 1,16 --shared-memory none,system,cuda --requests 200 --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
         --budget "${BUDGET:-$((limit - 45))}" --json "$out/serving.json" --log "$out/server.log" ;;
     soak) step soak "$limit" bash -c soak ;;
+    servestart) step servestart "$limit" bash -c servestart ;;
     warmbuild) step warmbuild "$limit" bash -c warmbuild ;;
     instances) step instances "$limit" bash -c instances ;;
     twogpu) step twogpu "$limit" bash -c twogpu ;;
@@ -215,6 +235,6 @@ for spec in "$@"; do
         --request-rates 64,72,80 --json "$out/generation.json" --log "$out/generation_server.log" ;;
     varlen) step varlen "$limit" python3 scripts/varlen_bench.py --models "${VARLEN_MODELS:-bert}" --concurrency 1,16,64 \
         --json "$out/varlen_bench.json" --log "$out/varlen_server.log" ${VARLEN_ARGS:-} ;;
-    *) echo "unknown step $name (tests, fusedtests, bench, servertests, launcher, csan, racecheck, transporttests, transport, transportexp, serving, instances, twogpu, soak, warmbuild, generation, varlen, varlentests)" >&2; exit 2 ;;
+    *) echo "unknown step $name (tests, fusedtests, bench, servertests, launcher, servestart, csan, racecheck, transporttests, transport, transportexp, serving, instances, twogpu, soak, warmbuild, generation, varlen, varlentests)" >&2; exit 2 ;;
     esac
 done

@@ -34,6 +34,7 @@ from typing import Iterator
 import torch
 
 from opara_core import zoo
+from opara_core.spec import ModelSpec, TensorSpec
 from opara_core.engine.build import EngineSettings, build_runner
 from opara_core.parameters import BATCH, ENGINE, Values, parse, show, strings, value
 from opara_core.serving import weights
@@ -84,7 +85,7 @@ def torch_threads(setting: str | int, device: torch.device) -> int | None:
     return int(setting) or None
 
 
-def check_config(entry: zoo.ZooModel, config: dict) -> None:
+def check_config(entry: ModelSpec, config: dict) -> None:
     """The config's inputs and outputs must be exactly the zoo model's, so a
     wrong config fails at load time instead of on the first request."""
     for kind, specs in (("input", entry.inputs), ("output", entry.outputs)):
@@ -101,7 +102,7 @@ def check_config(entry: zoo.ZooModel, config: dict) -> None:
                 )
 
 
-def check_ranges(entry: zoo.ZooModel, values: Values) -> None:
+def check_ranges(entry: ModelSpec, values: Values) -> None:
     """The id ranges a config publishes (`value_range.<input>`, `upper_bounds.<input>`)
     must be exactly the model's."""
     declared, expected = {}, {}
@@ -122,7 +123,7 @@ def _shown(bounds: tuple[int, ...] | None) -> str:
     return "not set" if bounds is None else repr(show(bounds))
 
 
-def request_tensors(entry: zoo.ZooModel, tensors: dict[str, torch.Tensor | None]) -> list[torch.Tensor]:
+def request_tensors(entry: ModelSpec, tensors: dict[str, torch.Tensor | None]) -> list[torch.Tensor]:
     """Validate one request's inputs against the model; return them in model order.
 
     Ids on the host are range-checked here (numpy, no copy); ids on a GPU are
@@ -160,7 +161,7 @@ class RangeCheck:
     synchronisation for the whole batch (a check per request and input would
     wait on the GPU for each). Only a request that fails pays for its message."""
 
-    def __init__(self, specs: tuple[zoo.TensorSpec, ...], device: torch.device):
+    def __init__(self, specs: tuple[TensorSpec, ...], device: torch.device):
         self._ranged = []
         for k, spec in enumerate(specs):
             limits = spec.limits()
