@@ -43,8 +43,11 @@ FAILED = re.compile(r"failed to load '(?P<model>[^']+)'(?: version \d+)?: (?P<wh
 MODEL_LINE = re.compile(r"^(?P<level>[A-Z]+) \[(?P<model>[^\]\s]+)\] (?P<logger>\S+): (?P<message>.*)$")
 # Lines only the full log keeps when the terminal gets the short version:
 # Triton's informational lines (glog `I<date>`) and Python's INFO and DEBUG.
-# Triton's status tables (`+----+`, `| bert | 1 | READY |`) too: the loaded and failed lines say the same.
+# Triton's status tables (`+----+`, `| bert | 1 | READY |`) too: the loaded and failed lines say the same;
+# and Python's warnings from torch and friends (`.../copyreg.py:99: FutureWarning: ...`), with the
+# indented source line that follows each.
 CHATTER = re.compile(r"^I\d{4} |^(?:INFO|DEBUG) |^[+|]")
+PY_WARNING = re.compile(r"^\S+\.py:\d+: \w*Warning: ")
 
 # Triton 2.51 on a host without a GPU (or without a driver): nothing is wrong,
 # the CUDA pools are simply off and requests use ordinary host memory.
@@ -91,6 +94,7 @@ class StartupLog:
         self.hide_no_gpu_noise = hide_no_gpu_noise
         self._lock = threading.Lock()
         self._noted = False
+        self._after_warning = False  # the last line was a Python warning's first
         self.restart()
 
     def restart(self) -> None:
@@ -118,7 +122,9 @@ class StartupLog:
                     self._noted = True
                     self._write(NO_GPU_NOTE)
                 return
-            if self.full_log is None or not CHATTER.search(line):
+            warning_source = self._after_warning and line.startswith("  ")
+            self._after_warning = bool(PY_WARNING.search(line))
+            if self.full_log is None or not (CHATTER.search(line) or self._after_warning or warning_source):
                 self._write(line, full=False)
             if own := MODEL_LINE.match(line):
                 self.activity[own["model"]] = (own["message"], now)
