@@ -6,12 +6,14 @@ shape is timed on its first call and the winner kept in this process and on
 disk, under $OPARA_CACHE_DIR/FOLDER/KEY.json, KEY (engine.cache) of everything
 the timing depends on (GPU, torch, Triton, the candidates), so that later builds
 time nothing. Not the TF32 and cuDNN benchmark switches: the key is made once
-per process and device, at the first call, and the engine never turns TF32 on. A call inside a CUDA graph capture cannot time: an unknown shape
-there gets the library's way (builds warm up before they capture, so in
-practice every shape is known by then). Also what timing and checking the
-candidates needs: `per_call_ms`, `relative_error` (against a float64 answer,
-kept in float64: the errors compared are ~1e-7, where compare.max_relative_error's
-fp32 arithmetic would round), `triton_failures`.
+per process and device, at the first call (which may come inside a fusion
+check, with TF32 off), and the engine never turns TF32 on. A call inside a CUDA
+graph capture cannot time: an unknown shape there gets the library's way
+(builds warm up before they capture, so in practice every shape is known by
+then). Also what timing and checking the candidates needs: `per_call_ms`,
+`relative_error` (against a float64 answer, kept in float64: the errors
+compared are ~1e-7, where compare.max_relative_error's fp32 arithmetic would
+round), `triton_failures`.
 """
 
 from __future__ import annotations
