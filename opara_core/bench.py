@@ -30,6 +30,7 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 
 from opara_core import zoo
+from opara_core.engine import cache
 from opara_core.engine.build import FUSED_GRAPHS, BuildReport, Candidate, EngineSettings, build_runner, candidates, capture_fastest, plan_capture, traced_graphs
 from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, capture_module, pool_mb
 from opara_core.engine.inductor_cache import INDUCTOR_ENV, TRITON_ENV
@@ -290,7 +291,7 @@ def compiled_elsewhere(name: str, batch: int, columns: Sequence[str], row: Row, 
                    "--no-plan-capture", "--compile-here", "--json", str(out), "--cache-dir", str((cache_dir or Path(tmp)) / "compile")]  # fmt: skip
         command += ["--compile-autotune", name] if "compile max-autotune" in columns else []
         command += [] if cudnn_benchmark else ["--no-cudnn-benchmark"]
-        env = {k: v for k, v in os.environ.items() if k not in ("OPARA_CACHE_DIR", INDUCTOR_ENV, TRITON_ENV)}
+        env = {k: v for k, v in os.environ.items() if k not in (cache.ENV, INDUCTOR_ENV, TRITON_ENV)}
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         measured = _read_json(out) if out.exists() else []
     for got in measured:
@@ -344,7 +345,7 @@ def _fresh_cache(name: str) -> Path:
 
 def _use_cache(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    os.environ["OPARA_CACHE_DIR"] = str(directory)
+    os.environ[cache.ENV] = str(directory)
     os.environ[INDUCTOR_ENV] = str(directory / "inductor")
     return directory
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from opara_core.engine.inductor_cache import INDUCTOR_ENV, TRITON_ENV, cache_root, inductor_cache_dir, use_inductor_cache, write_json_atomically
+from opara_core.engine.inductor_cache import INDUCTOR_ENV, TRITON_ENV, inductor_cache_dir, use_inductor_cache
 
 def test_the_parameter_wins_then_torchs_variable_then_the_projects_cache(tmp_path):
     env = {INDUCTOR_ENV: "/from/torch", "OPARA_CACHE_DIR": "/from/opara"}
@@ -19,7 +19,6 @@ def test_the_parameter_wins_then_torchs_variable_then_the_projects_cache(tmp_pat
     assert inductor_cache_dir("", env) == Path("/from/torch")
     assert inductor_cache_dir("", {"OPARA_CACHE_DIR": "/from/opara"}) == Path("/from/opara/inductor")
     assert inductor_cache_dir("", {}) == Path.home() / ".cache" / "opara" / "inductor"
-    assert cache_root({}) == Path.home() / ".cache" / "opara"
 
 
 def test_inductors_own_default_in_the_variable_is_no_choice_of_the_user():
@@ -65,15 +64,6 @@ def test_triton_compiles_into_the_cache_unless_the_user_chose_its_directory(tmp_
     monkeypatch.setenv(TRITON_ENV, str(tmp_path / "fourth" / "kernels"))  # the user's, inside the same cache
     use_inductor_cache(str(tmp_path / "fourth"))
     assert os.environ[TRITON_ENV] == str(tmp_path / "fourth" / "kernels")
-
-
-def test_a_json_write_replaces_the_file_whole_and_a_failed_one_leaves_the_old_file_and_no_temporary(tmp_path):
-    path = tmp_path / "new" / "table.json"
-    assert write_json_atomically(path, {"a": [1, 2]}, indent=1) == path
-    assert path.read_text() == '{\n "a": [\n  1,\n  2\n ]\n}'
-    with pytest.raises(TypeError, match="not JSON serializable"):
-        write_json_atomically(path, {"a": object()})
-    assert path.read_text().startswith('{\n "a"') and [p.name for p in path.parent.iterdir()] == ["table.json"]
 
 
 _KERNEL_AFTER = """

@@ -136,17 +136,24 @@ def test_profiles_round_trip_through_json():
         Profile.from_json({**prof.to_json(), "format": 0})
 
 
-def test_the_cache_key_covers_gpu_software_graph_and_shapes():
-    base = ("NVIDIA H100 80GB HBM3", "2.11.0", 91002, "sha256:abcd", [("torch.float32", (1, 3, 224, 224))], {"cudnn_tf32": True})
-    key = profile.cache_key(*base)
-    assert key == profile.cache_key(*base) and len(key) == 64
-    for i, other in enumerate(
-        ["NVIDIA H200", "2.11.1", 90100, "sha256:ef01", [("torch.float32", (2, 3, 224, 224))], {"cudnn_tf32": False}]
-    ):
-        changed = list(base)
-        changed[i] = other
-        assert profile.cache_key(*changed) != key, i
-    assert profile.cache_key(*base[:4], [("torch.float16", (1, 3, 224, 224))], base[5]) != key
+def test_the_cache_key_covers_gpu_software_graph_and_shapes(monkeypatch):
+    shapes = [("torch.float32", (1, 3, 224, 224))]
+    key = profile.cache_key("sha256:abcd", shapes, "cpu")
+    assert key == profile.cache_key("sha256:abcd", shapes, "cpu") and len(key) == 64
+    assert profile.cache_key("sha256:ef01", shapes, "cpu") != key
+    assert profile.cache_key("sha256:abcd", [("torch.float32", (2, 3, 224, 224))], "cpu") != key
+    assert profile.cache_key("sha256:abcd", [("torch.float16", (1, 3, 224, 224))], "cpu") != key
+    # the GPU, torch, cuDNN and the switches: engine.cache's KERNELS (each one: tests/test_cache.py)
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
+    assert profile.cache_key("sha256:abcd", shapes, "cpu") != key
+    monkeypatch.undo()
+    saved = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = not saved
+        assert profile.cache_key("sha256:abcd", shapes, "cpu") != key
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    assert profile.cache_key("sha256:abcd", shapes, "cpu") == key
 
 
 def test_profiles_are_cached_on_disk_outside_the_package(tmp_path, monkeypatch):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import logging
 import operator
 import time
@@ -24,11 +23,11 @@ from typing import Any, Collection, Mapping, Sequence
 import torch
 
 from opara_core import parameters
-from opara_core.engine import choices, heap, runtime, trace_cache
+from opara_core.engine import cache, choices, heap, runtime, trace_cache
 from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, LanePool, PlanCapture, capture_module, time_replays
 from opara_core.engine.interpreter import reordered_graph
 from opara_core.engine.fused_lanes import InductorCapture, prepare_captures
-from opara_core.engine.inductor_cache import cache_root, use_inductor_cache
+from opara_core.engine.inductor_cache import use_inductor_cache
 from opara_core.engine.segment_compiler import CompileCount
 from opara_core.engine.fusion import CONV, CONV_ADD_RELU, CONV_RELU, FusionReport, fuse_graph
 from opara_core.engine.compare import max_relative_error, no_cudnn_autotuning
@@ -80,8 +79,8 @@ FUSED_GRAPHS = ("inductor", "inductor-cudnn")  # graphs whose candidates are fus
 
 
 def fusion_checks_dir() -> Path:
-    """Where passed fusion checks are remembered (fusion.fuse_graph's `cache`)."""
-    return cache_root() / "fusion"
+    """Where passed fusion checks are remembered (fusion.fuse_graph's `cache`; engine.cache)."""
+    return cache.directory("fusion")
 
 
 _DEFAULT = parameters.defaults(parameters.ENGINE)
@@ -380,10 +379,8 @@ def remember(build: Build, attempt: Attempt) -> None:
 @functools.cache
 def _code_digest() -> str:
     """The engine's and the planners' code: a change anywhere times the candidates again."""
-    digest = hashlib.sha256()
-    for path in sorted([*Path(__file__).parent.glob("*.py"), *(Path(__file__).parents[1] / "planning").rglob("*.py")]):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    paths = sorted([*Path(__file__).parent.glob("*.py"), *(Path(__file__).parents[1] / "planning").rglob("*.py")])
+    return cache.digest(*(path.read_bytes() for path in paths))[:16]
 
 
 def recipe_key(traced: OpGraph, settings: EngineSettings, device: torch.device) -> str:

@@ -9,49 +9,32 @@ kept per such start (`key`): the choice per bucket, the timings it was made
 from, and the fingerprint of each graph the choices use, so that the later
 build fuses and profiles only those graphs and can tell when one comes out
 otherwise. The files lie as JSON under $OPARA_CACHE_DIR/choices (default
-~/.cache/opara/choices); delete the directory, or set `remember_choices`
-false, to time everything again.
+~/.cache/opara/choices; engine.cache); delete the directory, or set
+`remember_choices` false, to time everything again.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from opara_core.engine.inductor_cache import cache_root, write_json_atomically
+from opara_core.engine import cache
 
-log = logging.getLogger(__name__)
-
-FORMAT = 2  # bump when the key or the file changes shape
+FORMAT = 3  # bump when the key or the file changes shape (3: keyed through engine.cache)
 
 
 def cache_dir() -> Path:
-    return cache_root() / "choices"
+    return cache.directory("choices")
 
 
 def key(parts: Mapping[str, str], buckets: Iterable[int], device: torch.device) -> str:
-    """sha256 of what a choice depends on: `parts` (what the build starts
-    from: its traced graph, settings and code), the buckets, the GPU, the
-    software and the switches that change kernels."""
-    text = json.dumps(
-        {
-            "parts": dict(sorted(parts.items())),
-            "buckets": sorted(set(buckets)),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-            "torch": torch.__version__,
-            "cudnn": torch.backends.cudnn.version(),
-            "switches": [torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32],
-            "format": FORMAT,
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(text.encode()).hexdigest()
+    """The key (engine.cache) of what a choice depends on: `parts` (what the
+    build starts from: its traced graph, settings and code), the buckets, and
+    the GPU, software and switches that change kernels (`cache.KERNELS`)."""
+    return cache.key({"parts": dict(parts), "buckets": sorted(set(buckets)), "format": FORMAT}, cache.KERNELS, device)
 
 
 @dataclass(frozen=True)
@@ -65,19 +48,15 @@ class Remembered:
 
 def load(key: str, directory: Path | None = None) -> Remembered | None:
     """What was stored under `key`, or None (none, or unreadable)."""
-    path = (directory or cache_dir()) / f"{key}.json"
-    try:
-        data = json.loads(path.read_text())
-        return Remembered(
-            choices={int(b): str(c) for b, c in data["choices"].items()},
-            timings_ms={int(b): {str(c): float(t) for c, t in times.items()} for b, times in data["timings_ms"].items()},
-            graphs={str(name): str(fingerprint) for name, fingerprint in data["graphs"].items()},
-        )
-    except FileNotFoundError:
-        return None
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        log.warning("ignoring unreadable remembered choices %s: %s", path, error)
-        return None
+    return cache.read_json((directory or cache_dir()) / f"{key}.json", _remembered, "remembered choices")
+
+
+def _remembered(data: dict) -> Remembered:
+    return Remembered(
+        choices={int(b): str(c) for b, c in data["choices"].items()},
+        timings_ms={int(b): {str(c): float(t) for c, t in times.items()} for b, times in data["timings_ms"].items()},
+        graphs={str(name): str(fingerprint) for name, fingerprint in data["graphs"].items()},
+    )
 
 
 def store(
@@ -93,7 +72,7 @@ def store(
         "timings_ms": {str(b): {str(c): t for c, t in times.items()} for b, times in timings_ms.items()},
         "graphs": dict(graphs),
     }
-    return write_json_atomically((directory or cache_dir()) / f"{key}.json", data, indent=1, sort_keys=True)
+    return cache.write_json((directory or cache_dir()) / f"{key}.json", data, indent=1, sort_keys=True)
 
 
 def forget(key: str, directory: Path | None = None) -> None:

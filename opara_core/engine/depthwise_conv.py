@@ -208,12 +208,9 @@ class Choices(ShapeChoices):
     """The tile or cuDNN per depthwise shape (and input layout) on this GPU."""
 
     def __init__(self, device: torch.device):
-        import triton
-
         self.device = device
-        key = [torch.cuda.get_device_name(device), torch.__version__, triton.__version__, torch.backends.cudnn.version(), KERNEL_VERSION, MAX_SLOWDOWN,
-               ACCURACY, [asdict(c) for c in CANDIDATES]]  # fmt: skip
-        super().__init__("depthwise", key, DepthwiseConfig, CUDNN)
+        key = [KERNEL_VERSION, MAX_SLOWDOWN, ACCURACY, [asdict(c) for c in CANDIDATES]]
+        super().__init__("depthwise", key, DepthwiseConfig, CUDNN, software=("gpu", "torch", "triton", "cudnn"), device=device)
 
     def choose(self, x: torch.Tensor, weight: torch.Tensor, bias: bool, stride, padding, dilation) -> DepthwiseConfig | str:
         fmt = output_format(x)

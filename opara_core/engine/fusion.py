@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import json
 import logging
 import math
@@ -38,10 +37,10 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_leaves, tree_map
 
+from opara_core.engine import cache as caches
 from opara_core.engine import depthwise_conv, skinny_gemm
 from opara_core.engine import trace as graphs
 from opara_core.engine.compare import max_relative_error, no_cudnn_autotuning
-from opara_core.engine.inductor_cache import cache_root
 from opara_core.engine.shape_choices import ShapeChoices
 from opara_core.engine.trace import OpGraph
 
@@ -755,13 +754,12 @@ def _cudnn_probe(gm: GraphModule, conv: Node, z: Node | None, alpha: Any, known:
 
 def fused_convolutions(device: torch.device) -> ShapeChoices:
     """What `_cudnn_probe` found per configuration on this GPU, kept under the cache directory."""
-    return _fused_convolutions(str(device), str(cache_root()))
+    return _fused_convolutions(str(device), str(caches.root()))
 
 
 @functools.cache
 def _fused_convolutions(device: str, root: str) -> ShapeChoices:
-    key = [torch.cuda.get_device_name(device), torch.__version__, torch.backends.cudnn.version(), PROBE_TOLERANCE]
-    return ShapeChoices("cudnn_fusion", key, str, "plain")
+    return ShapeChoices("cudnn_fusion", [PROBE_TOLERANCE], str, "plain", software=("gpu", "torch", "cudnn"), device=device)
 
 
 def fuse_conv_relu(gm: GraphModule) -> int:
@@ -971,8 +969,7 @@ def _copy_sharing_tensors(gm: GraphModule) -> GraphModule:
 def _remember(marker: Path) -> None:
     """Leave a passed check's marker; a cache that cannot be written only costs the next build the check."""
     try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
+        caches.write_bytes(marker, b"")
     except OSError as error:
         log.warning("fusion check not remembered in %s: %s", marker.parent, error)
 
@@ -980,31 +977,33 @@ def _remember(marker: Path) -> None:
 @functools.cache
 def _source_digest() -> str:
     """This module's code: a pass changed is checked again."""
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    return caches.digest(Path(__file__).read_bytes())[:16]
 
 
-def _passed_marker(cache: Path, graph: OpGraph, passes: Sequence[str], inputs_list: Sequence[Sequence[torch.Tensor]], tolerance: float, device: torch.device) -> Path:
-    """Where a passed check of these passes on this graph is remembered: keyed by
-    the graph's fingerprint (its code and DAG), a digest of its constants' values
-    (one float64 sum per tensor, read back in one synchronisation), the passes, the check
-    inputs' shapes (their values come from fixed seeds), the tolerance, the GPU
-    and the software (this module's code too)."""
+def _passed_marker(directory: Path, graph: OpGraph, passes: Sequence[str], inputs_list: Sequence[Sequence[torch.Tensor]], tolerance: float, device: torch.device) -> Path:
+    """Where a passed check of these passes on this graph is remembered: keyed
+    (engine.cache) by the graph's fingerprint (its code and DAG), a digest of
+    its constants' values (one float64 sum per tensor, read back in one
+    synchronisation), the passes, the check inputs' shapes (their values come
+    from fixed seeds), the tolerance, the GPU and the software: torch, cuDNN
+    and this module's code (the checks run with TF32 off and without cuDNN
+    benchmarking, whatever the switches say)."""
     constants = [operator.attrgetter(n.target)(graph.module) for n in graph.module.graph.nodes if n.op == "get_attr"]
     tensors = [t.detach() for t in constants if isinstance(t, torch.Tensor) and t.is_floating_point()]
     sums = torch.stack([t.double().sum() for t in tensors]).tolist() if tensors else []
-    text = json.dumps(
+    key = caches.key(
         {
             "graph": graph.fingerprint,
             "constants": [[list(t.shape), f"{value:.17g}"] for t, value in zip(tensors, sums)],
             "passes": list(passes),
             "inputs": [[[list(x.shape), str(x.dtype)] for x in inputs if isinstance(x, torch.Tensor)] for inputs in inputs_list],
             "tolerance": tolerance,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "",
-            "software": [torch.__version__, torch.backends.cudnn.version() if device.type == "cuda" else None, _source_digest()],
+            "code": _source_digest(),
         },
-        sort_keys=True,
+        ("gpu", "torch", "cudnn"),
+        device,
     )
-    return cache / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.passed"
+    return directory / f"{key}.passed"
 
 
 def _compare(reference: GraphModule, fused: GraphModule, inputs_list: Sequence[Sequence[torch.Tensor]], tolerance: float) -> str | None:

@@ -5,7 +5,7 @@ TORCHINDUCTOR_CACHE_DIR, by default a per-user directory under /tmp that a
 reboot or a fresh container loses. Fused-lanes builds compile every segment,
 so the project points Inductor at a directory that lasts: the `inductor_cache`
 config parameter, else TORCHINDUCTOR_CACHE_DIR if the user set it, else
-$OPARA_CACHE_DIR/inductor, else ~/.cache/opara/inductor. Never inside the package.
+$OPARA_CACHE_DIR/inductor, else ~/.cache/opara/inductor (engine.cache). Never inside the package.
 The compiled segments themselves are saved in its `segments` subdirectory
 (engine.segment_compiler), which a later build loads without compiling.
 Triton's compiled kernels go to its `triton/0` subdirectory, where Inductor
@@ -19,11 +19,12 @@ Triton's ptxas is pinned to the one Inductor picks, for the same reason
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+
+from opara_core.engine import cache
 
 log = logging.getLogger(__name__)
 
@@ -31,29 +32,7 @@ INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 TRITON_ENV = "TRITON_CACHE_DIR"
 
 
-def cache_root(env: dict[str, str] | os._Environ = os.environ) -> Path:
-    """The project's cache directory: $OPARA_CACHE_DIR, else ~/.cache/opara."""
-    root = env.get("OPARA_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "opara"
-
-
-def write_json_atomically(path: Path, data: object, **dump_options) -> Path:
-    """`json.dump` to a temporary file beside `path`, then renamed over it: a
-    reader of the cache sees the old file or the whole new one, never half, and
-    a failed write leaves nothing behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
-        try:
-            json.dump(data, tmp, **dump_options)
-        except BaseException:
-            tmp.close()
-            os.unlink(tmp.name)
-            raise
-    os.replace(tmp.name, path)
-    return path
-
-
-def inductor_cache_dir(configured: str = "", env: dict[str, str] | os._Environ = os.environ) -> Path:
+def inductor_cache_dir(configured: str = "", env: Mapping[str, str] = os.environ) -> Path:
     """The directory Inductor should use (see the module docstring for the order).
 
     Inductor writes its own default into TORCHINDUCTOR_CACHE_DIR the first
@@ -63,7 +42,7 @@ def inductor_cache_dir(configured: str = "", env: dict[str, str] | os._Environ =
         return Path(configured).expanduser()
     if env.get(INDUCTOR_ENV) and env[INDUCTOR_ENV] != _torch_default():
         return Path(env[INDUCTOR_ENV])
-    return cache_root(env) / "inductor"
+    return cache.directory("inductor", env)
 
 
 def _torch_default() -> str | None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import hashlib
 import json
 import logging
 import statistics
@@ -37,7 +36,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from opara_core.planning.dag import Dag
-from opara_core.engine.inductor_cache import cache_root, write_json_atomically
+from opara_core.engine import cache
 from opara_core.engine.trace import OpGraph
 
 log = logging.getLogger(__name__)
@@ -47,7 +46,7 @@ PREFIX = "opara::"  # record_function ranges are named PREFIX + node name
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATEGORIES = ("cpu_op", "user_annotation")  # host events a device activity's "External id" names
-FORMAT = 1  # bump when the cached JSON changes shape
+FORMAT = 2  # bump when the cached JSON or its key changes shape (2: keyed through engine.cache)
 
 
 @dataclass(frozen=True)
@@ -279,58 +278,25 @@ def measure(graph: OpGraph, inputs: Sequence[torch.Tensor], iterations: int = 5,
 
 
 def cache_dir() -> Path:
-    """Where profiles are kept: $OPARA_CACHE_DIR/profiles, else ~/.cache/opara/profiles."""
-    return cache_root() / "profiles"
+    """Where profiles are kept: $OPARA_CACHE_DIR/profiles, else ~/.cache/opara/profiles (engine.cache)."""
+    return cache.directory("profiles")
 
 
-def cache_key(
-    gpu: str,
-    torch_version: str,
-    cudnn_version: int | None,
-    fingerprint: str,
-    inputs: Sequence[tuple[str, tuple[int, ...]]],
-    switches: Mapping[str, Any] | None = None,
-) -> str:
-    """sha256 of everything that changes which kernels run and how long they take."""
-    text = json.dumps(
-        {
-            "gpu": gpu,
-            "torch": torch_version,
-            "cudnn": cudnn_version,
-            "graph": fingerprint,
-            "inputs": [[dtype, list(shape)] for dtype, shape in inputs],
-            "switches": dict(sorted((switches or {}).items())),
-            "format": FORMAT,
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _switches() -> dict[str, Any]:
-    """Global settings that change cuDNN/cuBLAS kernel choice."""
-    return {
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
-        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
-    }
+def cache_key(fingerprint: str, inputs: Sequence[tuple[str, tuple[int, ...]]], device: torch.device | str) -> str:
+    """The key (engine.cache) of everything that changes which kernels run and
+    how long they take: the graph, its inputs' dtypes and shapes, and the GPU,
+    software and switches (`cache.KERNELS`: torch, cuDNN, TF32, cuDNN benchmark)."""
+    return cache.key({"graph": fingerprint, "inputs": [[dtype, list(shape)] for dtype, shape in inputs], "format": FORMAT}, cache.KERNELS, device)
 
 
 def load(key: str, directory: Path | None = None) -> Profile | None:
     """The cached profile for `key`, or None (also for an unreadable file)."""
-    path = (directory or cache_dir()) / f"{key}.json"
-    try:
-        return Profile.from_json(json.loads(path.read_text()))
-    except FileNotFoundError:
-        return None
-    except (ValueError, KeyError, TypeError) as error:
-        log.warning("ignoring unreadable cached profile %s: %s", path, error)
-        return None
+    return cache.read_json((directory or cache_dir()) / f"{key}.json", Profile.from_json, "cached profile")
 
 
 def store(profile: Profile, directory: Path | None = None) -> Path:
     """Write `profile` under its key atomically (a rename), so readers never see half a file."""
-    return write_json_atomically((directory or cache_dir()) / f"{profile.key}.json", profile.to_json(), indent=1, sort_keys=True)
+    return cache.write_json((directory or cache_dir()) / f"{profile.key}.json", profile.to_json(), indent=1, sort_keys=True)
 
 
 def profile_graph(
@@ -348,14 +314,7 @@ def profile_graph(
         raise ValueError(f"profiling needs a CUDA device, got {device}")
     inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     shapes = [(str(x.dtype), tuple(x.shape)) for x in tree_leaves(inputs) if isinstance(x, torch.Tensor)]
-    key = cache_key(
-        torch.cuda.get_device_name(device),
-        torch.__version__,
-        torch.backends.cudnn.version(),
-        graph.fingerprint,
-        shapes,
-        _switches(),
-    )
+    key = cache_key(graph.fingerprint, shapes, device)
     if cache:
         cached = load(key)
         if cached is not None:
@@ -401,5 +360,5 @@ def apply_profile(graph: OpGraph, profile: Mapping[str, KernelCost]) -> OpGraph:
         if fx_node.name in profile:
             fx_node.meta["opara_kernel_cost"] = profile[fx_node.name]
     dag = Dag(tuple(nodes), graph.dag.edges)
-    digest = hashlib.sha256(f"{graph.fingerprint}\n{dag.fingerprint()}".encode()).hexdigest()[:16]
+    digest = cache.digest(f"{graph.fingerprint}\n{dag.fingerprint()}")[:16]
     return OpGraph(module=graph.module, dag=dag, fingerprint="sha256:" + digest, name=graph.name)

@@ -28,12 +28,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import hashlib
-import json
 import logging
 import multiprocessing
 import operator
-import os
 import shutil
 import sys
 import time
@@ -46,13 +43,16 @@ import torch
 from torch.fx import Graph, GraphModule, Interpreter, Node
 
 from opara_core.cpus import usable_cpus
-from opara_core.engine import custom_ops
+from opara_core.engine import cache, custom_ops
 from opara_core.engine.compare import cudnn_algorithms, max_relative_error
-from opara_core.engine.inductor_cache import write_json_atomically
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # bump when what a key covers changes (2: compiled without dynamic_scale_rblock)
+# bump when what a key covers changes (2: compiled without dynamic_scale_rblock; 3: keyed through engine.cache)
+FORMAT = 3
+# what compiled code depends on of the software: not cuDNN or its benchmark switch (a convolution
+# is an ATen call in the code, its algorithm picked at run time; `prepare` sets the switch)
+SOFTWARE = ("gpu", "torch", "tf32")
 MAX_WORKERS = 8
 CHECK_TOLERANCE = 5e-2  # a segment's code against its ATen operators (TF32 either side)
 
@@ -115,20 +115,11 @@ def canonical(segment: GraphModule) -> tuple[GraphModule, list[torch.Tensor]]:
 
 
 def segment_key(code: str, metas: Sequence[TensorMeta]) -> str:
-    """sha256 of everything the compiled code depends on."""
+    """The key (engine.cache) of everything the compiled code depends on: the
+    segment's code, its inputs' layouts, and the GPU, torch and TF32 switches."""
     device = metas[0].device if metas else "cpu"
-    text = json.dumps(
-        {
-            "code": code,
-            "inputs": [[list(m.shape), list(m.stride), m.offset, str(m.dtype), m.device] for m in metas],
-            "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else "",
-            "tf32": [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()],
-            "format": FORMAT,
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    inputs = [[list(m.shape), list(m.stride), m.offset, str(m.dtype), m.device] for m in metas]
+    return cache.key({"code": code, "inputs": inputs, "format": FORMAT}, SOFTWARE, device)
 
 
 def layout(inputs: Sequence[torch.Tensor]) -> tuple:
@@ -304,33 +295,34 @@ def _record_path(cache_dir: Path, top: GraphModule, inputs: Sequence[torch.Tenso
     kept: keyed by everything they depend on (the top graph's code, every
     segment's code and the layouts of its weights and of the inputs)."""
     segments = {name: m.code.code for name, m in top.named_modules() if isinstance(m, CompiledSegment)}
-    text = json.dumps(
+    key = cache.key(
         {
             "top": top.code,
             "segments": segments,
             "tensors": {name: TensorMeta.of(t).to_json() for name, t in top.state_dict(keep_vars=True).items()},
             "inputs": [TensorMeta.of(x).to_json() for x in inputs],
-            "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(inputs[0].device) if inputs and inputs[0].is_cuda else "",
             "format": FORMAT,
         },
-        sort_keys=True,
+        ("gpu", "torch"),
+        inputs[0].device if inputs else "cpu",
     )
-    return cache_dir / "records" / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
+    return cache_dir / "records" / f"{key}.json"
 
 
 def _write_record(path: Path, calls: list[Call]) -> None:
-    write_json_atomically(path, [[target, [m.to_json() for m in metas]] for target, metas, _ in calls])
+    cache.write_json(path, [[target, [m.to_json() for m in metas]] for target, metas, _ in calls])
 
 
 def _read_record(path: Path, top: GraphModule, cache_dir: Path) -> list[Call] | None:
     """A warm build's segments' inputs without running `top`: only where every
     segment's code is ready without a sample to check or compile it against
     (in memory, found wrong, or saved and checked once), else None."""
+    calls = cache.read_json(path, lambda data: [(target, [TensorMeta.from_json(m) for m in metas], None) for target, metas in data], "segments' record")
+    if calls is None:  # none yet, or unreadable: run it
+        return None
     try:
-        calls = [(target, [TensorMeta.from_json(m) for m in metas], None) for target, metas in json.loads(path.read_text())]
         segments = [top.get_submodule(target) for target, _, _ in calls]
-    except (OSError, ValueError, TypeError, AttributeError):  # none yet, or unreadable: run it
+    except AttributeError:  # a record of another module
         return None
     loaded = _loaded.get(str(cache_dir), {})
     for segment, (_, metas, _) in zip(segments, calls):
@@ -373,7 +365,7 @@ def _checked(
         log.info("a segment's code from a compile worker fails its check (%s); compiling it again in this process", problem)
     else:
         log.warning("a segment's Inductor code fails its check (%s); it runs its ATen operators", problem)
-        _wrong_marker(cache_dir, key).write_text(problem)
+        cache.write_text(_wrong_marker(cache_dir, key), problem)
     return segment.code
 
 
@@ -391,12 +383,13 @@ def _compiled_here(segment: CompiledSegment, job: tuple[GraphModule, Sequence[Te
     try:
         artifact = _compile(*job)
     except Exception as error:  # noqa: BLE001 - the ATen operators still run
-        _wrong_marker(cache_dir, key).write_text(f"compiled again here: {type(error).__name__}: {error}")
+        cache.write_text(_wrong_marker(cache_dir, key), f"compiled again here: {type(error).__name__}: {error}")
         return segment.code
     code = _checked(segment, artifact, sample, cache_dir, key, saved=False)
     if code is artifact:
         try:
-            artifact.save(path=str(_path(cache_dir, key)), format="binary")
+            with cache.atomic(_path(cache_dir, key)) as partial:
+                artifact.save(path=str(partial), format="binary")
             _passed_marker(cache_dir, key).touch()
         except RuntimeError:  # nothing to save: later builds compile it here, as they do every unsaved segment
             _path(cache_dir, key).unlink(missing_ok=True)
@@ -472,17 +465,13 @@ def compile_one(key: str, code: GraphModule, metas: Sequence[TensorMeta], cache_
     bypassed = _BypassReasons()
     with bypassed:
         artifact = _compile(code, metas)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    partial = cache_dir / f"{key}.{os.getpid()}.tmp"
     try:
-        artifact.save(path=str(partial), format="binary")
-        os.replace(partial, _path(cache_dir, key))
+        with cache.atomic(_path(cache_dir, key)) as partial:
+            artifact.save(path=str(partial), format="binary")
     except RuntimeError as error:  # "no artifact to save"
         reason = "; ".join(bypassed.reasons) or str(error)
         log.warning("segment %s compiled but not saved: %s", key, reason)
         return key, reason
-    finally:
-        partial.unlink(missing_ok=True)
     return key, None
 
 

@@ -3,32 +3,36 @@
 The engine's own kernels (engine.skinny_gemm, engine.depthwise_conv) each
 compete with a library call, and which wins depends on the shape and the GPU: a
 shape is timed on its first call and the winner kept in this process and on
-disk, under $OPARA_CACHE_DIR/FOLDER/KEY.json, KEY a hash of everything the
-timing depends on (GPU, torch, Triton, the candidates), so that later builds
-time nothing. A call inside a CUDA graph capture cannot time: an unknown shape
-there gets the library's way (builds warm up before they capture, so in
-practice every shape is known by then). Also what timing and checking the
-candidates needs: `per_call_ms`, `relative_error` (against a float64 answer,
-kept in float64: the errors compared are ~1e-7, where compare.max_relative_error's
-fp32 arithmetic would round), `triton_failures`.
+disk, under $OPARA_CACHE_DIR/FOLDER/KEY.json, KEY (engine.cache) of everything
+the timing depends on (GPU, torch, Triton, the candidates), so that later builds
+time nothing. Not the TF32 and cuDNN benchmark switches: the key is made once
+per process and device, at the first call (which may come inside a fusion
+check, with TF32 off), and the engine never turns TF32 on. A call inside a CUDA
+graph capture cannot time: an unknown shape there gets the library's way
+(builds warm up before they capture, so in practice every shape is known by
+then). Also what timing and checking the candidates needs: `per_call_ms`,
+`relative_error` (against a float64 answer, kept in float64: the errors
+compared are ~1e-7, where compare.max_relative_error's fp32 arithmetic would
+round), `triton_failures`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
+from opara_core.engine import cache
 from opara_core.engine.capture import capture_module, time_replays
-from opara_core.engine.inductor_cache import cache_root, write_json_atomically
 
 log = logging.getLogger(__name__)
+
+FORMAT = 2  # of the files and their key (2: keyed through engine.cache)
 
 Choice = TypeVar("Choice")
 
@@ -36,29 +40,28 @@ Choice = TypeVar("Choice")
 class ShapeChoices(Generic[Choice]):
     """Choices per shape (a string), read from and merged into one JSON file: a
     choice is a kernel configuration (a dataclass of type `config`) or the name
-    of a library way (a string; `library` the one taken inside a capture)."""
+    of a library way (a string; `library` the one taken inside a capture).
+    The file is `folder`'s (engine.cache), keyed by `key_parts` and the parts
+    of the software named in `software` (`gpu` needs `device`)."""
 
-    def __init__(self, folder: str, key_parts: list, config: type, library: str):
+    def __init__(self, folder: str, key_parts: list, config: type, library: str, software: Iterable[str] = (), device: Any = None):
         self.folder, self.config, self.library = folder, config, library
         self.known: dict[str, Choice] = {}
         self.lock = threading.Lock()
-        self.path: Path = cache_root() / folder / f"{hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:24]}.json"
+        self.path: Path = cache.directory(folder) / f"{cache.key({'parts': key_parts, 'format': FORMAT}, software, device)}.json"
         self.known.update(self._read())
         self.warned = False
 
     def _read(self) -> dict[str, Choice]:
-        try:
-            return {shape: self.config(**c) if isinstance(c, dict) else str(c) for shape, c in json.loads(self.path.read_text()).items()}
-        except (OSError, ValueError, TypeError, AttributeError) as error:
-            if not isinstance(error, FileNotFoundError):
-                log.warning("%s choices in %s not read (%s): timed again", self.folder, self.path, error)
-            return {}
+        """What the file holds (nothing if missing; unreadable: timed again, engine.cache warns)."""
+        read = cache.read_json(self.path, lambda data: {shape: self.config(**c) if isinstance(c, dict) else str(c) for shape, c in data.items()}, f"{self.folder} choices")
+        return read or {}
 
     def _write(self) -> None:
         """Merge with what other processes wrote and replace the file whole."""
         try:
             merged = {**self._read(), **self.known}
-            write_json_atomically(self.path, {shape: c if isinstance(c, str) else asdict(c) for shape, c in merged.items()})
+            cache.write_json(self.path, {shape: c if isinstance(c, str) else asdict(c) for shape, c in merged.items()})
         except OSError as error:
             log.warning("%s choices not saved to %s: %s", self.folder, self.path, error)
 

@@ -244,12 +244,9 @@ class Choices(ShapeChoices[Choice]):
     """The kernel configuration or cuBLAS layout per (M, K, N) on this GPU."""
 
     def __init__(self, device: torch.device):
-        import triton
-
         self.device = device
-        key = [torch.cuda.get_device_name(device), torch.__version__, triton.__version__, KERNEL_VERSION, MIN_GAIN, ACCURACY_SLACK, ACCURACY_FLOOR,
-               [asdict(c) for c in CANDIDATES + LARGE_CANDIDATES]]  # fmt: skip
-        super().__init__("skinny", key, SkinnyConfig, CUBLAS)
+        key = [KERNEL_VERSION, MIN_GAIN, ACCURACY_SLACK, ACCURACY_FLOOR, [asdict(c) for c in CANDIDATES + LARGE_CANDIDATES]]
+        super().__init__("skinny", key, SkinnyConfig, CUBLAS, software=("gpu", "torch", "triton"), device=device)
 
     def choose(self, m: int, k: int, n: int, bias: bool = False) -> Choice:
         shape = f"{m},{k},{n}" + ("+bias" if bias else "")

@@ -15,14 +15,10 @@ captures with the eager model.
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
 import io
-import json
 import logging
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -31,16 +27,16 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from opara_core.engine.inductor_cache import cache_root
+from opara_core.engine import cache
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # of the saved file; part of the key
+FORMAT = 2  # of the saved file and the key; part of the key (2: keyed through engine.cache)
 
 
 def cache_dir() -> Path:
-    """$OPARA_CACHE_DIR/traces, else ~/.cache/opara/traces."""
-    return cache_root() / "traces"
+    """$OPARA_CACHE_DIR/traces, else ~/.cache/opara/traces (engine.cache)."""
+    return cache.directory("traces")
 
 
 def exported_module(module: torch.nn.Module, example_inputs: Sequence[Any], dynamic_shapes: Any, directory: Path | None) -> torch.fx.GraphModule:
@@ -51,14 +47,10 @@ def exported_module(module: torch.nn.Module, example_inputs: Sequence[Any], dyna
     start = time.perf_counter()
     key = export_key(module, example_inputs, dynamic_shapes)
     path = Path(directory) / f"{key}.pt"
-    if path.exists():
-        try:
-            graph_module = load(path, module)
-        except Exception as error:  # noqa: BLE001 - an unreadable entry is exported again
-            log.info("traced graph %s unusable (%s: %s); exporting again", path.name, type(error).__name__, error)
-        else:
-            log.info("traced graph from the cache (%s) in %.1f s", key[:12], time.perf_counter() - start)
-            return graph_module
+    graph_module = cache.read(path, lambda p: load(p, module), "traced graph")  # an unreadable one is exported again
+    if graph_module is not None:
+        log.info("traced graph from the cache (%s) in %.1f s", key[:12], time.perf_counter() - start)
+        return graph_module
     program = _export(module, example_inputs, dynamic_shapes)
     exported = time.perf_counter()
     try:
@@ -86,21 +78,7 @@ def save(program: torch.export.ExportedProgram, path: Path) -> None:
         "example_inputs": artifact.example_inputs,
         "state": {name: isinstance(tensor, torch.nn.Parameter) for name, tensor in program.state_dict.items()},
     }
-    save_atomically(payload, path)
-
-
-def save_atomically(obj: Any, path: Path) -> None:
-    """`torch.save` to a temporary file beside `path`, then renamed: another
-    process reads the whole file or none; nothing is left behind on failure."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as handle:
-        try:
-            torch.save(obj, handle)
-        except BaseException:
-            handle.close()
-            os.unlink(handle.name)
-            raise
-    os.replace(handle.name, path)
+    cache.write_torch(path, payload)  # another process reads the whole file or none
 
 
 def load(path: Path, module: torch.nn.Module) -> torch.fx.GraphModule:
@@ -149,21 +127,18 @@ def named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def export_key(module: torch.nn.Module, example_inputs: Sequence[Any], dynamic_shapes: Any) -> str:
-    """sha256 of what the exported graph depends on: torch, the inputs (dtypes,
-    shapes, devices), the dynamic dimensions, and the module's structure
-    (`module_fingerprint`). Not the weights' values: the graph reads them."""
-    text = json.dumps(
+    """The key (engine.cache) of what the exported graph depends on: torch, the
+    inputs (dtypes, shapes, devices), the dynamic dimensions, and the module's
+    structure (`module_fingerprint`). Not the weights' values: the graph reads them."""
+    return cache.key(
         {
             "format": FORMAT,
-            "torch": torch.__version__,
             "inputs": [(str(t.dtype), tuple(t.shape), str(t.device)) for t in tree_leaves(list(example_inputs)) if isinstance(t, torch.Tensor)],
             "dynamic": _dims(dynamic_shapes),
             "module": module_fingerprint(module),
         },
-        sort_keys=True,
-        default=str,
+        ("torch",),
     )
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def module_fingerprint(module: torch.nn.Module) -> str:
@@ -172,24 +147,21 @@ def module_fingerprint(module: torch.nn.Module) -> str:
     plain settings (ints, floats, strings: heads, eps, ...), and a HuggingFace
     config where there is one."""
     classes = {type(m) for m in module.modules()}
-    text = json.dumps(
+    return cache.key(
         {
             "training": module.training,
             "tensors": [(name, tuple(t.shape), str(t.dtype), str(t.device)) for name, t in named_tensors(module)],
             "classes": sorted(_class_fingerprint(cls) for cls in classes),
             "settings": [(name, _settings(m)) for name, m in module.named_modules(remove_duplicate=False)],
-        },
-        sort_keys=True,
-        default=str,
+        }
     )
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @functools.lru_cache(maxsize=None)
 def _class_fingerprint(cls: type) -> str:  # once per class and process: every shape's trace asks again
     package = sys.modules.get(cls.__module__.split(".")[0])
     try:
-        source = hashlib.sha256(inspect.getsource(cls).encode()).hexdigest()[:16]
+        source = cache.digest(inspect.getsource(cls))[:16]
     except (OSError, TypeError):  # built in, or defined where no source is kept
         source = ""
     return f"{cls.__module__}.{cls.__qualname__}:{getattr(package, '__version__', '')}:{source}"
@@ -212,4 +184,5 @@ def _dims(dynamic_shapes: Any) -> Any:
         return [_dims(v) for v in dynamic_shapes]
     if dynamic_shapes is None or isinstance(dynamic_shapes, (int, str)):
         return dynamic_shapes
-    return [getattr(dynamic_shapes, "__name__", repr(dynamic_shapes)), getattr(dynamic_shapes, "min", None), getattr(dynamic_shapes, "max", None)]
+    bounds = [getattr(dynamic_shapes, "min", None), getattr(dynamic_shapes, "max", None)]
+    return [getattr(dynamic_shapes, "__name__", repr(dynamic_shapes)), *(b if b is None or isinstance(b, int) else str(b) for b in bounds)]

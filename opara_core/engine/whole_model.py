@@ -21,17 +21,15 @@ bound to): each CapturedGraph keeps it as its `owner`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
-from opara_core.engine import custom_ops, skinny_gemm
+from opara_core.engine import cache, custom_ops, skinny_gemm
 from opara_core.engine.capture import CapturedGraph, CaptureError, capture_module
 from opara_core.engine.exported_merge import MERGE_VERSION, merge_linears
 from opara_core.engine.short_attention import ShortAttentionPass
@@ -41,6 +39,8 @@ log = logging.getLogger(__name__)
 
 # per input, {dimension: (name, smallest, largest)}; dimensions of one name are one size
 DynamicDims = Sequence[dict[int, tuple[str, int, int]]]
+FORMAT = 2  # of a saved artifact's key (2: keyed through engine.cache, the TF32 switches in it)
+SOFTWARE = ("gpu", "torch", "tf32")  # what the compiled code depends on of the software (Inductor keys its own cache by TF32 too)
 
 
 def compiled_or_loaded(path: Path, compile: Callable[[], None], load: Callable[[], Callable], what: str) -> tuple[Callable, bool]:
@@ -88,24 +88,25 @@ def _capture(
         raise CaptureError(f"{what} failed at {[tuple(x.shape) for x in static_in]}: {type(error).__name__}: {error}") from error
 
 
-def artifact_key(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dims: DynamicDims) -> str:
-    """sha256 of what a saved artifact's code depends on: torch, the device, the
+def artifact_key(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dims: DynamicDims, passes: Mapping[str, Any] | None = None) -> str:
+    """The key (engine.cache) of what a saved artifact's code depends on: the
     module's class and structure (`trace_cache.module_fingerprint`: tensors' names,
     shapes and dtypes, classes and settings; not its weights' bytes, which are the
     artifact's inputs: no 440 MB to copy and hash at each BERT start), the inputs'
-    dtypes and ranks, and the sizes each dynamic dimension may take."""
-    return hashlib.sha256((_compile_setting(module, example_inputs, dims) + module_fingerprint(module)).encode()).hexdigest()
-
-
-def _compile_setting(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dims: DynamicDims) -> str:
-    device = example_inputs[0].device
-    return json.dumps({
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-        "module": f"{type(module).__module__}.{type(module).__qualname__}",
-        "inputs": [[str(x.dtype), x.dim()] for x in example_inputs],
-        "dims": [{str(k): list(v) for k, v in sorted(d.items())} for d in dims],
-    }, sort_keys=True)  # fmt: skip
+    dtypes and ranks, the sizes each dynamic dimension may take, the graph
+    passes (`passes`), and the GPU, torch and TF32 switches (`SOFTWARE`)."""
+    return cache.key(
+        {
+            "format": FORMAT,
+            "module": f"{type(module).__module__}.{type(module).__qualname__}",
+            "structure": module_fingerprint(module),
+            "inputs": [[str(x.dtype), x.dim()] for x in example_inputs],
+            "dims": [{str(k): list(v) for k, v in sorted(d.items())} for d in dims],
+            "passes": dict(passes or {}),
+        },
+        SOFTWARE,
+        example_inputs[0].device,
+    )
 
 
 def export_dynamic(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dims: DynamicDims) -> torch.export.ExportedProgram:
@@ -159,9 +160,8 @@ class WholeModelSaved:
         prepared = skinny_gemm.with_skinny_linears(module) if skinny_gemms else module  # what is exported
         self.attention_pass = ShortAttentionPass() if short_attention else None
         custom_ops.register_all()  # before the artifact's code calls one
-        passes = f"skinny {skinny_gemms} merge {MERGE_VERSION if skinny_gemms else 0} " + (self.attention_pass.uuid().hex() if self.attention_pass else "")
-        key = artifact_key(module, example_inputs, dims) + passes
-        self.path = Path(directory) / f"{hashlib.sha256(key.encode()).hexdigest()}.bin"
+        passes = {"skinny": skinny_gemms, "merge": MERGE_VERSION if skinny_gemms else 0, "attention": self.attention_pass.uuid().hex() if self.attention_pass else ""}
+        self.path = Path(directory) / f"{artifact_key(module, example_inputs, dims, passes)}.bin"
         self.signature_path = self.path.with_suffix(".json")  # the graph's inputs in order ([kind, name]), its outputs' structure
         self.runner, self.compiled_now = compiled_or_loaded(
             self.path, lambda: self._compile(prepared, example_inputs, dims), lambda: self._load(prepared), "saved Inductor artifact"
@@ -182,17 +182,9 @@ class WholeModelSaved:
         options = {"config_patches": {"post_grad_custom_post_pass": self.attention_pass}} if self.attention_pass else {}
         with torch.inference_mode():
             artifact = torch._inductor.standalone_compile(exported.graph_module, flat, dynamic_shapes="from_graph", options=options)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial_signature = self.path.with_name(f".{self.path.stem}.{os.getpid()}.json")
-        partial = self.path.with_name(f".{self.path.stem}.{os.getpid()}.bin")
-        try:
-            partial_signature.write_text(json.dumps(signature))
-            os.replace(partial_signature, self.signature_path)
+        cache.write_json(self.signature_path, signature)
+        with cache.atomic(self.path) as partial:
             artifact.save(path=str(partial), format="binary")
-            os.replace(partial, self.path)
-        finally:
-            partial_signature.unlink(missing_ok=True)
-            partial.unlink(missing_ok=True)
         log.info("saved Inductor artifact compiled: %s", self.path)
 
     def _arguments(self, prepared: torch.nn.Module, signature: list[list]) -> list[torch.Tensor | None]:

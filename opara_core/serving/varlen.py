@@ -60,9 +60,10 @@ from dataclasses import dataclass, field
 import torch
 
 from opara_core import parameters, zoo
+from opara_core.engine import cache
 from opara_core.engine.build import BuildReport, EngineSettings, GuardError, build_runner, check_rows_against_eager, static_inputs
 from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, pool_mb, time_replays
-from opara_core.engine.inductor_cache import cache_root, use_inductor_cache
+from opara_core.engine.inductor_cache import use_inductor_cache
 from opara_core.engine.runtime import GraphRunner, PackedInputs, Runner, RunnerInfo
 from opara_core.engine.whole_model import DynamicDims, WholeModelSaved
 from opara_core.planning import batching
@@ -360,7 +361,7 @@ class VarLenRunners:
         try:
             self.inductor_cache = str(use_inductor_cache(self.engine_settings.inductor_cache))
             module = module.to(self.device).eval()
-            kept = WholeModelSaved(module, export_example(self.entry, self.device), dynamic_dims(self.entry, self.max_batch), cache_root() / compiler)
+            kept = WholeModelSaved(module, export_example(self.entry, self.device), dynamic_dims(self.entry, self.max_batch), cache.directory(compiler))
         except Exception as error:  # noqa: BLE001 - an unwritable cache, export and compile errors: the engine's builds still serve
             self.report.compiler_fallback = f"{WholeModelSaved.label}: {type(error).__name__}: {error}"
             log.warning("%s; building every shape with the engine instead", self.report.compiler_fallback)

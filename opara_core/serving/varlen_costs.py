@@ -8,63 +8,57 @@ to greedy, docs/benchmarks.md variable lengths run 5). So a start that timed
 every cell stores them, and a "first_use" start on the same GPU, software and
 model structure plans with them; a shape built later replaces its cells with
 its own timings. The tables lie as JSON under $OPARA_CACHE_DIR/costs (default
-~/.cache/opara/costs), one file per key; delete them to plan from the model.
+~/.cache/opara/costs; engine.cache), one file per key; delete them to plan from the model.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from opara_core.engine.inductor_cache import cache_root, write_json_atomically
+from opara_core.engine import cache
 from opara_core.engine.trace_cache import module_fingerprint
 
-log = logging.getLogger(__name__)
-
-FORMAT = 1  # bump when the key or the file changes shape
+FORMAT = 2  # bump when the key or the file changes shape (2: keyed through engine.cache, cuDNN and TF32 in it)
 
 Cell = tuple[tuple[int, ...], int]  # (shape, batch bucket)
 
 
+# what the timings depend on of the software, besides the graphs: not the cuDNN benchmark
+# switch, which each build sets (after this key is made) from its settings
+SOFTWARE = ("gpu", "torch", "cudnn", "tf32")
+
+
 def costs_dir() -> Path:
-    return cache_root() / "costs"
+    return cache.directory("costs")
 
 
 def costs_key(model: str, module: torch.nn.Module, compiler: str, axes: Sequence[Sequence[int]], batches: Sequence[int], device: torch.device) -> str:
-    """sha256 of what the timings depend on: the model and its structure, the
-    compiler, the grid, the GPU and the software."""
-    text = json.dumps(
+    """The key (engine.cache) of what the timings depend on: the model and its
+    structure, the compiler, the grid, the GPU and the software (`SOFTWARE`)."""
+    return cache.key(
         {
             "model": model,
             "structure": module_fingerprint(module),
             "compiler": compiler,
             "axes": [list(buckets) for buckets in axes],
             "batches": sorted(batches),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-            "torch": torch.__version__,
             "format": FORMAT,
         },
-        sort_keys=True,
+        SOFTWARE,
+        device,
     )
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def load(key: str, directory: Path | None = None) -> dict[Cell, float]:
     """Seconds per cell of a stored table; empty if none (or unreadable)."""
-    path = (directory or costs_dir()) / f"{key}.json"
-    try:
-        cells = json.loads(path.read_text())["seconds"]
-        return {(tuple(int(n) for n in shape.split(",")), int(batch)): float(seconds) for shape, by_batch in cells.items() for batch, seconds in by_batch.items()}
-    except FileNotFoundError:
-        return {}
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        log.warning("ignoring unreadable cost table %s: %s", path, error)
-        return {}
+    return cache.read_json((directory or costs_dir()) / f"{key}.json", _cells, "cost table") or {}
+
+
+def _cells(data: dict) -> dict[Cell, float]:
+    return {(tuple(int(n) for n in shape.split(",")), int(batch)): float(seconds) for shape, by_batch in data["seconds"].items() for batch, seconds in by_batch.items()}
 
 
 def store(key: str, seconds: Mapping[Cell, float], directory: Path | None = None) -> Path:
@@ -72,4 +66,4 @@ def store(key: str, seconds: Mapping[Cell, float], directory: Path | None = None
     cells: dict[str, dict[str, float]] = {}
     for (shape, batch), value in sorted(seconds.items()):
         cells.setdefault(",".join(map(str, shape)), {})[str(batch)] = value
-    return write_json_atomically((directory or costs_dir()) / f"{key}.json", {"seconds": cells}, indent=1)
+    return cache.write_json((directory or costs_dir()) / f"{key}.json", {"seconds": cells}, indent=1)

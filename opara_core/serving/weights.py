@@ -17,9 +17,7 @@ the meta device and maps them in.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
 import logging
 import pickle
 from pathlib import Path
@@ -27,12 +25,13 @@ from pathlib import Path
 import torch
 
 from opara_core import zoo
-from opara_core.engine.inductor_cache import cache_root
-from opara_core.engine.trace_cache import module_fingerprint, named_tensors, put_tensor, save_atomically
+from opara_core.engine import cache
+from opara_core.engine.trace_cache import module_fingerprint, named_tensors, put_tensor
 
 log = logging.getLogger(__name__)
 
 EXPORT_SUFFIX = ".pt2"
+FORMAT = 2  # of the seeded weights' key (2: keyed through engine.cache)
 
 
 class WeightsError(ValueError):
@@ -83,7 +82,7 @@ def seeded_module(entry: zoo.ZooModel, directory: Path | None = None) -> torch.n
     $OPARA_CACHE_DIR/weights) when an earlier start saved them there; a
     module that cannot be built on the meta device, or whose file is
     unreadable, is built as usual."""
-    directory = cache_root() / "weights" if directory is None else Path(directory)
+    directory = cache.directory("weights") if directory is None else Path(directory)
     try:
         with torch.device("meta"):
             skeleton = entry.builder().eval()
@@ -91,41 +90,32 @@ def seeded_module(entry: zoo.ZooModel, directory: Path | None = None) -> torch.n
         log.info("%s cannot be built on the meta device (%s: %s); drawing its weights", entry.name, type(error).__name__, error)
         return entry.build()
     path = directory / f"{entry.name}-{_seeded_key(entry, skeleton)[:24]}.pt"
-    if path.exists():
-        try:
-            _fill(skeleton, torch.load(path, mmap=True, weights_only=True))
-        except Exception as error:  # noqa: BLE001 - a damaged or foreign file: build and save again
-            log.info("seeded weights %s unusable (%s: %s); drawing them again", path.name, type(error).__name__, error)
-        else:
-            log.info("%s: seeded weights from the cache (%s)", entry.name, path.name)
-            return skeleton
+    # a damaged or foreign file: drawn and saved again
+    filled = cache.read(path, lambda p: _fill(skeleton, torch.load(p, mmap=True, weights_only=True)), "seeded weights")
+    if filled is not None:
+        log.info("%s: seeded weights from the cache (%s)", entry.name, path.name)
+        return filled
     module = entry.build()
     try:
-        save_atomically(dict(named_tensors(module)), path)
+        cache.write_torch(path, dict(named_tensors(module)))
     except (OSError, RuntimeError) as error:  # a full or read-only disk: the next start draws them again
         log.info("seeded weights not saved to %s (%s)", path, error)
     return module
 
 
 def _seeded_key(entry: zoo.ZooModel, skeleton: torch.nn.Module) -> str:
-    """What the seeded weights depend on: the model, the seed, torch, the zoo's
-    code (its builders and the BatchNorm calibration) and the module's structure."""
-    text = json.dumps(
-        {
-            "model": entry.name,
-            "seed": zoo.SEED,
-            "torch": torch.__version__,
-            "zoo": hashlib.sha256(inspect.getsource(zoo).encode()).hexdigest(),
-            "structure": module_fingerprint(skeleton),
-        },
-        sort_keys=True,
+    """The key (engine.cache) of what the seeded weights depend on: the model,
+    the seed, torch, the zoo's code (its builders and the BatchNorm
+    calibration) and the module's structure."""
+    return cache.key(
+        {"format": FORMAT, "model": entry.name, "seed": zoo.SEED, "zoo": cache.digest(inspect.getsource(zoo)), "structure": module_fingerprint(skeleton)},
+        ("torch",),
     )
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _fill(skeleton: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Put the saved tensors in place of the skeleton's meta ones; every tensor
-    the module holds must come from the file."""
+def _fill(skeleton: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """Put the saved tensors in place of the skeleton's meta ones (and return
+    it); every tensor the module holds must come from the file."""
     expected = {name for name, _ in named_tensors(skeleton)}
     if set(tensors) != expected:
         raise KeyError(f"the file holds {len(tensors)} tensors, the module {len(expected)}")
@@ -134,3 +124,4 @@ def _fill(skeleton: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     left = [f"{name}.{k}" for name, m in skeleton.named_modules() for k, v in vars(m).items() if isinstance(v, torch.Tensor) and v.is_meta]
     if left:
         raise ValueError(f"{left[0]} is not a parameter or buffer; it stays on the meta device")
+    return skeleton
