@@ -389,10 +389,14 @@ def recipe_key(traced: OpGraph, settings: EngineSettings, device: torch.device) 
     return choices.key({"traced": traced.fingerprint, "code": _code_digest(), "settings": repr(settings)}, settings.buckets, device)
 
 
+def _has_convs(module: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.Conv2d) for m in module.modules())
+
+
 def graph_names(module: torch.nn.Module, settings: EngineSettings, device: torch.device) -> tuple[str, ...]:
     """The graphs `traced_graphs` makes for `module` (inductor-cudnn only where
     some convolution fuses with cuDNN; it may then be absent)."""
-    has_convs = any(isinstance(m, torch.nn.Conv2d) for m in module.modules())
+    has_convs = _has_convs(module)
     names = {"auto": ("nchw", "nhwc") if has_convs else ("nchw",), "nchw": ("nchw",), "nhwc": ("nhwc",)}[settings.layout]
     if settings.fused_lanes and torch.device(device).type == "cuda":
         names += FUSED_GRAPHS if has_convs else FUSED_GRAPHS[:1]
@@ -502,8 +506,8 @@ def traced_graphs(
     and, where cuDNN fuses some convolution with its ReLU (or residual add and
     ReLU), `inductor-cudnn` the same with those fused (INDUCTOR_CUDNN_PASSES).
     """
-    has_convs = any(isinstance(m, torch.nn.Conv2d) for m in module.modules())
-    layouts = {"auto": ("nchw", "nhwc") if has_convs else ("nchw",), "nchw": ("nchw",), "nhwc": ("nhwc",)}[settings.layout]
+    has_convs = _has_convs(module)
+    layouts = tuple(name for name in graph_names(module, settings, device) if name in ATEN_GRAPHS)
     if only is not None:
         layouts = tuple(layout for layout in layouts if layout in only)
     traced = traced if traced is not None else trace_for_build(module, model, device, report)
