@@ -120,10 +120,11 @@ def test_with_a_full_log_the_terminal_gets_what_a_person_reads_and_the_file_ever
     chatter = "INFO [deepfm] opara_core.engine.build: bucket 1: capturing and timing 6 candidates"
     # seen on an H200 (2026-12-01): torch's warnings, each with its source line
     torch_warning = ["/usr/lib/python3.12/copyreg.py:99: FutureWarning: `isinstance(treespec, LeafSpec)` is deprecated", "  return cls.__new__(cls, *args)"]
-    for line in [*TRITON_CPU_START, *torch_warning, chatter, warning, DEEPFM_READY, DEEPFM_LOADED, BERT_FAILED]:
+    for line in [*TRITON_CPU_START, *torch_warning, chatter, "", warning, "   ", DEEPFM_READY, DEEPFM_LOADED, BERT_FAILED]:
         log.feed(line + "\n")
     log.announce_ready("HTTP http://127.0.0.1:8000")
     shown, kept = terminal.getvalue().splitlines(), whole.getvalue().splitlines()
+    assert all(line.strip() for line in shown), shown  # Triton's blank lines stay in the file
     assert chatter not in shown and TRITON_CPU_START[3] not in shown and DEEPFM_LOADED not in shown
     assert not set(torch_warning) & set(shown) and set(torch_warning) <= set(whole.getvalue().splitlines())
     assert warning in shown and BERT_FAILED in shown  # warnings and errors reach the terminal

@@ -46,7 +46,7 @@ MODEL_LINE = re.compile(r"^(?P<level>[A-Z]+) \[(?P<model>[^\]\s]+)\] (?P<logger>
 # Triton's status tables (`+----+`, `| bert | 1 | READY |`) too: the loaded and failed lines say the same;
 # and Python's warnings from torch and friends (`.../copyreg.py:99: FutureWarning: ...`), with the
 # indented source line that follows each.
-CHATTER = re.compile(r"^I\d{4} |^(?:INFO|DEBUG) |^[+|]")
+CHATTER = re.compile(r"^I\d{4} |^(?:INFO|DEBUG) |^[+|]|^\s*$")  # blank lines too
 PY_WARNING = re.compile(r"^\S+\.py:\d+: \w*Warning: ")
 
 # Triton 2.51 on a host without a GPU (or without a driver): nothing is wrong,

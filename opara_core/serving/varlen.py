@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opara_core import parameters, zoo
+from opara_core import parameters
 from opara_core.engine import cache
 from opara_core.engine.build import BuildReport, EngineSettings, GuardError, build_runner, check_rows_against_eager, static_inputs
 from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, pool_mb, time_replays
@@ -70,6 +70,7 @@ from opara_core.planning import batching
 from opara_core.planning.batching import CostTable
 from opara_core.serving import varlen_costs
 from opara_core.serving.triton_backend import TRITON_DTYPES, OparaModel, RequestError, request_tensors
+from opara_core.spec import LengthAxis, ModelSpec, TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +107,12 @@ class VarLenSettings:
         parameters.check_fields(self, parameters.VARLEN_GROUP)
 
 
-def axis_buckets(axis: zoo.LengthAxis, lengths: tuple[int, ...] = DEFAULT_LENGTH_BUCKETS) -> tuple[int, ...]:
+def axis_buckets(axis: LengthAxis, lengths: tuple[int, ...] = DEFAULT_LENGTH_BUCKETS) -> tuple[int, ...]:
     """The sequence buckets of `lengths` below the axis's limit, then the limit."""
     return tuple(b for b in lengths if b < axis.limit) + (axis.limit,)
 
 
-def varlen_settings(entry: zoo.ZooModel, values: parameters.Values) -> VarLenSettings:
+def varlen_settings(entry: ModelSpec, values: parameters.Values) -> VarLenSettings:
     """VarLenSettings from a variable-length model's parameters (`parameters.parse`),
     checked against the model's axes and inputs."""
     given = values.family("length_buckets")
@@ -136,8 +137,8 @@ def varlen_settings(entry: zoo.ZooModel, values: parameters.Values) -> VarLenSet
     return VarLenSettings(tuple(axes), **values.settings(parameters.VARLEN_GROUP))
 
 
-def check_config(entry: zoo.ZooModel, config: dict) -> None:
-    """Inputs and outputs as the zoo model's, with -1 on every variable axis."""
+def check_config(entry: ModelSpec, config: dict) -> None:
+    """Inputs and outputs as the model spec's, with -1 on every variable axis."""
     variable = {n: -1 for axis in entry.lengths for n in axis.inputs}
     leading = {n: 0 for axis in entry.lengths for n in axis.outputs}
     for kind, specs in (("input", entry.inputs), ("output", entry.outputs)):
@@ -156,7 +157,7 @@ def check_config(entry: zoo.ZooModel, config: dict) -> None:
                 raise ValueError(f"config {kind} {spec.name!r} is {tensor['data_type']} {dims}, the model needs {TRITON_DTYPES[spec.dtype]} {shape}")
 
 
-def request_lengths(entry: zoo.ZooModel, tensors: dict[str, torch.Tensor | None]) -> tuple[int, ...]:
+def request_lengths(entry: ModelSpec, tensors: dict[str, torch.Tensor | None]) -> tuple[int, ...]:
     """A request's length on each variable axis; a RequestError names the input
     whose length is out of range or disagrees with the others on its axis."""
     lengths = []
@@ -187,12 +188,12 @@ class VarLenRequest:
         return self.tensors[0].shape[0]
 
 
-def check_request(entry: zoo.ZooModel, tensors: dict[str, torch.Tensor | None], scheduler: str) -> VarLenRequest:
+def check_request(entry: ModelSpec, tensors: dict[str, torch.Tensor | None], scheduler: str) -> VarLenRequest:
     lengths = request_lengths(entry, tensors)
     return VarLenRequest(lengths, request_tensors(_at(entry, lengths), tensors), scheduler)
 
 
-def dynamic_dims(entry: zoo.ZooModel, max_batch: int) -> DynamicDims:
+def dynamic_dims(entry: ModelSpec, max_batch: int) -> DynamicDims:
     """Per input, the dimensions a request may vary: the batch, and the length of
     each variable axis the input is on (what the exported whole-model graph must allow)."""
     dims = []
@@ -203,7 +204,7 @@ def dynamic_dims(entry: zoo.ZooModel, max_batch: int) -> DynamicDims:
     return dims
 
 
-def export_example(entry: zoo.ZooModel, device: torch.device) -> list[torch.Tensor]:
+def export_example(entry: ModelSpec, device: torch.device) -> list[torch.Tensor]:
     """Inputs to export with: no size 1 and no two sizes alike (export would
     specialise or tie them), within every axis's limit."""
     lengths = tuple(max(min(axis.limit, 24 - 4 * k), 2) for k, axis in enumerate(entry.lengths))
@@ -211,7 +212,7 @@ def export_example(entry: zoo.ZooModel, device: torch.device) -> list[torch.Tens
 
 
 @functools.lru_cache(maxsize=4096)
-def _at(entry: zoo.ZooModel, lengths: tuple[int, ...]) -> zoo.ZooModel:
+def _at(entry: ModelSpec, lengths: tuple[int, ...]) -> ModelSpec:
     """`entry.at(lengths)`, once per length (it took about a third of a request's check)."""
     return entry.at(lengths)
 
@@ -315,7 +316,7 @@ class VarLenRunners:
     def __init__(
         self,
         module: torch.nn.Module,
-        entry: zoo.ZooModel,
+        entry: ModelSpec,
         device: torch.device,
         settings: EngineSettings,
         varlen: VarLenSettings,
@@ -417,7 +418,7 @@ class VarLenRunners:
         self._packed.update({(shape, b): inputs for b, inputs in packed.items()})
         return runner, report
 
-    def _capture(self, entry: zoo.ZooModel, batch: int, packed: PackedInputs | None) -> CapturedGraph:
+    def _capture(self, entry: ModelSpec, batch: int, packed: PackedInputs | None) -> CapturedGraph:
         """One cell's graph from the whole-model graph; with packed inputs, the
         graph copies them up itself and its inputs are the pinned host views."""
         if packed is None:
@@ -537,7 +538,7 @@ class VarLenRunners:
         self._events[index].record()
         return self._events[index]
 
-    def _cut(self, spec: zoo.TensorSpec, row: torch.Tensor, request: VarLenRequest) -> torch.Tensor:
+    def _cut(self, spec: TensorSpec, row: torch.Tensor, request: VarLenRequest) -> torch.Tensor:
         """One row's output at the request's own length (a view)."""
         return row[: request.lengths[self._along[spec.name]]] if spec.name in self._along else row
 
