@@ -1,12 +1,15 @@
-"""Command line: `python -m opara_core plan ...`.
+"""Command line: `python -m opara_core plan ...` and `python -m opara_core add-model ...`.
 
     python -m opara_core plan --dag DAG.json --policy P [--max-streams K]
         prints one JSON plan: {"policy", "num_streams", "stream", "order", "waits"}
     python -m opara_core plan --model NAME --policy P [--batch B] [--max-streams K] [--draw FILE.png|FILE.svg]
         traces a zoo model, plans it and prints a summary
+    python -m opara_core add-model NAME --repository DIR (--export FILE.pt2 | --module MODULE:FACTORY --input ...)
+        writes DIR/NAME (config.pbtxt, 1/model.py and the model's files) and lists what it wrote
 
 Bad input gets one line, `error: ...`, on stderr: exit 2 for a wrong command line,
-1 for a DAG file or model that cannot be planned. Never a traceback.
+1 for a DAG file or model that cannot be planned; add-model exits 2 for any
+model it cannot write. Never a traceback.
 """
 
 from __future__ import annotations
@@ -40,15 +43,28 @@ def _parser() -> Parser:
     plan.add_argument("--batch", type=positive_int, default=1, metavar="B", help="batch size for --model costs (default 1)")
     plan.add_argument("--draw", metavar="FILE.png|FILE.svg", help="render the DAG marked by stream (SVG: with a tooltip per operator)")
     plan.add_argument("--out", metavar="PLAN.json", help="also write the full plan as JSON")
+    add = commands.add_parser("add-model", help="write a Triton model directory for a model of your own",
+                              description="Write DIR/NAME: config.pbtxt and 1/ with model.py and the model's files.")
+    add.add_argument("name", metavar="NAME")
+    add.add_argument("--repository", required=True, type=Path, metavar="DIR", help="the model repository (created if missing)")
+    route = add.add_mutually_exclusive_group(required=True)
+    route.add_argument("--export", type=Path, metavar="FILE.pt2", help="a torch.export program with a dynamic batch dimension")
+    route.add_argument("--module", metavar="MODULE:FACTORY", help="a callable returning the nn.Module (package.module:function or file.py:function); its weights are saved beside it")
+    add.add_argument("--input", action="append", default=[], metavar="NAME:DTYPE:DIMS[:LOW,HIGH]", help="with --module, each input per row, e.g. image:fp32:3x224x224 or ids:int64:16:0,30522")
+    add.add_argument("--ids", action="append", default=[], metavar="NAME=LOW,HIGH", help="with --export, the valid ids of an integer input that indexes no embedding table directly")
+    add.add_argument("--max-batch", type=positive_int, metavar="N", help="max_batch_size (default 32, or the program's limit)")
+    add.add_argument("--force", action="store_true", help="replace DIR/NAME if it exists")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "add-model":
+        return _add_model(args)
     if args.dag is not None and args.batch != 1:
         parser.error("--batch applies to --model only")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return _plan(args)
     except Exception as e:  # one line, no traceback, whatever went wrong
@@ -80,6 +96,24 @@ def _plan(args: argparse.Namespace) -> int:
         draw(dag, plan, args.draw)
         if args.model is not None:
             print(f"drawing         {args.draw}")
+    return 0
+
+
+def _add_model(args: argparse.Namespace) -> int:
+    from opara_core.serving.add_model import add_model  # imports torch
+    from opara_core.serving.user_models import ModelFileError
+
+    try:
+        written = add_model(args.name, args.repository, export=args.export, module=args.module, inputs=tuple(args.input),
+                            ids=tuple(args.ids), max_batch=args.max_batch, force=args.force)
+    except (ModelFileError, OSError) as error:
+        return fail(error, code=2)
+    except Exception as error:  # noqa: BLE001 - one line, named
+        log.debug("details", exc_info=True)
+        return fail(error, code=2)
+    for path in written:
+        print(f"wrote {path}")
+    print(f"serve it: make serve MODEL_REPOSITORY={args.repository}")
     return 0
 
 

@@ -200,7 +200,7 @@ LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512)
 P = Parameter
 SCHEMA: tuple[Parameter, ...] = (
     # --- every model's adapter
-    P("weights", "text", "", "weights instead of the zoo's seeded ones: a file in the version directory, a state_dict (`*.pt`, loaded with `weights_only=True`) or, except for generation models, a `torch.export` archive (`*.pt2`); `scripts/export_weights.py MODEL VERSION_DIR [--pretrained]` writes one",
+    P("weights", "text", "", "the model's weights, a file in the version directory: a safetensors file (`*.safetensors`) or a state_dict (`*.pt`, loaded with `weights_only=True`), for a zoo model (instead of its seeded ones) or a module of your own (`add-model --module` writes one); for a zoo model, except generation models, also a `torch.export` archive (`*.pt2`); `scripts/export_weights.py MODEL VERSION_DIR [--pretrained]` writes one",
       EVERY, ADAPTER, shown_default="none (seeded)"),
     # H100, GoogLeNet, CUDA shared memory in, concurrency 16: host 3,552/s against auto's
     # 2,492 (docs/benchmarks.md, transport experiment)

@@ -8,6 +8,7 @@ from torch.utils._pytree import tree_leaves
 from opara_core import zoo
 from opara_core.engine import trace_cache
 from opara_core.engine.trace import trace_model
+from opara_core.engine.trace_cache import module_fingerprint
 
 
 def outputs(module, inputs):
@@ -63,3 +64,19 @@ def test_no_directory_no_files(tmp_path, monkeypatch):
     entry = zoo.get("deepfm")
     trace_model(entry, entry.build())
     assert not list(tmp_path.rglob("*.pt"))
+
+
+def test_programs_of_the_same_tensors_but_other_operators_are_other_modules():
+    # a torch.export program's module class has no source to read: its code tells them apart
+    def program(activation):
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.linear = torch.nn.Linear(4, 4)
+
+            def forward(self, x):
+                return activation(self.linear(x))
+
+        return torch.export.export(Net().eval(), (torch.randn(2, 4),)).module()
+
+    assert module_fingerprint(program(torch.relu)) != module_fingerprint(program(torch.tanh))

@@ -144,12 +144,14 @@ def export_key(module: torch.nn.Module, example_inputs: Sequence[Any], dynamic_s
 def module_fingerprint(module: torch.nn.Module) -> str:
     """sha256 of a module's structure: every tensor's name, shape, dtype and
     device; each submodule's class (its source and its package's version) and
-    plain settings (ints, floats, strings: heads, eps, ...), and a HuggingFace
-    config where there is one."""
+    plain settings (ints, floats, strings: heads, eps, ...), a HuggingFace
+    config where there is one, and the code of every GraphModule (a
+    torch.export program's module: its class has no source to read)."""
     classes = {type(m) for m in module.modules()}
     return cache.key(
         {
             "training": module.training,
+            "graphs": [m.code for m in module.modules() if isinstance(m, torch.fx.GraphModule)],
             "tensors": [(name, tuple(t.shape), str(t.dtype), str(t.device)) for name, t in named_tensors(module)],
             "classes": sorted(_class_fingerprint(cls) for cls in classes),
             "settings": [(name, _settings(m)) for name, m in module.named_modules(remove_duplicate=False)],

@@ -190,7 +190,8 @@ class RangeCheck:
 
 
 class OparaModel:
-    """Base class for model.py files: a subclass names its zoo model.
+    """Base class for model.py files: a subclass names its zoo model
+    (serving.user_models: a user's program or module instead).
 
     The class is imported by the Python backend stub; triton_python_backend_utils
     exists only there, so it is imported in `initialize`.
@@ -205,22 +206,20 @@ class OparaModel:
         logging.basicConfig(level=logging.INFO, format=model_log_format(args["model_name"]))
         self._pb = pb_utils
         config = json.loads(args["model_config"])
+        self.max_batch = max(int(config.get("max_batch_size", 0)), 1)
         try:
-            self.entry = zoo.get(self.zoo_name or args["model_name"])
             values = parse(self.PARAMETER_KIND, strings(config))
+            self.entry = self._describe(config, values)
             self._check_config(config, values)
             check_ranges(self.entry, values)
             settings = engine_settings(values)
             self.output_memory = values["output_memory"]
             self.device = select_device(args)
             threads = torch_threads(values["torch_threads"], self.device)
-            weights_file = values["weights"]
-            version_dir = Path(args["model_repository"]) / args["model_version"]
-            module = weights.load_module(self.entry, weights.weights_path(version_dir, weights_file) if weights_file else None)
+            module = self._module(values, Path(args["model_repository"]) / args["model_version"])
             log.info("model %s: module built in %.1f s", args["model_name"], time.monotonic() - started)
         except (KeyError, ValueError) as error:
             raise pb_utils.TritonModelException(f"model {args['model_name']}: {error}") from None
-        self.max_batch = max(int(config.get("max_batch_size", 0)), 1)
         # the server's models build one at a time on each GPU
         waiting = f"waiting for {self.device}: another model on this machine is building on it"
         turn = exclusive_lock(gpu_lock_path(self.device), waiting) if self.device.type == "cuda" else contextlib.nullcontext()
@@ -279,6 +278,15 @@ class OparaModel:
 
     # Hooks for subclasses that serve differently (serving.varlen: variable lengths)
     PARAMETER_KIND = BATCH  # which parameters the config may set (opara_core.parameters)
+
+    def _describe(self, config: dict, values: Values) -> ModelSpec:
+        """What the model takes and returns (serving.user_models: from the config)."""
+        return zoo.get(self.zoo_name or config["name"])
+
+    def _module(self, values: Values, version_dir: Path) -> torch.nn.Module:
+        """The module to serve (serving.user_models: the user's program or module)."""
+        weights_file = values["weights"]
+        return weights.load_module(self.entry, weights.weights_path(version_dir, weights_file) if weights_file else None)
 
     def _check_config(self, config: dict, values: Values) -> None:
         check_config(self.entry, config)

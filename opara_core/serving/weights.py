@@ -31,6 +31,7 @@ from opara_core.engine.trace_cache import module_fingerprint, named_tensors, put
 log = logging.getLogger(__name__)
 
 EXPORT_SUFFIX = ".pt2"
+SAFETENSORS_SUFFIX = ".safetensors"
 FORMAT = 2  # of the seeded weights' key (2: keyed through engine.cache)
 
 
@@ -60,6 +61,27 @@ def load_module(entry: zoo.ZooModel, path: Path | None) -> torch.nn.Module:
             raise WeightsError(f"cannot load the torch.export archive {path.name}: {error}") from None
         log.info("serving the exported program %s", path)
         return program.module()
+    module = entry.build()
+    load_into(module, path, entry.name)
+    log.info("serving %s with weights from %s", entry.name, path)
+    return module.eval()
+
+
+def load_into(module: torch.nn.Module, path: Path, model: str) -> None:
+    """Put the weights at `path` into `module`, every key matched: a
+    safetensors file, or a plain state_dict (`torch.load(weights_only=True)`,
+    so a pickle that would run code is refused)."""
+    if path.suffix == SAFETENSORS_SUFFIX:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_model
+
+        try:
+            load_model(module, str(path), strict=True, device="cpu")
+        except (SafetensorError, OSError) as error:
+            raise WeightsError(f"cannot read {path.name}: {error}") from None
+        except RuntimeError as error:
+            raise WeightsError(f"{path.name} does not fit {model}: {str(error).splitlines()[0]}") from None
+        return
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
@@ -68,13 +90,10 @@ def load_module(entry: zoo.ZooModel, path: Path | None) -> torch.nn.Module:
         raise WeightsError(f"cannot read {path.name}: {error}") from None
     if not isinstance(state, dict):
         raise WeightsError(f"{path.name} holds a {type(state).__name__}, not a state_dict")
-    module = entry.build()
     try:
         module.load_state_dict(state, strict=True)
     except RuntimeError as error:
-        raise WeightsError(f"{path.name} does not fit {entry.name}: {str(error).splitlines()[0]}") from None
-    log.info("serving %s with weights from %s", entry.name, path)
-    return module.eval()
+        raise WeightsError(f"{path.name} does not fit {model}: {str(error).splitlines()[0]}") from None
 
 
 def seeded_module(entry: zoo.ZooModel, directory: Path | None = None) -> torch.nn.Module:

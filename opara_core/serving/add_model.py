@@ -1,0 +1,221 @@
+"""`python -m opara_core add-model NAME --repository DIR ...`: a model of the
+user's as a Triton model directory: DIR/NAME/config.pbtxt (inputs, outputs,
+dtypes and per-row shapes read from the program or the module, batching,
+buckets, the id ranges of integer inputs) and DIR/NAME/1/ with model.py and
+the model's files. `make serve MODEL_REPOSITORY=DIR` then serves it.
+
+The config is written with protobuf's text format from Triton's own
+ModelConfig message (tritonclient ships it), so it is what Triton reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from opara_core.serving.triton_backend import TRITON_DTYPES
+from opara_core.serving.user_models import PROGRAM_FILE, ModelFileError, call_factory, load_program, program_signature
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+WEIGHTS_FILE = "model.safetensors"
+DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+               "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One input or output as the config declares it (per row)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    ids: tuple[int, int] | None = None  # [low, high) for an integer input
+
+
+def parse_input(text: str) -> Tensor:
+    """`--input NAME:DTYPE:DIMS`, e.g. `image:fp32:3x224x224` or `ids:int64:16:0,1000`
+    (an integer input's valid ids, half-open)."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or not re.fullmatch(r"\w+", parts[0]) or parts[1] not in DTYPE_NAMES or not re.fullmatch(r"\d+(x\d+)*", parts[2]):
+        raise ModelFileError(f"--input {text!r}: expected NAME:DTYPE:DIMS[:LOW,HIGH], e.g. image:fp32:3x224x224 or ids:int64:16:0,1000 (DTYPE one of {', '.join(DTYPE_NAMES)})")
+    dtype = DTYPE_NAMES[parts[1]]
+    ids = None
+    if len(parts) == 4:
+        low, _, high = parts[3].partition(",")
+        if dtype.is_floating_point or not (low.lstrip("-").isdigit() and high.lstrip("-").isdigit()) or int(low) >= int(high):
+            raise ModelFileError(f"--input {text!r}: LOW,HIGH (low < high) is for integer inputs")
+        ids = (int(low), int(high))
+    return Tensor(parts[0], dtype, tuple(int(d) for d in parts[2].split("x")), ids)
+
+
+def from_program(program_path: Path, max_batch: int | None, ranges: dict[str, tuple[int, int]]) -> tuple[list[Tensor], list[Tensor], int]:
+    """The inputs, outputs and max_batch_size of a torch.export program; an
+    integer input's valid ids from `ranges` (--ids), else from the embedding
+    table it indexes."""
+    inputs, outputs = program_signature(load_program(program_path))
+    unknown = sorted(set(ranges) - {e["name"] for e in inputs})
+    if unknown:
+        raise ModelFileError(f"--ids for {unknown}: {program_path.name} has the inputs {[e['name'] for e in inputs]}")
+    found = []
+    for entry in inputs:
+        if entry["batch"] is None:
+            raise ModelFileError(f"input {entry['name']!r} of {program_path.name} has a fixed first dimension {entry['shape'][:1]}: export with a dynamic batch dimension (dynamic_shapes={{0: torch.export.Dim('batch')}} for each input, example batch >= 2)")
+        if None in entry["shape"][1:]:
+            raise ModelFileError(f"input {entry['name']!r} of {program_path.name} has a variable per-row dimension {list(entry['shape'][1:])}: only the batch dimension may vary here")
+        ids = ranges.get(entry["name"])
+        if ids is not None and entry["dtype"].is_floating_point:
+            raise ModelFileError(f"--ids {entry['name']}: a floating-point input has no ids")
+        if ids is None and not entry["dtype"].is_floating_point:
+            if entry["ids"] is None:
+                raise ModelFileError(f"integer input {entry['name']!r} of {program_path.name} indexes no embedding table directly, so its valid ids are unknown; give them with --ids {entry['name']}=LOW,HIGH")
+            ids = (0, entry["ids"])
+        found.append(Tensor(entry["name"], entry["dtype"], tuple(entry["shape"][1:]), ids))
+    highs = [e["batch"][1] for e in inputs if e["batch"][1] is not None]
+    limit = min(highs) if highs else None
+    if max_batch is None:
+        max_batch = min(32, limit) if limit else 32
+    elif limit is not None and max_batch > limit:
+        raise ModelFileError(f"--max-batch {max_batch}: {program_path.name} was exported for batches of at most {limit}")
+    names = ["output"] if len(outputs) == 1 else [f"output_{i}" for i in range(len(outputs))]
+    returned = [Tensor(name, e["dtype"], tuple(e["shape"][1:])) for name, e in zip(names, outputs)]
+    for tensor in returned:
+        if None in tensor.shape:
+            raise ModelFileError(f"{tensor.name} of {program_path.name} has a variable per-row dimension: only the batch dimension may vary here")
+    return found, returned, max_batch
+
+
+def from_module(module: torch.nn.Module, inputs: list[Tensor]) -> list[Tensor]:
+    """The outputs of `module` (one tensor or a tuple of them), per row, from an eager run on a batch of 2."""
+    example = []
+    for tensor in inputs:
+        if tensor.dtype.is_floating_point:
+            example.append(torch.randn(2, *tensor.shape, dtype=tensor.dtype))
+        else:
+            low, high = tensor.ids if tensor.ids else (0, 2)
+            example.append(torch.randint(low, high, (2, *tensor.shape), dtype=tensor.dtype))
+    try:
+        with torch.inference_mode():
+            result = module(*example)
+    except Exception as error:  # noqa: BLE001 - the user's module, in one line
+        raise ModelFileError(f"the module failed on an example batch of 2 with the --input shapes: {type(error).__name__}: {error}") from None
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    if not results or not all(isinstance(r, torch.Tensor) and r.dim() >= 1 and r.shape[0] == 2 for r in results):
+        raise ModelFileError("the module must return a tensor or a tuple of tensors, each with the batch as its first dimension")
+    names = ["output"] if len(results) == 1 else [f"output_{i}" for i in range(len(results))]
+    return [Tensor(name, r.dtype, tuple(r.shape[1:])) for name, r in zip(names, results)]
+
+
+def config_text(name: str, inputs: list[Tensor], outputs: list[Tensor], max_batch: int, parameters: dict[str, str]) -> str:
+    """config.pbtxt, through Triton's ModelConfig message and protobuf's text format."""
+    try:
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2 as pb
+    except ImportError as error:
+        raise ModelFileError(f"add-model writes config.pbtxt with tritonclient's ModelConfig ({error}): pip install '.[client]'") from None
+    config = pb.ModelConfig(name=name, backend="python", max_batch_size=max_batch)
+    for tensor in inputs:
+        config.input.add(name=tensor.name, data_type=pb.DataType.Value(TRITON_DTYPES[tensor.dtype]), dims=list(tensor.shape))
+        if tensor.ids:
+            parameters[f"value_range.{tensor.name}"] = f"{tensor.ids[0]},{tensor.ids[1]}"
+    for tensor in outputs:
+        config.output.add(name=tensor.name, data_type=pb.DataType.Value(TRITON_DTYPES[tensor.dtype]), dims=list(tensor.shape))
+    buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+    # preferred sizes above 1: a lone request never waits the queue delay (see model_repository/googlenet)
+    config.dynamic_batching.preferred_batch_size.extend(b for b in buckets if b > 1)
+    config.dynamic_batching.max_queue_delay_microseconds = 100
+    config.instance_group.add(count=1)
+    parameters = {"FORCE_CPU_ONLY_INPUT_TENSORS": "no", "buckets": ",".join(map(str, buckets)), **parameters}
+    for key, value in parameters.items():
+        config.parameters[key].string_value = value
+    return text_format.MessageToString(config)
+
+
+MODEL_PY = '''"""{name}: {what}, served through opara_core (written by `python -m opara_core add-model`)."""
+
+from opara_core.serving.user_models import {base}
+
+
+class TritonPythonModel({base}):
+{body}
+'''
+
+
+def add_model(name: str, repository: Path, export: Path | None = None, module: str | None = None,
+              inputs: tuple[str, ...] = (), ids: tuple[str, ...] = (), max_batch: int | None = None, force: bool = False) -> list[Path]:
+    """Write the model directory; the paths written. Exactly one of `export`, `module`."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name.startswith("."):
+        raise ModelFileError(f"model name {name!r}: letters, digits, '_', '.', '-' only")
+    if (export is None) == (module is None):
+        raise ModelFileError("give exactly one of --export FILE.pt2 and --module MODULE:FACTORY")
+    if module is not None and ids:
+        raise ModelFileError("--ids is for --export; with --module give an integer input's ids in --input (NAME:int64:DIMS:LOW,HIGH)")
+    if max_batch is not None and max_batch < 1:
+        raise ModelFileError(f"--max-batch {max_batch}: at least 1")
+    target = Path(repository) / name
+    if target.exists() and not force:
+        raise ModelFileError(f"{target} exists; --force replaces it")
+    ranges = {}
+    for text in ids:
+        key, _, bounds = text.partition("=")
+        low, _, high = bounds.partition(",")
+        try:
+            ranges[key] = (int(low), int(high))
+        except ValueError:
+            raise ModelFileError(f"--ids {text!r}: expected NAME=LOW,HIGH") from None
+        if ranges[key][0] >= ranges[key][1]:
+            raise ModelFileError(f"--ids {text!r}: LOW must be below HIGH")
+    parameters: dict[str, str] = {}
+    staged: dict[str, Path | bytes] = {}
+    if export is not None:
+        export = Path(export)
+        if not export.is_file():
+            raise ModelFileError(f"--export {export}: no such file")
+        declared, outputs, max_batch = from_program(export, max_batch, ranges)
+        staged[PROGRAM_FILE] = export
+        model_py = MODEL_PY.format(name=name, what=f"the torch.export program {PROGRAM_FILE}", base="ExportedModel", body="    pass")
+    else:
+        if not inputs:
+            raise ModelFileError("--module needs the inputs: --input NAME:DTYPE:DIMS for each (e.g. --input image:fp32:3x224x224)")
+        declared = [parse_input(text) for text in inputs]
+        for tensor in declared:
+            if not tensor.dtype.is_floating_point and tensor.ids is None:
+                raise ModelFileError(f"--input {tensor.name}: an integer input needs its valid ids, NAME:{str(tensor.dtype).removeprefix('torch.')}:DIMS:LOW,HIGH")
+        where, _, _ = module.rpartition(":")
+        factory = module
+        if where.endswith(".py"):
+            source = Path(where)
+            if not source.is_file():
+                raise ModelFileError(f"--module {module!r}: {source} does not exist")
+            staged[source.name] = source
+            factory = f"{source.name}:{module.rpartition(':')[2]}"
+        built = call_factory(module)
+        outputs = from_module(built, declared)
+        max_batch = max_batch or 32
+        parameters["weights"] = WEIGHTS_FILE
+        staged[WEIGHTS_FILE] = b""  # written below, from the module
+        model_py = MODEL_PY.format(name=name, what=f"the module {factory}() with the weights in {WEIGHTS_FILE}", base="ModuleModel", body=f"    factory = {factory!r}")
+    text = config_text(name, declared, outputs, max_batch, parameters)
+    if target.exists():
+        shutil.rmtree(target)
+    version = target / "1"
+    version.mkdir(parents=True)
+    written = [target / "config.pbtxt", version / "model.py"]
+    written[0].write_text(text)
+    written[1].write_text(model_py)
+    for file_name, source in staged.items():
+        path = version / file_name
+        if file_name == WEIGHTS_FILE:
+            from safetensors.torch import save_model
+
+            save_model(built, str(path))
+        else:
+            shutil.copyfile(source, path)
+        written.append(path)
+    return written

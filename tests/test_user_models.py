@@ -1,0 +1,303 @@
+"""Models a user brings (serving.user_models, serving.add_model): written by
+`python -m opara_core add-model`, checked at load against their config, and
+served by the real tritonserver over HTTP and gRPC against the eager module."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import server_config
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from opara_core.__main__ import main
+from opara_core.parameters import BATCH, parse, strings
+from opara_core.serving.add_model import add_model
+from opara_core.serving.launcher import REPO_ROOT, TritonServer
+from opara_core.serving.user_models import ModelFileError, call_factory, check_program, spec_from_config
+from opara_core.serving.weights import WeightsError, load_into
+
+
+class TwoBranches(torch.nn.Module):
+    """In no zoo: two inputs, a branch each, joined."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = torch.nn.Linear(6, 8)
+        self.conv = torch.nn.Conv1d(3, 4, 3, padding=1)
+        self.head = torch.nn.Linear(8 + 16, 5)
+
+    def forward(self, x, y):
+        return self.head(torch.cat([torch.relu(self.dense(x)), self.conv(y).flatten(1)], 1))
+
+
+class Bag(torch.nn.Module):
+    """An id input: its valid ids come from the embedding table it indexes."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(50, 4)
+
+    def forward(self, ids):
+        return self.table(ids).sum(1), ids.float().mean(1, keepdim=True)
+
+
+def exported(module: torch.nn.Module, example: tuple, path, dynamic: bool = True, max_batch: int | None = 64):
+    batch = torch.export.Dim("batch", max=max_batch) if max_batch else torch.export.Dim("batch")
+    shapes = tuple({0: batch} for _ in example) if dynamic else None
+    torch.export.save(torch.export.export(module.eval(), example, dynamic_shapes=shapes), str(path))
+    return path
+
+
+def read_config(path) -> dict:
+    """config.pbtxt as Triton hands it to a model (its JSON form)."""
+    from google.protobuf import json_format
+
+    message = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    return json.loads(json_format.MessageToJson(message, preserving_proto_field_name=True))
+
+
+def test_add_model_reads_the_programs_signature_into_the_config(tmp_path):
+    torch.manual_seed(0)
+    program = exported(TwoBranches(), (torch.randn(2, 6), torch.randn(2, 3, 4)), tmp_path / "two.pt2", max_batch=16)
+    written = add_model("two", tmp_path / "repo", export=program)
+    assert {p.name for p in written} == {"config.pbtxt", "model.py", "model.pt2"}
+    config = read_config(tmp_path / "repo" / "two" / "config.pbtxt")
+    assert [(t["name"], t["data_type"], [int(d) for d in t["dims"]]) for t in config["input"]] == [("x", "TYPE_FP32", [6]), ("y", "TYPE_FP32", [3, 4])]
+    assert [(t["name"], [int(d) for d in t["dims"]]) for t in config["output"]] == [("output", [5])]
+    assert config["max_batch_size"] == 16  # the program's own limit, below the default 32
+    assert config["parameters"]["buckets"]["string_value"] == "1,2,4,8,16"
+    ids = exported(Bag(), (torch.randint(0, 50, (2, 3)),), tmp_path / "bag.pt2")
+    add_model("bag", tmp_path / "repo", export=ids)
+    bag = read_config(tmp_path / "repo" / "bag" / "config.pbtxt")
+    assert bag["parameters"]["value_range.ids"]["string_value"] == "0,50"
+    assert [t["name"] for t in bag["output"]] == ["output_0", "output_1"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--export", "missing.pt2"], "no such file"),
+        (["--export", "static.pt2"], "fixed first dimension"),
+        (["--module", "torchvision.models:no_such_model", "--input", "image:fp32:3x8x8"], "no_such_model"),
+        (["--module", "torchvision.models:squeezenet1_1"], "--module needs the inputs"),
+        (["--module", "torchvision.models:squeezenet1_1", "--input", "image:fp33:3x8x8"], "NAME:DTYPE:DIMS"),
+        (["--module", "tests/test_user_models.py:TwoBranches", "--input", "x:fp32:7"], "failed on an example batch"),
+        (["--module", "json:dumps", "--input", "x:fp32:7"], "failed"),
+        (["--export", "bag.pt2", "--ids", "nope=0,3"], "has the inputs ['ids']"),
+    ],
+)
+def test_add_model_refuses_what_it_cannot_serve_in_one_line(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_user_models.py").write_text((REPO_ROOT / "tests" / "test_user_models.py").read_text())
+    exported(TwoBranches(), (torch.randn(2, 6), torch.randn(2, 3, 4)), tmp_path / "static.pt2", dynamic=False)
+    exported(Bag(), (torch.randint(0, 50, (2, 3)),), tmp_path / "bag.pt2")
+    assert main(["add-model", "m", "--repository", str(tmp_path / "repo"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "repo" / "m").exists()
+
+
+def test_add_model_keeps_an_existing_model_unless_forced(tmp_path):
+    program = exported(TwoBranches(), (torch.randn(2, 6), torch.randn(2, 3, 4)), tmp_path / "two.pt2")
+    add_model("two", tmp_path / "repo", export=program)
+    with pytest.raises(ModelFileError, match="exists; --force replaces it"):
+        add_model("two", tmp_path / "repo", export=program)
+    add_model("two", tmp_path / "repo", export=program, force=True)
+
+
+def _spec(config: dict):
+    return spec_from_config(config, parse(BATCH, strings(config)))
+
+
+def test_the_program_is_checked_against_the_config_naming_the_tensor_and_both_shapes(tmp_path):
+    program_path = exported(TwoBranches(), (torch.randn(2, 6), torch.randn(2, 3, 4)), tmp_path / "two.pt2", max_batch=16)
+    add_model("two", tmp_path / "repo", export=program_path)
+    config = read_config(tmp_path / "repo" / "two" / "config.pbtxt")
+    program = torch.export.load(str(program_path))
+    check_program(program, _spec(config), 16)
+    wrong = json.loads(json.dumps(config))
+    wrong["input"][1]["dims"] = ["3", "5"]
+    with pytest.raises(ModelFileError, match=r"input 'y': the config declares TYPE_FP32 \[3, 5\] per row, the program has TYPE_FP32 \[3, 4\]"):
+        check_program(program, _spec(wrong), 16)
+    wrong = json.loads(json.dumps(config))
+    wrong["input"][0]["data_type"] = "TYPE_INT64"
+    with pytest.raises(ModelFileError, match=r"input 'x': the config declares TYPE_INT64 \[6\]"):
+        check_program(program, _spec(wrong), 16)
+    with pytest.raises(ModelFileError, match="batches of at most 16, the config's max_batch_size is 32"):
+        check_program(program, _spec({**config, "max_batch_size": 32}), 32)
+    renamed = json.loads(json.dumps(config))
+    renamed["input"][0]["name"], renamed["input"][1]["name"] = "a", "b"  # names of the config's own: matched in order
+    check_program(program, _spec(renamed), 16)
+    swapped = json.loads(json.dumps(config))
+    swapped["input"].reverse()
+    with pytest.raises(ModelFileError, match="list them in the program's order"):
+        check_program(program, _spec(swapped), 16)
+    fewer = {**config, "input": config["input"][:1]}
+    with pytest.raises(ModelFileError, match=r"declares 1 inputs \['x'\], the program has 2"):
+        check_program(program, _spec(fewer), 16)
+
+
+def test_a_config_the_engine_cannot_batch_is_a_clear_error():
+    config = {"name": "m", "max_batch_size": 8, "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": ["-1"]}], "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": ["2"]}]}
+    with pytest.raises(ModelFileError, match="every per-row dimension must be fixed"):
+        _spec(config)
+    with pytest.raises(ModelFileError, match="max_batch_size must be at least 1"):
+        _spec({**config, "max_batch_size": 0})
+    with pytest.raises(ModelFileError, match="TYPE_STRING is not served"):
+        _spec({**config, "input": [{"name": "x", "data_type": "TYPE_STRING", "dims": ["1"]}]})
+    ranged = {**config, "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": ["2"]}], "parameters": {"value_range.x": {"string_value": "0,9"}}}
+    with pytest.raises(ModelFileError, match="value ranges are for integer inputs only"):
+        _spec(ranged)
+
+
+def test_module_weights_load_from_safetensors_and_a_mismatch_names_the_file(tmp_path):
+    from safetensors.torch import save_model
+
+    torch.manual_seed(1)
+    source, target = TwoBranches().eval(), TwoBranches().eval()
+    save_model(source, str(tmp_path / "w.safetensors"))
+    load_into(target, tmp_path / "w.safetensors", "two")
+    assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values()))
+    save_model(Bag(), str(tmp_path / "bag.safetensors"))
+    with pytest.raises(WeightsError, match="bag.safetensors does not fit two"):
+        load_into(target, tmp_path / "bag.safetensors", "two")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(WeightsError, match="cannot read junk.safetensors"):
+        load_into(target, tmp_path / "junk.safetensors", "two")
+
+
+def test_a_factory_file_in_the_version_directory_is_imported_from_there(tmp_path):
+    (tmp_path / "net.py").write_text("import torch\n\ndef build():\n    return torch.nn.Linear(3, 2)\n")
+    assert isinstance(call_factory("net.py:build", tmp_path), torch.nn.Linear)
+    with pytest.raises(ModelFileError, match="returned a str, not a torch.nn.Module"):
+        (tmp_path / "bad.py").write_text("def build():\n    return 'x'\n")
+        call_factory("bad.py:build", tmp_path)
+    with pytest.raises(ModelFileError, match="expected MODULE:FUNCTION"):
+        call_factory("torchvision.models", tmp_path)
+
+
+@pytest.fixture(scope="module")
+def user_server(tmp_path_factory, admin_key):
+    """A repository of three models of a user's, written by the CLI as a user
+    runs it: a torch.export program of a network in no zoo, one with an id
+    input, and a torchvision model outside the zoo through --module."""
+    root = tmp_path_factory.mktemp("user_models")
+    torch.manual_seed(0)
+    two = TwoBranches().eval()
+    exported(two, (torch.randn(2, 6), torch.randn(2, 3, 4)), root / "two.pt2")
+    torch.manual_seed(1)
+    bag = Bag().eval()
+    exported(bag, (torch.randint(0, 50, (2, 3)),), root / "bag.pt2")
+    repository = root / "repo"
+    for args in (["two", "--export", str(root / "two.pt2")], ["bag", "--export", str(root / "bag.pt2"), "--max-batch", "8"],
+                 ["squeeze", "--module", "torchvision.models:squeezenet1_1", "--input", "image:fp32:3x48x48"]):
+        assert main(["add-model", *args[:1], "--repository", str(repository), *args[1:]]) == 0
+    from safetensors.torch import load_model
+
+    squeeze = call_factory("torchvision.models:squeezenet1_1")
+    load_model(squeeze, str(repository / "squeeze" / "1" / "model.safetensors"))
+    with TritonServer(server_config(repository), root / "server.log") as server:
+        yield server, {"two": two, "bag": bag, "squeeze": squeeze.eval()}
+
+
+def _infer(server, protocol: str, model: str, arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
+    if protocol == "http":
+        import tritonclient.http as client_module
+    else:
+        import tritonclient.grpc as client_module
+    client = client_module.InferenceServerClient(server.http_url if protocol == "http" else server.grpc_url)
+    try:
+        inputs = []
+        for name, array in arrays.items():
+            tensor = client_module.InferInput(name, list(array.shape), {np.float32: "FP32", np.int64: "INT64", np.int32: "INT32"}[array.dtype.type])
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        metadata = client.get_model_metadata(model)
+        names = [o["name"] for o in metadata["outputs"]] if protocol == "http" else [o.name for o in metadata.outputs]
+        result = client.infer(model, inputs)
+        return [result.as_numpy(name) for name in names]
+    finally:
+        client.close()
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_each_route_answers_as_its_eager_module(user_server, protocol):
+    server, modules = user_server
+    rng = np.random.default_rng(3)
+    cases = {
+        "two": {"x": rng.standard_normal((3, 6), dtype=np.float32), "y": rng.standard_normal((3, 3, 4), dtype=np.float32)},
+        "bag": {"ids": rng.integers(0, 50, (5, 3))},
+        "squeeze": {"image": rng.standard_normal((2, 3, 48, 48), dtype=np.float32)},
+    }
+    for model, arrays in cases.items():
+        with torch.inference_mode():
+            want = modules[model](*(torch.from_numpy(a) for a in arrays.values()))
+        want = want if isinstance(want, tuple) else (want,)
+        got = _infer(server, protocol, model, arrays)
+        assert len(got) == len(want), model
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w.numpy(), rtol=1e-4, atol=1e-5, err_msg=model)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize(
+    "model, arrays, message",
+    [
+        ("two", {"x": np.zeros((1, 7), np.float32), "y": np.zeros((1, 3, 4), np.float32)}, "[1,7]"),
+        ("two", {"x": np.zeros((1, 6), np.int64), "y": np.zeros((1, 3, 4), np.float32)}, "INT64"),
+        ("bag", {"ids": np.full((1, 3), 50, np.int64)}, "outside [0, 50)"),
+    ],
+    ids=["wrong shape", "wrong datatype", "id beyond the table"],
+)
+def test_a_bad_request_gets_a_clear_error_and_the_server_stays_up(user_server, protocol, model, arrays, message):
+    from tritonclient.utils import InferenceServerException
+
+    server, _ = user_server
+    with pytest.raises(InferenceServerException) as caught:
+        _infer(server, protocol, model, arrays)
+    text = str(caught.value)
+    assert message in text and "Traceback" not in text, text
+    ok = _infer(server, protocol, "bag", {"ids": np.zeros((1, 3), np.int64)})
+    assert ok[0].shape == (1, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused_lanes", [False, True])
+def test_on_a_gpu_each_route_builds_its_graphs_and_they_answer_as_eager(tmp_path, monkeypatch, fused_lanes):
+    """The engine's GPU build of a program in no zoo and of a torchvision model
+    outside it: multi-stream graphs (and fused lanes) built, guarded and
+    replayed against the eager module."""
+    from opara_core.engine.build import EngineSettings, build_runner
+
+    monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    two = TwoBranches().eval()
+    exported(two, (torch.randn(2, 6), torch.randn(2, 3, 4)), tmp_path / "two.pt2")
+    add_model("two", tmp_path / "repo", export=tmp_path / "two.pt2")
+    add_model("squeeze", tmp_path / "repo", module="torchvision.models:squeezenet1_1", inputs=("image:fp32:3x64x64",))
+    squeeze = call_factory("torchvision.models:squeezenet1_1")
+    from safetensors.torch import load_model
+
+    load_model(squeeze, str(tmp_path / "repo" / "squeeze" / "1" / "model.safetensors"))
+    served = {"two": torch.export.load(str(tmp_path / "repo" / "two" / "1" / "model.pt2")).module(), "squeeze": squeeze.eval()}
+    oracle = {"two": two, "squeeze": squeeze}
+    device = torch.device("cuda")
+    for name, module in served.items():
+        spec = _spec(read_config(tmp_path / "repo" / name / "config.pbtxt"))
+        runner, report = build_runner(module, spec, device, 8, EngineSettings(buckets=(1, 8), fused_lanes=fused_lanes))
+        assert report.runner != "eager" and not report.fallbacks, report.summary()
+        for batch in (1, 3, 8):
+            inputs = spec.example_inputs(batch, seed=batch)
+            with torch.inference_mode():
+                want = oracle[name].to(device)(*(t.to(device) for t in inputs))
+                got = runner.run([[t] for t in inputs])
+            want = want if isinstance(want, tuple) else (want,)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g.to(device), w, rtol=2e-3, atol=2e-3)
