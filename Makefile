@@ -34,8 +34,12 @@ serve: setup
 warm: setup
 	$(PY) -m opara_core.serving.launcher warm --model-repository $(MODEL_REPOSITORY)
 
+# The suite in TEST_WORKERS processes (default: the cores, at most 4; pytest-xdist),
+# each test file whole in one of them and every test of the session's shared server
+# in the same one (tests/conftest.py); TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= $(shell n=$$(nproc); [ $$n -gt 4 ] && n=4; echo $$n)
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)
 
 # perf_analyzer (bundled in tritonclient) against a running server (`make serve`):
 # a concurrency sweep with count windows sized to each model's speed for every

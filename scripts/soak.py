@@ -8,12 +8,15 @@ valid random inputs). Alongside it a checker sends fixed seeded inputs and
 compares every answer with the eager model (the oracle): Triton batches the
 checker's rows together with the load's, which is where a mix-up would show.
 Memory is sampled with the server idle, after a warm-up at the highest
-concurrency (the baseline) and after every level: the proportional set size
-(PSS) of the tritonserver process and of the model's backend processes, and
-their GPU memory where nvidia-smi exists. PSS, not RSS, because the Python
-backend maps its shared-memory pool again each time the pool grows and RSS
-counts every page once per mapping (RSS is recorded too). The run passes when
-nothing failed, nothing was wrong and no PSS or GPU sample grew more than
+concurrency (the baseline) and after every level: the unique set size (USS,
+the pages only that process maps) of the tritonserver process and of the
+model's backend processes, and their GPU memory where nvidia-smi exists. USS,
+not RSS, because the Python backend maps its shared-memory pool again each
+time the pool grows and RSS counts every page once per mapping; not PSS,
+because PSS splits each shared library's pages among the processes mapping
+it, so it grows when other processes on the machine exit (17% for
+tritonserver while a test suite's other servers stopped). RSS and PSS are recorded too. The run passes when
+nothing failed, nothing was wrong and no USS or GPU sample grew more than
 --memory-tolerance over its baseline. Prints a table, writes JSON, exits 1 on
 a failed run. The server must run on this machine for memory to be measured.
 """
@@ -51,12 +54,14 @@ log = logging.getLogger("soak")
 
 
 def resident(pid: int) -> dict[str, int]:
-    """{"pss": bytes, "rss": bytes} of a process (/proc/PID/smaps_rollup)."""
-    found = {}
+    """{"uss": bytes, "pss": bytes, "rss": bytes} of a process (/proc/PID/smaps_rollup)."""
+    found = {"uss": 0}
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
         key = line.split(":", 1)[0]
         if key in ("Pss", "Rss"):
             found[key.lower()] = int(line.split()[1]) * 1024
+        elif key in ("Private_Clean", "Private_Dirty"):
+            found["uss"] += int(line.split()[1]) * 1024
     return found
 
 
@@ -94,8 +99,8 @@ class Memory:
 
 
 def growth(baseline: dict[str, int], samples: list[dict[str, int]]) -> dict[str, float]:
-    """Largest relative growth over the baseline of each judged quantity (PSS, GPU)."""
-    judged = [key for key in baseline if key.endswith("_pss") or key == "gpu"]
+    """Largest relative growth over the baseline of each judged quantity (USS, GPU)."""
+    judged = [key for key in baseline if key.endswith("_uss") or key == "gpu"]
     return {key: max(s[key] for s in samples) / baseline[key] - 1 if baseline[key] else 0.0 for key in judged}
 
 

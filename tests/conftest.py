@@ -92,9 +92,16 @@ def strict_fp32():
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip cleanly where torch sees no CUDA device (CI, laptops)."""
+    """Each test file is one group for pytest-xdist's `--dist loadgroup` (its
+    module fixtures, such as a file's own server, are made once), except that
+    every file with a test of the session's `server` is in one group, so that
+    one worker starts it. GPU tests skip cleanly where torch sees no CUDA
+    device (CI, laptops)."""
     import torch
 
+    shared = {item.path for item in items if "server" in item.fixturenames}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("session-server" if item.path in shared else item.path.name))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -4,7 +4,7 @@ The project's client drives deepfm (the cheapest model on a CPU) at
 concurrency 1, 8 and 64 for a few seconds each over both protocols, while a
 checker compares answers to fixed inputs with the eager model. Nothing may
 fail, no answer may be wrong, and the memory of tritonserver and of deepfm's
-backend process (PSS, see the script) may not grow more than 2% after the warm-up.
+backend process (USS, see the script) may not grow more than 2% after the warm-up.
 """
 
 from __future__ import annotations
@@ -39,6 +39,6 @@ def test_a_concurrency_sweep_loses_nothing_and_memory_stays_flat(server, tmp_pat
         assert row["requests"] > 0 and row["errors"] == 0, row
     assert result["checks"]["sent"] >= 10 and result["checks"]["wrong"] == 0 and result["checks"]["errors"] == 0
     memory = result["memory"]
-    assert memory["measured"] and {"tritonserver_pss", "deepfm_0_0_pss"} <= set(memory["growth"])
+    assert memory["measured"] and {"tritonserver_uss", "deepfm_0_0_uss"} <= set(memory["growth"])
     assert all(growth <= 0.02 for growth in memory["growth"].values()), memory["growth"]
     assert result["passed"] and done.returncode == 0, done.stdout[-2000:]
