@@ -37,8 +37,11 @@ warm: setup
 # The suite in TEST_WORKERS processes (default: the cores, at most 4; pytest-xdist),
 # each test file whole in one of them and every test of the session's shared server
 # in the same one (tests/conftest.py); TEST_WORKERS=0 runs it in this process.
+# Each worker and the servers it starts get their share of the cores as torch's
+# threads (OMP_NUM_THREADS, unless set): more threads than cores spin-wait.
 TEST_WORKERS ?= $(shell n=$$(nproc); [ $$n -gt 4 ] && n=4; echo $$n)
 test: setup
+	$(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$$(( ($$(nproc) + $(TEST_WORKERS) - 1) / $(TEST_WORKERS) ))}) \
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)
 
 # perf_analyzer (bundled in tritonclient) against a running server (`make serve`):
