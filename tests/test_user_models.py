@@ -88,6 +88,7 @@ def test_add_model_reads_the_programs_signature_into_the_config(tmp_path):
         (["--module", "tests/test_user_models.py:TwoBranches", "--input", "x:fp32:7"], "failed on an example batch"),
         (["--module", "json:dumps", "--input", "x:fp32:7"], "failed"),
         (["--export", "bag.pt2", "--ids", "nope=0,3"], "has the inputs ['ids']"),
+        (["--export", "bf16.pt2"], "is bfloat16, which is not served"),
     ],
 )
 def test_add_model_refuses_what_it_cannot_serve_in_one_line(tmp_path, monkeypatch, capsys, argv, message):
@@ -96,6 +97,7 @@ def test_add_model_refuses_what_it_cannot_serve_in_one_line(tmp_path, monkeypatc
     (tmp_path / "tests" / "test_user_models.py").write_text((REPO_ROOT / "tests" / "test_user_models.py").read_text())
     exported(TwoBranches(), (torch.randn(2, 6), torch.randn(2, 3, 4)), tmp_path / "static.pt2", dynamic=False)
     exported(Bag(), (torch.randint(0, 50, (2, 3)),), tmp_path / "bag.pt2")
+    exported(torch.nn.Linear(4, 2).to(torch.bfloat16), (torch.randn(2, 4, dtype=torch.bfloat16),), tmp_path / "bf16.pt2")
     assert main(["add-model", "m", "--repository", str(tmp_path / "repo"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err

@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 
 from opara_core.serving.triton_backend import TRITON_DTYPES
-from opara_core.serving.user_models import PROGRAM_FILE, ModelFileError, call_factory, load_program, program_signature
+from opara_core.serving.user_models import DYNAMIC_BATCH_HINT, PROGRAM_FILE, ModelFileError, call_factory, load_program, program_signature
 
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 WEIGHTS_FILE = "model.safetensors"
 DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-               "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32}
+               "int64": torch.int64, "int32": torch.int32}  # the dtypes the adapter serves (TRITON_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,15 @@ class Tensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     ids: tuple[int, int] | None = None  # [low, high) for an integer input
+
+    def __post_init__(self) -> None:
+        if self.dtype not in TRITON_DTYPES:
+            raise ModelFileError(f"{self.name} is {str(self.dtype).removeprefix('torch.')}, which is not served (one of {', '.join(DTYPE_NAMES)})")
+
+
+def output_names(count: int) -> list[str]:
+    """`output` for one output, `output_0`, `output_1`, ... for several."""
+    return ["output"] if count == 1 else [f"output_{i}" for i in range(count)]
 
 
 def parse_input(text: str) -> Tensor:
@@ -66,7 +75,7 @@ def from_program(program_path: Path, max_batch: int | None, ranges: dict[str, tu
     found = []
     for entry in inputs:
         if entry["batch"] is None:
-            raise ModelFileError(f"input {entry['name']!r} of {program_path.name} has a fixed first dimension {entry['shape'][:1]}: export with a dynamic batch dimension (dynamic_shapes={{0: torch.export.Dim('batch')}} for each input, example batch >= 2)")
+            raise ModelFileError(f"input {entry['name']!r} of {program_path.name} has a fixed first dimension {entry['shape'][:1]}: {DYNAMIC_BATCH_HINT}")
         if None in entry["shape"][1:]:
             raise ModelFileError(f"input {entry['name']!r} of {program_path.name} has a variable per-row dimension {list(entry['shape'][1:])}: only the batch dimension may vary here")
         ids = ranges.get(entry["name"])
@@ -83,11 +92,11 @@ def from_program(program_path: Path, max_batch: int | None, ranges: dict[str, tu
         max_batch = min(32, limit) if limit else 32
     elif limit is not None and max_batch > limit:
         raise ModelFileError(f"--max-batch {max_batch}: {program_path.name} was exported for batches of at most {limit}")
-    names = ["output"] if len(outputs) == 1 else [f"output_{i}" for i in range(len(outputs))]
-    returned = [Tensor(name, e["dtype"], tuple(e["shape"][1:])) for name, e in zip(names, outputs)]
-    for tensor in returned:
-        if None in tensor.shape:
-            raise ModelFileError(f"{tensor.name} of {program_path.name} has a variable per-row dimension: only the batch dimension may vary here")
+    returned = []
+    for name, entry in zip(output_names(len(outputs)), outputs):
+        if None in entry["shape"][1:]:
+            raise ModelFileError(f"{name} of {program_path.name} has a variable per-row dimension: only the batch dimension may vary here")
+        returned.append(Tensor(name, entry["dtype"], tuple(entry["shape"][1:])))
     return found, returned, max_batch
 
 
@@ -108,8 +117,7 @@ def from_module(module: torch.nn.Module, inputs: list[Tensor]) -> list[Tensor]:
     results = result if isinstance(result, (tuple, list)) else (result,)
     if not results or not all(isinstance(r, torch.Tensor) and r.dim() >= 1 and r.shape[0] == 2 for r in results):
         raise ModelFileError("the module must return a tensor or a tuple of tensors, each with the batch as its first dimension")
-    names = ["output"] if len(results) == 1 else [f"output_{i}" for i in range(len(results))]
-    return [Tensor(name, r.dtype, tuple(r.shape[1:])) for name, r in zip(names, results)]
+    return [Tensor(name, r.dtype, tuple(r.shape[1:])) for name, r in zip(output_names(len(results)), results)]
 
 
 def config_text(name: str, inputs: list[Tensor], outputs: list[Tensor], max_batch: int, parameters: dict[str, str]) -> str:
@@ -120,10 +128,9 @@ def config_text(name: str, inputs: list[Tensor], outputs: list[Tensor], max_batc
     except ImportError as error:
         raise ModelFileError(f"add-model writes config.pbtxt with tritonclient's ModelConfig ({error}): pip install '.[client]'") from None
     config = pb.ModelConfig(name=name, backend="python", max_batch_size=max_batch)
+    ranges = {f"value_range.{t.name}": f"{t.ids[0]},{t.ids[1]}" for t in inputs if t.ids}
     for tensor in inputs:
         config.input.add(name=tensor.name, data_type=pb.DataType.Value(TRITON_DTYPES[tensor.dtype]), dims=list(tensor.shape))
-        if tensor.ids:
-            parameters[f"value_range.{tensor.name}"] = f"{tensor.ids[0]},{tensor.ids[1]}"
     for tensor in outputs:
         config.output.add(name=tensor.name, data_type=pb.DataType.Value(TRITON_DTYPES[tensor.dtype]), dims=list(tensor.shape))
     buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
@@ -131,7 +138,7 @@ def config_text(name: str, inputs: list[Tensor], outputs: list[Tensor], max_batc
     config.dynamic_batching.preferred_batch_size.extend(b for b in buckets if b > 1)
     config.dynamic_batching.max_queue_delay_microseconds = 100
     config.instance_group.add(count=1)
-    parameters = {"FORCE_CPU_ONLY_INPUT_TENSORS": "no", "buckets": ",".join(map(str, buckets)), **parameters}
+    parameters = {"FORCE_CPU_ONLY_INPUT_TENSORS": "no", "buckets": ",".join(map(str, buckets)), **parameters, **ranges}
     for key, value in parameters.items():
         config.parameters[key].string_value = value
     return text_format.MessageToString(config)
@@ -172,13 +179,14 @@ def add_model(name: str, repository: Path, export: Path | None = None, module: s
         if ranges[key][0] >= ranges[key][1]:
             raise ModelFileError(f"--ids {text!r}: LOW must be below HIGH")
     parameters: dict[str, str] = {}
-    staged: dict[str, Path | bytes] = {}
+    copied: dict[str, Path] = {}  # file name in the version directory -> the user's file
+    built = None  # --module: the module whose weights are saved beside it
     if export is not None:
         export = Path(export)
         if not export.is_file():
             raise ModelFileError(f"--export {export}: no such file")
         declared, outputs, max_batch = from_program(export, max_batch, ranges)
-        staged[PROGRAM_FILE] = export
+        copied[PROGRAM_FILE] = export
         model_py = MODEL_PY.format(name=name, what=f"the torch.export program {PROGRAM_FILE}", base="ExportedModel", body="    pass")
     else:
         if not inputs:
@@ -193,13 +201,12 @@ def add_model(name: str, repository: Path, export: Path | None = None, module: s
             source = Path(where)
             if not source.is_file():
                 raise ModelFileError(f"--module {module!r}: {source} does not exist")
-            staged[source.name] = source
+            copied[source.name] = source
             factory = f"{source.name}:{module.rpartition(':')[2]}"
         built = call_factory(module)
         outputs = from_module(built, declared)
         max_batch = max_batch or 32
         parameters["weights"] = WEIGHTS_FILE
-        staged[WEIGHTS_FILE] = b""  # written below, from the module
         model_py = MODEL_PY.format(name=name, what=f"the module {factory}() with the weights in {WEIGHTS_FILE}", base="ModuleModel", body=f"    factory = {factory!r}")
     text = config_text(name, declared, outputs, max_batch, parameters)
     if target.exists():
@@ -209,13 +216,12 @@ def add_model(name: str, repository: Path, export: Path | None = None, module: s
     written = [target / "config.pbtxt", version / "model.py"]
     written[0].write_text(text)
     written[1].write_text(model_py)
-    for file_name, source in staged.items():
-        path = version / file_name
-        if file_name == WEIGHTS_FILE:
-            from safetensors.torch import save_model
+    for file_name, source in copied.items():
+        shutil.copyfile(source, version / file_name)
+        written.append(version / file_name)
+    if built is not None:
+        from safetensors.torch import save_model
 
-            save_model(built, str(path))
-        else:
-            shutil.copyfile(source, path)
-        written.append(path)
+        save_model(built, str(version / WEIGHTS_FILE))
+        written.append(version / WEIGHTS_FILE)
     return written

@@ -81,13 +81,15 @@ def spec_from_config(config: dict, values: Values) -> ModelSpec:
 # --- torch.export programs
 
 
+# how to export a program the engine can batch, for the errors that say it is not one
+DYNAMIC_BATCH_HINT = ("export it with a dynamic batch dimension (dynamic_shapes={0: torch.export.Dim('batch')} for each input, "
+                      "and an example batch of at least 2)")
+
+
 def load_program(path: Path) -> torch.export.ExportedProgram:
     if not path.is_file():
         raise ModelFileError(f"{path} does not exist: an exported model's version directory holds its {PROGRAM_FILE}")
-    try:
-        return torch.export.load(str(path))
-    except Exception as error:  # noqa: BLE001 - any unreadable archive is the user's error
-        raise ModelFileError(f"cannot load the torch.export archive {path}: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
+    return weights.load_program(path)
 
 
 def program_signature(program: torch.export.ExportedProgram) -> tuple[list[dict], list[dict]]:
@@ -153,10 +155,7 @@ def check_program(program: torch.export.ExportedProgram, spec: ModelSpec, max_ba
         for spec_tensor, got in zip(declared, found):
             what = f"{kind} {spec_tensor.name!r}" + ("" if got["name"] == spec_tensor.name else f" (the program's {got['name']!r})")
             if got["batch"] is None:
-                raise ModelFileError(
-                    f"{what}: the program was exported with a fixed first dimension {got['shape'][:1]}; export it with a dynamic batch "
-                    "dimension (dynamic_shapes={0: torch.export.Dim('batch')} for each input, and an example batch of at least 2)"
-                )
+                raise ModelFileError(f"{what}: the program was exported with a fixed first dimension {got['shape'][:1]}; {DYNAMIC_BATCH_HINT}")
             if got["dtype"] != spec_tensor.dtype or got["shape"][1:] != spec_tensor.shape:
                 raise ModelFileError(f"{what}: the config declares {_shown(spec_tensor.dtype, spec_tensor.shape)} per row, the program has {_shown(got['dtype'], got['shape'][1:])}")
             high = got["batch"][1]

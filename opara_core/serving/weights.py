@@ -55,16 +55,21 @@ def load_module(entry: zoo.ZooModel, path: Path | None) -> torch.nn.Module:
     if path is None:
         return seeded_module(entry)
     if path.suffix == EXPORT_SUFFIX:
-        try:
-            program = torch.export.load(str(path))
-        except Exception as error:  # noqa: BLE001 - any unreadable archive is the user's error
-            raise WeightsError(f"cannot load the torch.export archive {path.name}: {error}") from None
+        program = load_program(path)
         log.info("serving the exported program %s", path)
         return program.module()
     module = entry.build()
     load_into(module, path, entry.name)
     log.info("serving %s with weights from %s", entry.name, path)
     return module.eval()
+
+
+def load_program(path: Path) -> torch.export.ExportedProgram:
+    """The torch.export archive at `path`; an unreadable one is a WeightsError."""
+    try:
+        return torch.export.load(str(path))
+    except Exception as error:  # noqa: BLE001 - any unreadable archive is the user's error
+        raise WeightsError(f"cannot load the torch.export archive {path.name}: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
 
 
 def load_into(module: torch.nn.Module, path: Path, model: str) -> None:
