@@ -64,8 +64,9 @@
 #              and 80 (their limits on the H200, generation's sixth run), 1,000 requests each;
 #              $OUT/generation.json, $OUT/generation_server.log
 #   servestart the shipped model_repository started as `make serve` starts it, on an empty cache
-#              ($SERVE_CACHE to keep one), until its "ready after" line: the terminal in
-#              $OUT/servestart_terminal.log, the whole server log in $OUT/servestart_full.log
+#              ($SERVE_CACHE to keep one), until its "ready after" line, once per word of $SERVE_RUNS
+#              (default "cold"; "cold warm": a second start on the same cache): the terminal in
+#              $OUT/servestart_RUN_terminal.log, the whole server log in $OUT/servestart_RUN_full.log
 #   soak       GoogLeNet served by `python -m opara_core.serving.launcher serve` on ports 18000-18002,
 #              scripts/soak.py over gRPC at 1, 8 and 64 ($SOAK_SECONDS each, default 30, and as long a warm-up): errors, wrong
 #              answers, host and GPU memory growth
@@ -114,18 +115,23 @@ else:
 }
 
 servestart() {
-    local cache=${SERVE_CACHE:-$(mktemp -d)} terminal=$out/servestart_terminal.log start=$SECONDS
-    OPARA_CACHE_DIR=$cache HTTP_PORT=18100 GRPC_PORT=18101 METRICS_PORT=18102 \
-        python3 -m opara_core.serving.launcher serve --model-repository model_repository >"$terminal" 2>&1 &
-    local server=$! rc=1
-    while kill -0 $server 2>/dev/null; do
-        if grep -q "^ready after " "$terminal"; then rc=0; break; fi
-        sleep 1
+    # $SERVE_RUNS (default "cold"): one start per word on the same cache, e.g. "cold warm"
+    local cache=${SERVE_CACHE:-$(mktemp -d)} run rc=0
+    for run in ${SERVE_RUNS:-cold}; do
+        local terminal=$out/servestart_${run}_terminal.log start=$SECONDS ready=1
+        OPARA_CACHE_DIR=$cache HTTP_PORT=18100 GRPC_PORT=18101 METRICS_PORT=18102 \
+            python3 -m opara_core.serving.launcher serve --model-repository model_repository >"$terminal" 2>&1 &
+        local server=$!
+        while kill -0 $server 2>/dev/null; do
+            if grep -q "^ready after " "$terminal"; then ready=0; break; fi
+            sleep 1
+        done
+        echo "== $run: $((SECONDS - start)) s to the ready line (rc $ready)"
+        kill -TERM $server 2>/dev/null
+        wait $server
+        cp .triton/logs/server-18100.log "$out/servestart_${run}_full.log" 2>/dev/null
+        [ $ready = 0 ] || { rc=1; break; }
     done
-    echo "== $((SECONDS - start)) s to the ready line (rc $rc)"
-    kill -TERM $server 2>/dev/null
-    wait $server
-    cp .triton/logs/server-18100.log "$out/servestart_full.log" 2>/dev/null
     return $rc
 }
 

@@ -19,7 +19,9 @@ JOB is one of
                                    ARGS more bench arguments, e.g.
                                    'bench:resnet50:1:compile max-autotune:--compile-autotune resnet50';
                                    rows count only from runs with the same ARGS, and a --cache-dir
-                                   among them is the job's cache folder instead of CACHE/MODEL
+                                   among them is the job's cache folder instead of CACHE/MODEL;
+                                   a MODEL that is a model directory under --model-repository (one
+                                   `python -m opara_core add-model` wrote) is timed from there
   tests:ARG[,ARG...]               pytest over those arguments (files, node ids, `--deselect`
                                    NODE: a heavy test can run as a job of its own), the tests
                                    marked gpu among them
@@ -116,7 +118,7 @@ def job_name(spec: str) -> str:
     return name if len(name) <= 80 else f"{name[:80]}_{hashlib.sha1(spec.encode()).hexdigest()[:10]}"
 
 
-def job_for(spec: str, out: Path, done: Path, cache: Path) -> Job:
+def job_for(spec: str, out: Path, done: Path, cache: Path, repository: Path | None = None) -> Job:
     """The command that does what is left of `spec` (see the module docstring)."""
     kind, _, rest = spec.partition(":")
     name = job_name(spec)
@@ -140,7 +142,8 @@ def job_for(spec: str, out: Path, done: Path, cache: Path) -> Job:
         # (ARGS may name a --cache-dir of its own: a setting that compiles other code, such as
         # --fused-lanes-autotune, next to a job of the same model without it)
         cold = not any(path.is_file() for path in Path(_option(extra, "--cache-dir") or cache / model).rglob("*"))
-        command = (f"python3 -m opara_core.bench --models {model} --batch {','.join(left)}{'' if cold else ' --no-plan-capture'} "
+        ref = repository / model if repository is not None and (repository / model / "config.pbtxt").is_file() else model
+        command = (f"python3 -m opara_core.bench --models {ref} --batch {','.join(left)}{'' if cold else ' --no-plan-capture'} "
                    f"--cache-dir {cache / model} --json {out / name}_b{'-'.join(left)}.json")
         command += f" --columns {shlex.quote(columns)}" if columns else ""
         return Job(spec, name, command + "".join(f" {shlex.quote(arg)}" for arg in extra))
@@ -216,11 +219,13 @@ def _cpu_list(text: str) -> list[int]:
     return cpus
 
 
-def run_queue(specs: list[str], gpus: int, limit: float, out: Path, done: Path, cache: Path) -> list[tuple[str, int, str, float]]:
+def run_queue(
+    specs: list[str], gpus: int, limit: float, out: Path, done: Path, cache: Path, repository: Path | None = None
+) -> list[tuple[str, int, str, float]]:
     """Run the jobs, each GPU one at a time, until `limit` seconds have passed."""
     out.mkdir(parents=True, exist_ok=True)
     for spec in specs:
-        job_for(spec, out, done, cache)  # a malformed job stops the call before anything runs
+        job_for(spec, out, done, cache, repository)  # a malformed job stops the call before anything runs
     deadline = time.monotonic() + limit
     queue, lock, summary = list(specs), threading.Lock(), []
     shares = cpu_shares(gpus)
@@ -235,7 +240,7 @@ def run_queue(specs: list[str], gpus: int, limit: float, out: Path, done: Path, 
             with lock:
                 if not queue or time.monotonic() >= deadline:
                     return
-                job = job_for(queue.pop(0), out, done, cache)  # now: an earlier job may have done part of it
+                job = job_for(queue.pop(0), out, done, cache, repository)  # now: an earlier job may have done part of it
             if job.command is None:
                 summary.append((job.spec, gpu, "done before", 0.0))
                 continue
@@ -298,10 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")), help="output folder (default $OUT)")
     parser.add_argument("--done", type=Path, default=Path("done"), help="outputs of earlier calls: their bench rows and .done markers")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/benchcache"), help="bench build caches, one folder per model")
+    parser.add_argument("--model-repository", type=Path, help="where bench jobs find models of no zoo: MODEL as a directory of it")
     parser.add_argument("--gpus", type=int, help="how many GPUs (default: as nvidia-smi lists them)")
     args = parser.parse_args(argv)
     try:
-        summary = run_queue(args.jobs, args.gpus or gpu_count(), args.limit, args.out, args.done, args.cache)
+        summary = run_queue(args.jobs, args.gpus or gpu_count(), args.limit, args.out, args.done, args.cache, args.model_repository)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

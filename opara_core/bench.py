@@ -1,6 +1,7 @@
 """Benchmark: eager, torch.compile, the sequential graph and every policy, per model and batch.
 
 `python -m opara_core.bench --models googlenet,inception_v3 --batch 1,8,32 --json out.json`
+`python -m opara_core.bench --model-dir my_repository/my_model --batch 1,8` (a model of your own)
 
 Every variant is timed the same way: CUDA events around one call (for graphs:
 copying a rotating input into the static input, then the replay), after
@@ -15,6 +16,7 @@ schedule can beat.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -30,6 +32,7 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 
 from opara_core import zoo
+from opara_core.spec import ModelSpec
 from opara_core.engine import cache
 from opara_core.engine.build import FUSED_GRAPHS, BuildReport, Candidate, EngineSettings, build_runner, candidates, capture_fastest, plan_capture, traced_graphs
 from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, capture_module, pool_mb
@@ -44,6 +47,36 @@ log = logging.getLogger("opara_core.bench")
 
 POLICIES = ("opara", "nimble", "asap", "wavefront")
 TARGET_SECONDS = 0.2  # of timed calls per variant and repetition
+
+
+@dataclass(frozen=True)
+class DirectoryModel(ModelSpec):
+    """A model directory's model (serving.model_dir): the description and
+    module that serving the directory builds, built the same way each time."""
+
+    directory: str = dataclasses.field(default="", kw_only=True)
+
+    def build(self) -> torch.nn.Module:
+        from opara_core.serving import model_dir
+
+        return model_dir.load(Path(self.directory))[1]
+
+
+def model_for(ref: str) -> ModelSpec:
+    """What `--models` names: a zoo model, or a model directory (a path that
+    holds a config.pbtxt), e.g. one `python -m opara_core add-model` wrote."""
+    path = Path(ref)
+    if "/" not in ref and not (path / "config.pbtxt").is_file():
+        return zoo.get(ref)
+    from opara_core.serving import model_dir
+
+    spec, _ = model_dir.load(path)
+    return DirectoryModel(spec.name, spec.inputs, spec.outputs, spec.serving, spec.lengths, directory=str(path.resolve()))
+
+
+def ref_of(entry: ModelSpec) -> str:
+    """How a process of the bench's own names `entry` again (its --models, --build-only)."""
+    return entry.directory if isinstance(entry, DirectoryModel) else entry.name
 
 
 @dataclass(frozen=True)
@@ -97,7 +130,7 @@ def time_calls(call: Callable[[int], Any], calls: int | None = None, repeats: in
     return Timing(statistics.median(samples), samples[min(len(samples) - 1, int(0.99 * len(samples)))], len(samples))
 
 
-def rotating_inputs(entry: zoo.ZooModel, batch: int, device: torch.device, count: int = 4) -> list[tuple[torch.Tensor, ...]]:
+def rotating_inputs(entry: ModelSpec, batch: int, device: torch.device, count: int = 4) -> list[tuple[torch.Tensor, ...]]:
     return [tuple(t.to(device) for t in entry.example_inputs(batch, seed=100 + k)) for k in range(count)]
 
 
@@ -160,7 +193,7 @@ def bench_model(
     docs/benchmarks.md run 41).
     """
     device = torch.device("cuda")
-    entry = zoo.get(name)
+    entry = model_for(name)
     wanted = set(columns or COLUMNS)
     torch.backends.cudnn.benchmark = cudnn_benchmark
     # the serving build first, cold (an empty cache directory of its own, and
@@ -168,7 +201,7 @@ def bench_model(
     # a new process as a server restart would; the columns below load the
     # fused segments the cold build compiled
     if cache_dir is None:
-        _fresh_cache(name)
+        _fresh_cache(entry.name)
     else:
         _use_cache(cache_dir)
     served_batches = batches if "served" in wanted else ()
@@ -192,7 +225,7 @@ def bench_model(
     graph = graphs.get(primary)
     rows = []
     for batch in batches:
-        row = Row(name, batch, kernels=len(graph.dag) if graph is not None else 0)
+        row = Row(entry.name, batch, kernels=len(graph.dag) if graph is not None else 0)
         if graph is not None:
             row.notes.append(f"fusion: {report.fusion}" if report.fusion else "fusion off")
             if fused_lanes_autotune:
@@ -367,7 +400,7 @@ class BuildTiming:
 
 
 def _build_seconds(
-    entry: zoo.ZooModel, device: torch.device, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool, fused_lanes_autotune: bool = False,
+    entry: ModelSpec, device: torch.device, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool, fused_lanes_autotune: bool = False,
     served_batches: Sequence[int] = (),
 ) -> BuildTiming:
     """The serving build of all default buckets with `auto` and fused lanes,
@@ -378,8 +411,8 @@ def _build_seconds(
     pays (and replays: it times its graphs at `served_batches`), the second
     shows whether the first still did work that the cold build left undone
     (T5 13.1 s, then 5.5 s: docs/benchmarks.md run 30)."""
-    cold = _build_report(entry.name, device, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune)
-    command = _build_command(entry.name, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune)
+    cold = _build_report(ref_of(entry), device, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune)
+    command = _build_command(ref_of(entry), max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune)
     warm, again = _warm_build(command, served_batches), _warm_build(command)
     notes = [f"cold build seconds: {_breakdown(cold)}; {cold['inductor']}"]
     notes += [f"warm build seconds: {_breakdown(warm)}; {warm['inductor']}" if warm else "warm build failed"]
@@ -394,11 +427,11 @@ def _build_seconds(
 
 
 def _served_only(
-    entry: zoo.ZooModel, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool, fused_lanes_autotune: bool, batches: Sequence[int]
+    entry: ModelSpec, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool, fused_lanes_autotune: bool, batches: Sequence[int]
 ) -> dict[int, Timing]:
     """The `served` column where the build is not timed: one warm build on the
     cache (a new process, as a server restarted on it), its graphs timed."""
-    served = _served(_warm_build(_build_command(entry.name, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune), batches))
+    served = _served(_warm_build(_build_command(ref_of(entry), max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune), batches))
     if served:
         log.info("%s: %s", entry.name, _served_note(served))
     return served
@@ -435,7 +468,7 @@ def _build_report(
 ) -> dict[str, Any]:
     """One serving build's report; with `served_batches`, its graphs at those
     buckets timed afterwards as every graph column is (not part of its seconds)."""
-    entry = zoo.get(name)
+    entry = model_for(name)
     # the guard on, as in serving: its check of every bucket against eager is part of the build
     settings = EngineSettings(max_streams=max_streams, fusion=fusion, layout=layout, fused_lanes=True, autotune=cudnn_benchmark, fused_lanes_autotune=fused_lanes_autotune)
     runner, report = build_runner(entry.build(), entry, device, max(settings.buckets), settings)
@@ -509,7 +542,7 @@ def auto_graph(name: str, batch: int, max_streams: int, fusion: bool) -> tuple[C
     """The graph `auto` builds for one bucket, as serving does (fused lanes
     among the candidates), and its choice."""
     device = torch.device("cuda")
-    entry = zoo.get(name)
+    entry = model_for(name)
     module = entry.build().to(device).eval()
     settings = EngineSettings(max_streams=max_streams, buckets=(batch,), guard=False, fusion=fusion, fused_lanes=True)
     runner, report = build_runner(module, entry, device, batch, settings)
@@ -566,7 +599,8 @@ def plot_timeline(name: str, batch: int, path: Path, max_streams: int, fusion: b
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m opara_core.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(zoo.names()))
+    parser.add_argument("--models", default=None, help=f"zoo models or model directories, comma-separated (default: every zoo model, {','.join(zoo.names())}, unless --model-dir is given)")
+    parser.add_argument("--model-dir", type=Path, action="append", default=[], help="a model directory to time as the zoo's are (config.pbtxt and 1/model.py, e.g. written by `python -m opara_core add-model`); repeatable")
     parser.add_argument("--batch", default="1,8,32")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--max-streams", type=int, default=8)
@@ -594,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("error: the serving build's timing needs a CUDA GPU", file=sys.stderr)
             return 2
-        lanes_autotune = args.build_only in args.fused_lanes_autotune.split(",")
+        lanes_autotune = model_for(args.build_only).name in args.fused_lanes_autotune.split(",")
         served_batches = [int(b) for b in args.served_batches.split(",") if b]
         report = _build_report(args.build_only, torch.device("cuda"), args.max_streams, not args.no_fusion, args.layout, not args.no_cudnn_benchmark, lanes_autotune, served_batches)
         print(json.dumps(report))
@@ -608,10 +642,16 @@ def main(argv: list[str] | None = None) -> int:
             plot_speedups(rows, args.plot)
         return 0
     try:
-        models = [zoo.get(m).name for m in args.models.split(",")]
+        named = args.models if args.models is not None else ("" if args.model_dir else ",".join(zoo.names()))
+        entries = [model_for(ref) for ref in [*filter(None, named.split(",")), *map(str, args.model_dir)]]
+        models = [ref_of(entry) for entry in entries]
+        names = {ref_of(entry): entry.name for entry in entries}
         batches = [int(b) for b in args.batch.split(",")]
         columns = parse_columns(args.columns)
-        lanes_models = [zoo.get(m).name for m in filter(None, args.fused_lanes_autotune.split(","))]
+        lanes_models = [m for m in filter(None, args.fused_lanes_autotune.split(","))]
+        unknown = sorted(set(lanes_models) - set(names.values()))
+        if unknown:
+            raise KeyError(f"--fused-lanes-autotune {','.join(unknown)}: not among the models timed ({', '.join(names.values())})")
         if lanes_models and args.no_cudnn_benchmark:
             raise ValueError("--fused-lanes-autotune times cuDNN's algorithms, which --no-cudnn-benchmark turns off")
     except (KeyError, ValueError) as error:
@@ -635,13 +675,14 @@ def main(argv: list[str] | None = None) -> int:
 
     steps = len(models) * len(batches) * (2 + 3 + len(POLICIES) + 1)
     with tqdm(total=steps, desc="bench", file=sys.stderr) as progress:
-        for name in models:
+        for ref in models:
+            name = names[ref]
             progress.set_postfix_str(name)
             compile_ = args.compile_models is None or name in args.compile_models.split(",")
             autotune = name in args.compile_autotune.split(",")
             lanes_autotune = name in lanes_models
             bench_model(
-                name, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns,
+                ref, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns,
                 args.cache_dir, not args.no_cudnn_benchmark, args.compile_here, lanes_autotune,
             )
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "

@@ -231,7 +231,7 @@ SCHEMA: tuple[Parameter, ...] = (
       SERVED, ENGINE),
     # every bucket compiles its segments' shapes once; the code is kept on disk
     # (engine.segment_compiler) and loaded by later builds
-    P("fused_lanes", "boolean", False, "`auto` also tries plans whose one-lane segments Inductor compiles, run on their lanes in one CUDA graph (`opara_core/engine/fused_lanes.py`); off by default: a cold build compiles every segment at every bucket (a warm one loads them)",
+    P("fused_lanes", "boolean", True, "on a GPU, `auto` also tries plans whose one-lane segments Inductor compiles, run on their lanes in one CUDA graph (`opara_core/engine/fused_lanes.py`): the fastest replays (docs/benchmarks.md); a cold build compiles every segment at every bucket (minutes, the GPU left to other models meanwhile), a warm one loads them; `false` keeps to ATen kernels",
       SERVED, ENGINE),
     # ResNet-50's fused lanes at batch 8 0.918 -> 0.795 ms in one call, 0.817 with this on in another;
     # its warm build 3.2 -> 8.1 s (H200, docs/benchmarks.md run 39)

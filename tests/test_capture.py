@@ -78,7 +78,7 @@ def test_auto_is_never_slower_than_sequential_and_passes_the_guard():
     before anything else is captured (see build.capture_fastest)."""
     module, _ = traced("googlenet")
     entry, device = zoo.get("googlenet"), torch.device("cuda")
-    settings = EngineSettings(buckets=(1, 8), layout="nchw")
+    settings = EngineSettings(buckets=(1, 8), layout="nchw", fused_lanes=False)
     runner, report = build_runner(module, entry, device, 8, settings)
     assert report.runner == "multi-stream graph", report.summary()
     assert not report.fallbacks and all(isinstance(c, Candidate) for c in report.choices.values())
@@ -98,7 +98,7 @@ def test_a_failed_capture_falls_back_to_the_sequential_graph_with_the_reason(str
     monkeypatch.setattr(build, "capture_fastest", failing_capture)  # the multi-stream capture of auto's candidates
     module, _ = traced("googlenet")
     # remember_choices off: a failed build forgets the choices an earlier build remembered
-    runner, report = build_runner(module, zoo.get("googlenet"), torch.device("cuda"), 8, EngineSettings(buckets=(1,), remember_choices=False))
+    runner, report = build_runner(module, zoo.get("googlenet"), torch.device("cuda"), 8, EngineSettings(buckets=(1,), remember_choices=False, fused_lanes=False))
     assert report.runner == "sequential graph"
     assert report.fallbacks[0] == "multi-stream graph: capture failure forced by the test"
     inputs = zoo.get("googlenet").example_inputs(1, seed=3)
@@ -143,7 +143,7 @@ def test_a_runner_keeps_the_weights_its_graphs_read_when_the_process_allocates_m
     import gc
 
     entry, device = zoo.get("googlenet"), torch.device("cuda")
-    runner, _ = build_runner(entry.build(), entry, device, 1, EngineSettings(buckets=(1,)))
+    runner, _ = build_runner(entry.build(), entry, device, 1, EngineSettings(buckets=(1,), fused_lanes=False))
     inputs = entry.example_inputs(1, seed=11)
     before = replay(runner, inputs)[0]
     gc.collect()
@@ -166,7 +166,7 @@ def test_two_shapes_captured_into_one_pool_replay_in_turns_as_eager(strict_fp32)
     entry, device = zoo.get("bert"), torch.device("cuda")
     module = entry.build().to(device)
     pool = GraphPool.new(device)
-    settings = EngineSettings(policy="opara", buckets=(1, 2))
+    settings = EngineSettings(policy="opara", buckets=(1, 2), fused_lanes=False)
     runners = {n: build_runner(module, entry.at((n,)), device, 2, settings, pool) for n in (64, 16)}
     for runner, report in runners.values():
         assert report.runner == "multi-stream graph", report.summary()

@@ -38,6 +38,12 @@ def test_a_bench_job_measures_only_the_batches_no_earlier_json_holds(tmp_path):
     # more bench arguments after the columns, each quoted on its own
     job = gpu_queue.job_for("bench:t5:32:compile max-autotune:--compile-autotune t5 --cache-dir '/tmp/a b'", out, done, cache)
     assert job.command.endswith("--columns 'compile max-autotune' --compile-autotune t5 --cache-dir '/tmp/a b'")
+    # a model of no zoo: its directory under --model-repository
+    (tmp_path / "repo" / "mine").mkdir(parents=True)
+    (tmp_path / "repo" / "mine" / "config.pbtxt").write_text('name: "mine"')
+    job = gpu_queue.job_for("bench:mine:1", out, done, cache, tmp_path / "repo")
+    assert f"--models {tmp_path / 'repo' / 'mine'} --batch 1 --cache-dir {cache / 'mine'} " in job.command
+    assert "--models googlenet " in gpu_queue.job_for("bench:googlenet:1", out, done, cache, tmp_path / "repo").command
 
 
 def test_rows_count_only_for_jobs_of_the_same_bench_arguments(tmp_path):

@@ -408,6 +408,18 @@ def test_extra_flags_reach_tritonserver_and_replace_the_defaults_they_name():
     assert sum(arg.startswith("--allow-gpu-metrics") for arg in command) == 1  # the default stays
 
 
+def test_every_model_of_the_repository_loads_at_once_unless_a_flag_says_otherwise(tmp_path):
+    """Triton loads 4 models at a time by default: the shipped repository's
+    eight then started one build after another, T5 about 110 s late."""
+    for name in ("a", "b", "c", "d", "e", "f"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.pbtxt").write_text(f'name: "{name}"')
+    command = server_command(ServerConfig.from_env({}, model_repository=tmp_path), Path("/backends"))
+    assert "--model-load-thread-count=6" in command
+    given = server_command(ServerConfig.from_env({}, model_repository=tmp_path, extra_args=("--model-load-thread-count=2",)), Path("/backends"))
+    assert [arg for arg in given if arg.startswith("--model-load-thread-count")] == ["--model-load-thread-count=2"]
+
+
 @pytest.mark.parametrize(
     "flags, named",
     [

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import re
-import time
 import warnings
 from pathlib import Path
 
@@ -22,7 +20,6 @@ from opara_core.serving.triton_backend import (
     check_config,
     check_ranges,
     engine_settings,
-    exclusive_lock,
     output_memory,
     request_tensors,
     torch_threads,
@@ -220,23 +217,3 @@ def test_a_batch_on_the_gpu_is_checked_with_one_synchronisation():
     assert len(synchronising) == 1, [str(w.message) for w in caught]
 
 
-def _hold(path, seconds, ready):
-    with exclusive_lock(path):
-        ready.set()
-        time.sleep(seconds)
-
-
-def test_builds_take_turns_on_a_gpu_across_processes(tmp_path):
-    """The lock that serializes builds of several model processes on one GPU."""
-    path = tmp_path / "gpu.lock"
-    context = multiprocessing.get_context("spawn")
-    ready = context.Event()
-    holder = context.Process(target=_hold, args=(path, 1.5, ready))
-    holder.start()
-    assert ready.wait(60)
-    start = time.perf_counter()
-    with exclusive_lock(path):
-        waited = time.perf_counter() - start
-    holder.join(30)
-    assert holder.exitcode == 0
-    assert waited >= 1.0, waited

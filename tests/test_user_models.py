@@ -287,12 +287,13 @@ def test_on_a_gpu_each_route_builds_its_graphs_and_they_answer_as_eager(tmp_path
     squeeze = call_factory("torchvision.models:squeezenet1_1")
     from safetensors.torch import load_model
 
+    from opara_core.serving import model_dir
+
     load_model(squeeze, str(tmp_path / "repo" / "squeeze" / "1" / "model.safetensors"))
-    served = {"two": torch.export.load(str(tmp_path / "repo" / "two" / "1" / "model.pt2")).module(), "squeeze": squeeze.eval()}
     oracle = {"two": two, "squeeze": squeeze}
     device = torch.device("cuda")
-    for name, module in served.items():
-        spec = _spec(read_config(tmp_path / "repo" / name / "config.pbtxt"))
+    for name in oracle:
+        spec, module = model_dir.load(tmp_path / "repo" / name)  # what serving the directory builds
         runner, report = build_runner(module, spec, device, 8, EngineSettings(buckets=(1, 8), fused_lanes=fused_lanes))
         assert report.runner != "eager" and not report.fallbacks, report.summary()
         for batch in (1, 3, 8):

@@ -307,7 +307,7 @@ def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(
     axes = ((16, 64, 512),) if model == "bert" else ((16, 512), (16, 128))
     capture = "load" if model == "bert" else "first_use"
     varlen = VarLenSettings(axes, capture=capture, compiler=compiler)
-    runners = VarLenRunners(module, entry, device, EngineSettings(policy="opara", buckets=(1, 2, 4)), varlen)
+    runners = VarLenRunners(module, entry, device, EngineSettings(policy="opara", buckets=(1, 2, 4), fused_lanes=False), varlen)
     assert runners.info.kind == "cuda-graph"
     # at load: every shape, or (first use) the smallest, which compiles the model
     assert runners.report.measured == (set(batching.grid(axes)) if capture == "load" else {batching.grid(axes)[0]})
@@ -332,10 +332,10 @@ def test_on_a_gpu_every_scheduler_answers_each_row_as_eager_with_measured_costs(
     expected = WholeModelSaved.label if compiler == "saved" else None
     assert built and all(runner == expected if expected else "whole-model" not in runner for runner in built.values()), (built, runners.report.fallbacks)
     if compiler == "saved":  # a second start finds the artifact and loads it
-        again = VarLenRunners(module, entry, device, EngineSettings(policy="opara", buckets=(1, 2, 4)), varlen)
+        again = VarLenRunners(module, entry, device, EngineSettings(policy="opara", buckets=(1, 2, 4), fused_lanes=False), varlen)
         assert " loaded in " in again.report.whole_model and set(again.report.choices.values()) == {expected}, again.report.summary()
     if capture == "load" and compiler == "saved":  # a first-use start plans with the last full start's timings
-        later = VarLenRunners(module, entry, device, EngineSettings(policy="opara", buckets=(1, 2, 4)), dataclasses.replace(varlen, capture="first_use"))
+        later = VarLenRunners(module, entry, device, EngineSettings(policy="opara", buckets=(1, 2, 4), fused_lanes=False), dataclasses.replace(varlen, capture="first_use"))
         unbuilt = set(batching.grid(axes)[1:])
         assert later.report.stored == unbuilt and later.report.measured == {batching.grid(axes)[0]}
         assert {c: t for c, t in later.costs.seconds.items() if c[0] in unbuilt} == {c: t for c, t in again._measured.items() if c[0] in unbuilt}

@@ -43,7 +43,7 @@ import torch
 from torch.fx import Graph, GraphModule, Interpreter, Node
 
 from opara_core.cpus import usable_cpus
-from opara_core.engine import cache, custom_ops
+from opara_core.engine import cache, custom_ops, gpu_turn
 from opara_core.engine.compare import cudnn_algorithms, max_relative_error
 
 log = logging.getLogger(__name__)
@@ -241,7 +241,9 @@ def _prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_d
     to_compile = [(key, *jobs[key]) for key in missing if key not in unsaved]
     start = time.perf_counter()
     if to_compile:
-        for key in compile_all(to_compile, cache_dir, workers):
+        with gpu_turn.aside(f"fused lanes: compiling {len(to_compile)} segments"):
+            unsaved_now = compile_all(to_compile, cache_dir, workers)
+        for key in unsaved_now:
             _unsaved_marker(cache_dir, key).touch()
             unsaved.add(key)
     seconds["compile"] = time.perf_counter() - start

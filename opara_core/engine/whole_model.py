@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from opara_core.engine import cache, custom_ops, skinny_gemm
+from opara_core.engine import cache, custom_ops, gpu_turn, skinny_gemm
 from opara_core.engine.capture import CapturedGraph, CaptureError, capture_module
 from opara_core.engine.exported_merge import MERGE_VERSION, merge_linears
 from opara_core.engine.short_attention import ShortAttentionPass
@@ -49,14 +49,16 @@ def compiled_or_loaded(path: Path, compile: Callable[[], None], load: Callable[[
     Also whether it was compiled now."""
     compiled_now = not path.exists()
     if compiled_now:
-        compile()
+        with gpu_turn.aside(f"compiling the {what}"):
+            compile()
     try:
         return load(), compiled_now
     except Exception as error:  # noqa: BLE001 - whatever a damaged file makes the loader raise
         if compiled_now:
             raise
         log.warning("%s %s did not load (%s: %s); compiling it again", what, path, type(error).__name__, error)
-        compile()
+        with gpu_turn.aside(f"compiling the {what}"):
+            compile()
         return load(), True
 
 

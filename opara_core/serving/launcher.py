@@ -266,6 +266,9 @@ def safe_args(config: ServerConfig, paths: list[str], http: tuple[str, int] | No
         "--model-control-mode": "none",
         "--allow-gpu-metrics": "true" if gpu_present() else "false",  # on a GPU-less host DCGM and NVML only print errors
         "--log-verbose": config.log_verbose,
+        # every model of the repository loads at once (Triton's default: 4 at a time); their builds
+        # take turns on each GPU only while they use it (engine.gpu_turn), and compile meanwhile
+        "--model-load-thread-count": str(max(4, len(expected_models(config) or ()))),
     }
     return [
         f"--id={config.server_id}",

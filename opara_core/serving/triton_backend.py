@@ -19,22 +19,18 @@ answered; no Python traceback ever reaches a client.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import gc
 import json
 import logging
-import os
-import re
-import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 from opara_core import zoo
 from opara_core.spec import ModelSpec, TensorSpec
+from opara_core.engine import gpu_turn
 from opara_core.engine.build import EngineSettings, build_runner
 from opara_core.parameters import BATCH, ENGINE, Values, parse, show, strings, value
 from opara_core.serving import weights
@@ -206,23 +202,18 @@ class OparaModel:
         logging.basicConfig(level=logging.INFO, format=model_log_format(args["model_name"]))
         self._pb = pb_utils
         config = json.loads(args["model_config"])
-        self.max_batch = max(int(config.get("max_batch_size", 0)), 1)
         try:
-            values = parse(self.PARAMETER_KIND, strings(config))
-            self.entry = self._describe(config, values)
-            self._check_config(config, values)
-            check_ranges(self.entry, values)
+            values, module = self.load(config, Path(args["model_repository"]) / args["model_version"])
             settings = engine_settings(values)
             self.output_memory = values["output_memory"]
             self.device = select_device(args)
             threads = torch_threads(values["torch_threads"], self.device)
-            module = self._module(values, Path(args["model_repository"]) / args["model_version"])
             log.info("model %s: module built in %.1f s", args["model_name"], time.monotonic() - started)
         except (KeyError, ValueError) as error:
             raise pb_utils.TritonModelException(f"model {args['model_name']}: {error}") from None
-        # the server's models build one at a time on each GPU
+        # the server's models take turns on each GPU, stepping aside while they compile (engine.gpu_turn)
         waiting = f"waiting for {self.device}: another model on this machine is building on it"
-        turn = exclusive_lock(gpu_lock_path(self.device), waiting) if self.device.type == "cuda" else contextlib.nullcontext()
+        turn = gpu_turn.held(gpu_turn.lock_path(self.device), waiting) if self.device.type == "cuda" else contextlib.nullcontext()
         with turn:
             log.info("building on %s", self.device)
             self.runner, self.report = self._build(module, settings, config)
@@ -279,7 +270,18 @@ class OparaModel:
     # Hooks for subclasses that serve differently (serving.varlen: variable lengths)
     PARAMETER_KIND = BATCH  # which parameters the config may set (opara_core.parameters)
 
-    def _describe(self, config: dict, values: Values) -> ModelSpec:
+    def load(self, config: dict, version_dir: Path) -> tuple[Values, torch.nn.Module]:
+        """What `initialize` does before the build, outside Triton too
+        (serving.model_dir, the bench's `--model-dir`): the config's parameters
+        read and checked, the model's description (`self.entry`), the module."""
+        self.max_batch = max(int(config.get("max_batch_size", 0)), 1)
+        values = parse(self.PARAMETER_KIND, strings(config))
+        self.entry = self._describe(config, values, version_dir)
+        self._check_config(config, values)
+        check_ranges(self.entry, values)
+        return values, self._module(values, version_dir)
+
+    def _describe(self, config: dict, values: Values, version_dir: Path) -> ModelSpec:
         """What the model takes and returns (serving.user_models: from the config)."""
         return zoo.get(self.zoo_name or config["name"])
 
@@ -462,37 +464,6 @@ class ServingMetrics:
         if self.requests > self._requests_sent:
             self._requests.increment(self.requests - self._requests_sent)
             self._requests_sent = self.requests
-
-
-def gpu_lock_path(device: torch.device) -> Path:
-    """One lock file per physical GPU (by UUID where torch reports it)."""
-    properties = torch.cuda.get_device_properties(device)
-    name = str(getattr(properties, "uuid", "") or f"index{device.index or 0}")
-    return Path(tempfile.gettempdir()) / f"opara_build_{re.sub(r'[^A-Za-z0-9-]', '', name)}.lock"
-
-
-@contextlib.contextmanager
-def exclusive_lock(path: Path, waiting: str = "") -> Iterator[None]:
-    """Hold an exclusive flock on `path` (blocking until it is free; `waiting`
-    is logged first where it is not free at once).
-
-    Model builds in one server take turns on a GPU: Triton loads models in
-    parallel, one backend process each, and `auto` compares replay timings
-    that are only fair on an otherwise idle GPU (measured on an H100: BERT
-    built beside six other models timed its graphs 1.8x slow and kept the
-    sequential graph).
-    """
-    descriptor = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)  # read-only: another user's file works too
-    try:
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if waiting:
-                log.info("%s", waiting)
-            fcntl.flock(descriptor, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(descriptor)  # releases the lock
 
 
 def freeze_heap() -> None:

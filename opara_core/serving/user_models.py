@@ -167,7 +167,7 @@ class ExportedModel(OparaModel):
     """Base class of the model.py that serves a torch.export program
     (`model.pt2` in the version directory) as config.pbtxt describes it."""
 
-    def _describe(self, config: dict, values: Values) -> ModelSpec:
+    def _describe(self, config: dict, values: Values, version_dir: Path) -> ModelSpec:
         return spec_from_config(config, values)
 
     def _module(self, values: Values, version_dir: Path) -> torch.nn.Module:
@@ -176,7 +176,7 @@ class ExportedModel(OparaModel):
         program = load_program(version_dir / PROGRAM_FILE)
         check_program(program, self.entry, self.max_batch)
         log.info("serving the exported program %s", version_dir / PROGRAM_FILE)
-        return program.module()
+        return weights.program_module(program)
 
 
 # --- Python modules
@@ -221,7 +221,7 @@ class ModuleModel(OparaModel):
             raise ModelFileError(f"{type(self).__name__} sets no factory and does not override module()")
         return call_factory(self.factory, version_dir)
 
-    def _describe(self, config: dict, values: Values) -> ModelSpec:
+    def _describe(self, config: dict, values: Values, version_dir: Path) -> ModelSpec:
         return spec_from_config(config, values)
 
     def _module(self, values: Values, version_dir: Path) -> torch.nn.Module:

@@ -57,7 +57,7 @@ def load_module(entry: zoo.ZooModel, path: Path | None) -> torch.nn.Module:
     if path.suffix == EXPORT_SUFFIX:
         program = load_program(path)
         log.info("serving the exported program %s", path)
-        return program.module()
+        return program_module(program)
     module = entry.build()
     load_into(module, path, entry.name)
     log.info("serving %s with weights from %s", entry.name, path)
@@ -70,6 +70,17 @@ def load_program(path: Path) -> torch.export.ExportedProgram:
         return torch.export.load(str(path))
     except Exception as error:  # noqa: BLE001 - any unreadable archive is the user's error
         raise WeightsError(f"cannot load the torch.export archive {path.name}: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
+
+
+def program_module(program: torch.export.ExportedProgram) -> torch.nn.Module:
+    """The program's module as the engine can take it. torch refuses train()
+    and eval() on it (the graph was fixed at export, in whatever mode); the
+    build puts every module it gets in eval mode, which on a graph of ATen
+    operators changes nothing, so the module's own train() and eval() are back."""
+    module = program.module()
+    for name in ("train", "eval"):
+        module.__dict__.pop(name, None)
+    return module
 
 
 def load_into(module: torch.nn.Module, path: Path, model: str) -> None:

@@ -1,0 +1,100 @@
+"""A build's turn on a GPU that other processes' builds share.
+
+Triton loads a repository's models in parallel, one backend process each, and
+`auto` compares replay timings that are only fair on an otherwise idle GPU
+(measured on an H100: BERT built beside six other models timed its graphs
+1.8x slow and kept the sequential graph). So a build holds its GPU's turn, an
+exclusive flock on one file per physical GPU, while it uses the GPU, and
+steps `aside` while it only compiles (Inductor: minutes of CPU per model on
+a cold cache). Meanwhile the next model traces, profiles and times on the
+GPU, and the compiles of several models overlap: the shipped repository's
+cold start is then about the GPU work of all models plus the longest compile,
+not the sum of every build.
+
+One turn per process at a time (a model's build runs in its own backend
+process), whichever thread then steps aside (fused lanes compile on a
+planning thread of their own); `aside` outside a turn does nothing, so the
+engine may step aside wherever it compiles, whoever called it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import re
+import tempfile
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+class _Turn:
+    """The turn this process holds: its lock file and descriptor (None while aside)."""
+
+    path: Path | None = None
+    fd: int | None = None
+
+
+_state = _Turn()
+_guard = threading.Lock()  # one aside at a time
+
+
+def lock_path(device: torch.device) -> Path:
+    """One lock file per physical GPU (by UUID where torch reports it)."""
+    properties = torch.cuda.get_device_properties(device)
+    name = str(getattr(properties, "uuid", "") or f"index{device.index or 0}")
+    return Path(tempfile.gettempdir()) / f"opara_build_{re.sub(r'[^A-Za-z0-9-]', '', name)}.lock"
+
+
+def _acquire(path: Path, waiting: str) -> int:
+    descriptor = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)  # read-only: another user's file works too
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        if waiting:
+            log.info("%s", waiting)
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+    return descriptor
+
+
+@contextlib.contextmanager
+def held(path: Path, waiting: str = "") -> Iterator[None]:
+    """Hold the turn of the GPU whose lock file is `path` (blocking until it
+    is free; `waiting` is logged first where it is not free at once)."""
+    if _state.path is not None:
+        raise RuntimeError(f"this process already holds the GPU turn {_state.path}")
+    _state.fd = _acquire(path, waiting)
+    _state.path = path
+    try:
+        yield
+    finally:
+        if _state.fd is not None:
+            os.close(_state.fd)  # releases the lock
+        _state.path = _state.fd = None
+
+
+def holding() -> bool:
+    """Whether this process holds a GPU turn now (not stepped aside)."""
+    return _state.fd is not None
+
+
+@contextlib.contextmanager
+def aside(what: str) -> Iterator[None]:
+    """Give the turn this process holds to another build while `what` (CPU
+    work: compiling) runs, and take it back afterwards; nothing outside a turn."""
+    with _guard:
+        if _state.fd is None:
+            yield
+            return
+        log.info("%s: the GPU is free for other builds meanwhile", what)
+        os.close(_state.fd)
+        _state.fd = None
+        try:
+            yield
+        finally:
+            _state.fd = _acquire(_state.path, f"{what} done; waiting for the GPU: another model's build is using it")
