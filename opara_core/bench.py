@@ -318,7 +318,7 @@ def compiled_elsewhere(name: str, batch: int, columns: Sequence[str], row: Row, 
     as the bench sets it) and leaves the engine's columns what serving
     replays. Its Inductor cache is its own (`compile` under `cache_dir`,
     reused with it), never the engine's, whose cold build it would warm."""
-    with tempfile.TemporaryDirectory(prefix=f"opara-bench-compile-{name}-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"opara-bench-compile-{Path(name).name}-") as tmp:
         out = Path(tmp) / "rows.json"
         command = [sys.executable, "-m", "opara_core.bench", "--models", name, "--batch", str(batch), "--columns", ",".join(columns),
                    "--no-plan-capture", "--compile-here", "--json", str(out), "--cache-dir", str((cache_dir or Path(tmp)) / "compile")]  # fmt: skip
