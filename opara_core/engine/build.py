@@ -23,7 +23,7 @@ from typing import Any, Collection, Mapping, Sequence
 import torch
 
 from opara_core import parameters
-from opara_core.engine import cache, choices, heap, runtime, trace_cache
+from opara_core.engine import cache, choices, gpu_turn, heap, runtime, trace_cache
 from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, LanePool, PlanCapture, capture_module, time_replays
 from opara_core.engine.interpreter import reordered_graph
 from opara_core.engine.fused_lanes import InductorCapture, prepare_captures
@@ -484,7 +484,10 @@ def trace_for_build(module, model: ModelSpec, device: torch.device, report: Buil
     start = time.perf_counter()
     log.info("tracing the module")
     try:
-        graph = trace_model(model, module, device, cache=trace_cache.cache_dir())
+        # CPU work (torch.export on fake tensors, or reading the trace cache: NASNet's 11 s
+        # of the shipped repository's warm start, H200 2026-12-02): the GPU is free meanwhile
+        with gpu_turn.aside("tracing the module"):
+            graph = trace_model(model, module, device, cache=trace_cache.cache_dir())
     except Exception as error:  # noqa: BLE001 - any tracing failure falls back
         report.fallbacks.append(f"tracing: {error}")
         return None
