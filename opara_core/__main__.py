@@ -50,6 +50,7 @@ def _parser() -> Parser:
     route = add.add_mutually_exclusive_group(required=True)
     route.add_argument("--export", type=Path, metavar="FILE.pt2", help="a torch.export program with a dynamic batch dimension")
     route.add_argument("--module", metavar="MODULE:FACTORY", help="a callable returning the nn.Module (package.module:function or file.py:function); its weights are saved beside it")
+    route.add_argument("--hf", type=Path, metavar="CHECKPOINT_DIR", help="a Hugging Face checkpoint directory (config.json and safetensors: BERT, RoBERTa, DistilBERT, ELECTRA, T5), served with variable lengths")
     add.add_argument("--input", action="append", default=[], metavar="NAME:DTYPE:DIMS[:LOW,HIGH]", help="with --module, each input per row, e.g. image:fp32:3x224x224 or ids:int64:16:0,30522")
     add.add_argument("--ids", action="append", default=[], metavar="NAME=LOW,HIGH", help="with --export, the valid ids of an integer input that indexes no embedding table directly")
     add.add_argument("--max-batch", type=positive_int, metavar="N", help="max_batch_size (default 32, or the program's limit)")
@@ -104,7 +105,7 @@ def _add_model(args: argparse.Namespace) -> int:
     from opara_core.serving.user_models import ModelFileError
 
     try:
-        written = add_model(args.name, args.repository, export=args.export, module=args.module, inputs=tuple(args.input),
+        written = add_model(args.name, args.repository, export=args.export, module=args.module, hf=args.hf, inputs=tuple(args.input),
                             ids=tuple(args.ids), max_batch=args.max_batch, force=args.force)
     except (ModelFileError, OSError) as error:
         return fail(error, code=2)

@@ -45,6 +45,19 @@ class Bag(torch.nn.Module):
         return self.table(ids).sum(1), ids.float().mean(1, keepdim=True)
 
 
+def tiny_bert(directory):
+    """A fine-tuned BERT as a user saves it (save_pretrained: config.json and
+    safetensors), of a size no zoo entry has: 2 layers, hidden 64, a vocabulary
+    of 1,000, at most 64 tokens. Returns the module that answers as served."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(2)
+    config = BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, max_position_embeddings=64)
+    model = BertModel(config, add_pooling_layer=False).eval()
+    model.save_pretrained(directory)
+    return lambda ids, mask: model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
 def exported(module: torch.nn.Module, example: tuple, path, dynamic: bool = True, max_batch: int | None = 64):
     batch = torch.export.Dim("batch", max=max_batch) if max_batch else torch.export.Dim("batch")
     shapes = tuple({0: batch} for _ in example) if dynamic else None
@@ -195,16 +208,18 @@ def user_server(tmp_path_factory, admin_key):
     torch.manual_seed(1)
     bag = Bag().eval()
     exported(bag, (torch.randint(0, 50, (2, 3)),), root / "bag.pt2")
+    tiny = tiny_bert(root / "tiny_bert")
     repository = root / "repo"
     for args in (["two", "--export", str(root / "two.pt2")], ["bag", "--export", str(root / "bag.pt2"), "--max-batch", "8"],
-                 ["squeeze", "--module", "torchvision.models:squeezenet1_1", "--input", "image:fp32:3x48x48"]):
+                 ["squeeze", "--module", "torchvision.models:squeezenet1_1", "--input", "image:fp32:3x48x48"],
+                 ["tiny", "--hf", str(root / "tiny_bert")]):
         assert main(["add-model", *args[:1], "--repository", str(repository), *args[1:]]) == 0
     from safetensors.torch import load_model
 
     squeeze = call_factory("torchvision.models:squeezenet1_1")
     load_model(squeeze, str(repository / "squeeze" / "1" / "model.safetensors"))
     with TritonServer(server_config(repository), root / "server.log") as server:
-        yield server, {"two": two, "bag": bag, "squeeze": squeeze.eval()}
+        yield server, {"two": two, "bag": bag, "squeeze": squeeze.eval(), "tiny": tiny}
 
 
 def _infer(server, protocol: str, model: str, arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -249,14 +264,36 @@ def test_each_route_answers_as_its_eager_module(user_server, protocol):
 
 @pytest.mark.server
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_checkpoint_answers_requests_of_two_lengths_batched_together(user_server, protocol):
+    """Two requests of different lengths at once (Triton batches them: ragged
+    inputs), each answered at its own length as the eager checkpoint answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server, modules = user_server
+    rng = np.random.default_rng(4)
+    requests = [{"input_ids": rng.integers(0, 1000, (1, length)), "attention_mask": np.ones((1, length), np.int64)} for length in (7, 64)]
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda arrays: _infer(server, protocol, "tiny", arrays), requests))
+    for arrays, (got,) in zip(requests, answers):
+        with torch.inference_mode():
+            want = modules["tiny"](*(torch.from_numpy(a) for a in arrays.values()))
+        assert got.shape == (1, arrays["input_ids"].shape[1], 64)
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
 @pytest.mark.parametrize(
     "model, arrays, message",
     [
         ("two", {"x": np.zeros((1, 7), np.float32), "y": np.zeros((1, 3, 4), np.float32)}, "[1,7]"),
         ("two", {"x": np.zeros((1, 6), np.int64), "y": np.zeros((1, 3, 4), np.float32)}, "INT64"),
         ("bag", {"ids": np.full((1, 3), 50, np.int64)}, "outside [0, 50)"),
+        ("tiny", {"input_ids": np.full((1, 5), 1000, np.int64), "attention_mask": np.ones((1, 5), np.int64)}, "outside [0, 1000)"),
+        ("tiny", {"input_ids": np.zeros((1, 65), np.int64), "attention_mask": np.ones((1, 65), np.int64)}, "the model takes 1 to 64 tokens"),
+        ("tiny", {"input_ids": np.zeros((1, 5), np.float32), "attention_mask": np.ones((1, 5), np.int64)}, "FP32"),
     ],
-    ids=["wrong shape", "wrong datatype", "id beyond the table"],
+    ids=["wrong shape", "wrong datatype", "id beyond the table", "id beyond the vocabulary", "longer than the checkpoint allows", "checkpoint: wrong datatype"],
 )
 def test_a_bad_request_gets_a_clear_error_and_the_server_stays_up(user_server, protocol, model, arrays, message):
     from tritonclient.utils import InferenceServerException

@@ -1,8 +1,9 @@
 """`python -m opara_core add-model NAME --repository DIR ...`: a model of the
 user's as a Triton model directory: DIR/NAME/config.pbtxt (inputs, outputs,
-dtypes and per-row shapes read from the program or the module, batching,
-buckets, the id ranges of integer inputs) and DIR/NAME/1/ with model.py and
-the model's files. `make serve MODEL_REPOSITORY=DIR` then serves it.
+dtypes and per-row shapes read from the program, the module or the Hugging Face
+checkpoint, batching, buckets, the id ranges of integer inputs, a checkpoint's
+length limits) and DIR/NAME/1/ with model.py and the model's files.
+`make serve MODEL_REPOSITORY=DIR` then serves it.
 
 The config is written with protobuf's text format from Triton's own
 ModelConfig message (tritonclient ships it), so it is what Triton reads.
@@ -37,6 +38,7 @@ class Tensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     ids: tuple[int, int] | None = None  # [low, high) for an integer input
+    ragged: bool = False  # a variable length (-1) that Triton batches across requests (allow_ragged_batch)
 
     def __post_init__(self) -> None:
         if self.dtype not in TRITON_DTYPES:
@@ -130,7 +132,7 @@ def config_text(name: str, inputs: list[Tensor], outputs: list[Tensor], max_batc
     config = pb.ModelConfig(name=name, backend="python", max_batch_size=max_batch)
     ranges = {f"value_range.{t.name}": f"{t.ids[0]},{t.ids[1]}" for t in inputs if t.ids}
     for tensor in inputs:
-        config.input.add(name=tensor.name, data_type=pb.DataType.Value(TRITON_DTYPES[tensor.dtype]), dims=list(tensor.shape))
+        config.input.add(name=tensor.name, data_type=pb.DataType.Value(TRITON_DTYPES[tensor.dtype]), dims=list(tensor.shape), allow_ragged_batch=tensor.ragged)
     for tensor in outputs:
         config.output.add(name=tensor.name, data_type=pb.DataType.Value(TRITON_DTYPES[tensor.dtype]), dims=list(tensor.shape))
     buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
@@ -146,7 +148,7 @@ def config_text(name: str, inputs: list[Tensor], outputs: list[Tensor], max_batc
 
 MODEL_PY = '''"""{name}: {what}, served through opara_core (written by `python -m opara_core add-model`)."""
 
-from opara_core.serving.user_models import {base}
+from opara_core.serving.{where} import {base}
 
 
 class TritonPythonModel({base}):
@@ -154,15 +156,31 @@ class TritonPythonModel({base}):
 '''
 
 
-def add_model(name: str, repository: Path, export: Path | None = None, module: str | None = None,
+def from_checkpoint(directory: Path) -> tuple[list[Tensor], list[Tensor], dict[str, str]]:
+    """The inputs, outputs and length parameters of a Hugging Face checkpoint
+    (serving.hf_models): variable lengths up to the checkpoint's own limit, ids
+    below its own vocabulary."""
+    from opara_core.serving.hf_models import checkpoint_spec, read_checkpoint_config
+
+    spec = checkpoint_spec("checkpoint", read_checkpoint_config(directory))
+    variable = {n: axis for axis in spec.lengths for n in axis.inputs}
+    leading = {n for axis in spec.lengths for n in axis.outputs}
+    inputs = [Tensor(t.name, t.dtype, (-1,), t.value_range, ragged=True) for t in spec.inputs if t.name in variable]
+    outputs = [Tensor(t.name, t.dtype, (-1, *t.shape[1:]) if t.name in leading else t.shape) for t in spec.outputs]
+    return inputs, outputs, {f"max_length.{n}": str(axis.limit) for n, axis in variable.items()}
+
+
+def add_model(name: str, repository: Path, export: Path | None = None, module: str | None = None, hf: Path | None = None,
               inputs: tuple[str, ...] = (), ids: tuple[str, ...] = (), max_batch: int | None = None, force: bool = False) -> list[Path]:
-    """Write the model directory; the paths written. Exactly one of `export`, `module`."""
+    """Write the model directory; the paths written. Exactly one of `export`, `module`, `hf`."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name.startswith("."):
         raise ModelFileError(f"model name {name!r}: letters, digits, '_', '.', '-' only")
-    if (export is None) == (module is None):
-        raise ModelFileError("give exactly one of --export FILE.pt2 and --module MODULE:FACTORY")
-    if module is not None and ids:
-        raise ModelFileError("--ids is for --export; with --module give an integer input's ids in --input (NAME:int64:DIMS:LOW,HIGH)")
+    if sum(route is not None for route in (export, module, hf)) != 1:
+        raise ModelFileError("give exactly one of --export FILE.pt2, --module MODULE:FACTORY and --hf CHECKPOINT_DIR")
+    if module is None and inputs:
+        raise ModelFileError("--input is for --module: a program or a checkpoint says what it takes")
+    if export is None and ids:
+        raise ModelFileError("--ids is for --export; with --module give an integer input's ids in --input (NAME:int64:DIMS:LOW,HIGH), a checkpoint's come from its vocabulary")
     if max_batch is not None and max_batch < 1:
         raise ModelFileError(f"--max-batch {max_batch}: at least 1")
     target = Path(repository) / name
@@ -187,7 +205,17 @@ def add_model(name: str, repository: Path, export: Path | None = None, module: s
             raise ModelFileError(f"--export {export}: no such file")
         declared, outputs, max_batch = from_program(export, max_batch, ranges)
         copied[PROGRAM_FILE] = export
-        model_py = MODEL_PY.format(name=name, what=f"the torch.export program {PROGRAM_FILE}", base="ExportedModel", body="    pass")
+        model_py = MODEL_PY.format(name=name, what=f"the torch.export program {PROGRAM_FILE}", where="user_models", base="ExportedModel", body="    pass")
+    elif hf is not None:
+        hf = Path(hf)
+        if not hf.is_dir():
+            raise ModelFileError(f"--hf {hf}: no such directory")
+        declared, outputs, parameters = from_checkpoint(hf)
+        max_batch = max_batch or 32
+        copied.update({path.name: path for path in sorted(hf.iterdir()) if path.is_file() and not path.name.startswith(".")})
+        if "model.py" in copied:
+            raise ModelFileError(f"--hf {hf}: its model.py would take the place of the adapter's; rename it")
+        model_py = MODEL_PY.format(name=name, what=f"the Hugging Face checkpoint copied from {hf.resolve()}", where="hf_models", base="HFModel", body="    pass")
     else:
         if not inputs:
             raise ModelFileError("--module needs the inputs: --input NAME:DTYPE:DIMS for each (e.g. --input image:fp32:3x224x224)")
@@ -207,7 +235,7 @@ def add_model(name: str, repository: Path, export: Path | None = None, module: s
         outputs = from_module(built, declared)
         max_batch = max_batch or 32
         parameters["weights"] = WEIGHTS_FILE
-        model_py = MODEL_PY.format(name=name, what=f"the module {factory}() with the weights in {WEIGHTS_FILE}", base="ModuleModel", body=f"    factory = {factory!r}")
+        model_py = MODEL_PY.format(name=name, what=f"the module {factory}() with the weights in {WEIGHTS_FILE}", where="user_models", base="ModuleModel", body=f"    factory = {factory!r}")
     text = config_text(name, declared, outputs, max_batch, parameters)
     if target.exists():
         shutil.rmtree(target)
