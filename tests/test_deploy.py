@@ -111,6 +111,19 @@ def test_gpus_the_admin_key_shared_memory_and_metrics(pod, container):
     assert int(annotations["prometheus.io/port"]) == ServerConfig().metrics_port
 
 
+def test_the_build_cache_outlives_the_pod_and_belongs_to_the_images_user(pod, container):
+    from opara_core.engine.cache import ENV
+
+    (cache_dir,) = [e["value"] for e in container["env"] if e["name"] == ENV]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == mounts[cache_dir]]
+    assert volume["hostPath"]["type"] == "DirectoryOrCreate"  # on the node: a restarted pod finds it
+    uid = int(re.search(r"useradd .*--uid (\d+)", dockerfile()).group(1))
+    (owner,) = pod["spec"]["initContainers"]
+    assert owner["command"] == ["chown", f"{uid}:{uid}", cache_dir] and owner["image"] == container["image"]
+    assert {m["name"]: m["mountPath"] for m in owner["volumeMounts"]} == {mounts[cache_dir]: cache_dir}
+
+
 def test_the_autoscaler_reads_the_metric_the_adapter_makes():
     hpa = load("hpa.yaml")
     assert hpa["spec"]["scaleTargetRef"]["name"] == load("deployment.yaml")["metadata"]["name"]
