@@ -648,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         names = {ref_of(entry): entry.name for entry in entries}
         batches = [int(b) for b in args.batch.split(",")]
         columns = parse_columns(args.columns)
-        lanes_models = [m for m in filter(None, args.fused_lanes_autotune.split(","))]
+        lanes_models = list(filter(None, args.fused_lanes_autotune.split(",")))
         unknown = sorted(set(lanes_models) - set(names.values()))
         if unknown:
             raise KeyError(f"--fused-lanes-autotune {','.join(unknown)}: not among the models timed ({', '.join(names.values())})")

@@ -68,6 +68,8 @@ def test_a_build_that_compiles_leaves_the_gpu_to_others_and_takes_its_turn_back(
         with gpu_turn.aside("compiling"):
             assert not gpu_turn.holding()
             assert _free_in_another_process(path)
+            with gpu_turn.aside("compiling inside"):  # nested: nothing more to give, and no deadlock
+                assert not gpu_turn.holding()
         assert gpu_turn.holding()
         assert not _free_in_another_process(path)
     assert _free_in_another_process(path)

@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import server_config
-from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2
 
 from opara_core.__main__ import main
 from opara_core.parameters import BATCH, parse, strings
@@ -67,10 +65,9 @@ def exported(module: torch.nn.Module, example: tuple, path, dynamic: bool = True
 
 def read_config(path) -> dict:
     """config.pbtxt as Triton hands it to a model (its JSON form)."""
-    from google.protobuf import json_format
+    from opara_core.serving.model_dir import read_config as read
 
-    message = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
-    return json.loads(json_format.MessageToJson(message, preserving_proto_field_name=True))
+    return read(path.parent)
 
 
 def test_add_model_reads_the_programs_signature_into_the_config(tmp_path):

@@ -41,7 +41,7 @@ class _Turn:
 
 
 _state = _Turn()
-_guard = threading.Lock()  # one aside at a time
+_guard = threading.RLock()  # one aside at a time; one inside another (same thread) just runs
 
 
 def lock_path(device: torch.device) -> Path:
