@@ -23,7 +23,7 @@ from typing import Any, Collection, Mapping, Sequence
 import torch
 
 from opara_core import parameters
-from opara_core.engine import cache, choices, gpu_turn, heap, runtime, trace_cache
+from opara_core.engine import cache, choices, gpu_turn, heap, precision, runtime, trace_cache
 from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, LanePool, PlanCapture, capture_module, time_replays
 from opara_core.engine.interpreter import reordered_graph
 from opara_core.engine.fused_lanes import InductorCapture, prepare_captures
@@ -74,6 +74,7 @@ INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears", 
 # 2.41 -> 2.02 ms at batch 32, the same within 1.5% at 1 and 8.
 # Made from the `inductor` graph, with only the passes it lacks (_fused_lanes_graphs).
 INDUCTOR_CUDNN_PASSES = (*INDUCTOR_PASSES, "conv_add_relu", "conv_relu")
+FUSION_TOLERANCE = 1e-4  # a rewrite against the graph it rewrites, in fp32 (engine.fusion.fuse_graph)
 ATEN_GRAPHS = ("nchw", "nhwc")  # graphs of ATen kernels, one per layout
 FUSED_GRAPHS = ("inductor", "inductor-cudnn")  # graphs whose candidates are fused lanes
 
@@ -97,6 +98,8 @@ class EngineSettings:
     buckets: tuple[int, ...] = _DEFAULT["buckets"]
     guard: bool = _DEFAULT["guard"]
     guard_tolerance: float = _DEFAULT["guard_tolerance"]
+    precision: str = _DEFAULT["precision"]  # engine.precision
+    precision_tolerance: float | str = _DEFAULT["precision_tolerance"]
     fusion: bool = _DEFAULT["fusion"]
     layout: str = _DEFAULT["layout"]
     autotune: bool = _DEFAULT["autotune"]
@@ -153,9 +156,15 @@ class BuildReport:
     seconds: dict[str, float] = field(default_factory=dict)
     fusion: FusionReport | None = None  # of the traced graph (both layouts share it)
     inductor: str = ""  # fused lanes: the cache directory and what this build loaded and compiled
+    precision: str = "fp32"  # what the runner computes in (engine.precision)
+    precision_error: dict[int, precision.Accuracy] = field(default_factory=dict)  # bucket -> against the fp32 module
 
     def summary(self) -> str:
         lines = [f"runner {self.runner}"]
+        if self.precision_error:
+            lines.append(f"precision {self.precision}: " + precision.describe(self.precision_error))
+        elif self.precision != "fp32":
+            lines.append(f"precision {self.precision}")
         lines += [f"fusion: {self.fusion}"] if self.fusion else []
         lines += [f"inductor cache: {self.inductor}"] if self.inductor else []
         lines += ["choices: remembered from an earlier build"] if self.remembered else []
@@ -184,11 +193,50 @@ def build_runner(
 
     `pool`: the graph memory pool and lane streams to capture into, shared
     with other runners whose graphs never replay concurrently with these
-    (serving.varlen: one pool for every shape of a model); a new one if None."""
+    (serving.varlen: one pool for every shape of a model); a new one if None.
+
+    `module` computes as written (fp32); the runner computes in
+    `settings.precision` (engine.precision), checked against `module` where
+    that is another one: where no graph of that precision passes, the build
+    starts again in fp32 and the report says why."""
+    asked = settings.precision
+    used, why = precision.on_device(asked, device)
+    settings = dataclasses.replace(settings, precision=used)
     if device.type != "cuda":
-        return runtime.EagerRunner(module, model.inputs, model.outputs, device, max_batch), BuildReport()
-    with heap.long_lived_frozen():  # full collections skip what the build keeps
-        return _build_on_gpu(module, model, device, max_batch, settings, pool)
+        runner, report = _build_eager(module, model, device, max_batch, settings)
+    else:
+        with heap.long_lived_frozen():  # full collections skip what the build keeps
+            runner, report = _build_on_gpu(module, model, device, max_batch, settings, pool)
+            if report.runner == "eager" and used != precision.FP32:
+                log.warning("no %s graph passed its guard; building in fp32", used)
+                earlier = report.fallbacks
+                runner, report = _build_on_gpu(module, model, device, max_batch, dataclasses.replace(settings, precision=precision.FP32), pool)
+                report.fallbacks[:0] = [*earlier, f"precision {used}: no graph passed its guard; built in fp32"]
+    if why:
+        log.warning("precision %s: %s", asked, why)
+        report.fallbacks.insert(0, f"precision {asked}: {why}")
+    return runner, report
+
+
+# rows of the one check a CPU instance's eager module in another precision gets (its rows never interact)
+CPU_CHECK_ROWS = 4
+
+
+def _build_eager(module: torch.nn.Module, model: ModelSpec, device: torch.device, max_batch: int, settings: EngineSettings) -> tuple[runtime.Runner, BuildReport]:
+    """A CPU instance: the module run eagerly in the settings' precision, held
+    to its tolerance against the fp32 module on one batch (fp32 otherwise)."""
+    served = precision.cast(module, model, settings.precision)
+    runner = runtime.EagerRunner(served, model.inputs, model.outputs, device, max_batch)
+    report = BuildReport(precision=settings.precision)
+    if served is module or not settings.guard:
+        return runner, report
+    rows = min(max(settings.buckets), CPU_CHECK_ROWS)
+    try:
+        report.precision_error = check_against_fp32(runner, served, module, model, [rows], settings)
+    except GuardError as error:
+        log.warning("precision %s: %s; running fp32", settings.precision, error)
+        return runtime.EagerRunner(module, model.inputs, model.outputs, device, max_batch), BuildReport(fallbacks=[f"precision {settings.precision}: {error}; runs fp32"])
+    return runner, report
 
 
 @dataclass(frozen=True)
@@ -223,6 +271,7 @@ class Build:
     pool: GraphPool | None
     report: BuildReport
     lane_pool: LanePool
+    reference: torch.nn.Module | None = None  # the fp32 module a build in another precision is checked against
     traced: OpGraph | None = None
     key: str | None = None  # where its choices are remembered (engine.choices)
     graphs: dict[str, OpGraph] = field(default_factory=dict)  # made so far, by name
@@ -232,9 +281,17 @@ class Build:
 def _build_on_gpu(
     module: torch.nn.Module, model: ModelSpec, device: torch.device, max_batch: int, settings: EngineSettings, pool: GraphPool | None
 ) -> tuple[runtime.Runner, BuildReport]:
-    module = module.to(device).eval()
+    with precision.numerics(settings.precision):
+        return _build_in_precision(module.to(device).eval(), model, device, max_batch, settings, pool)
+
+
+def _build_in_precision(
+    reference: torch.nn.Module, model: ModelSpec, device: torch.device, max_batch: int, settings: EngineSettings, pool: GraphPool | None
+) -> tuple[runtime.Runner, BuildReport]:
+    module = precision.cast(reference, model, settings.precision).to(device)
     torch.backends.cudnn.benchmark = settings.autotune
-    build = Build(module, model, device, settings, pool, BuildReport(), LanePool(device) if pool is None else pool.lanes)
+    build = Build(module, model, device, settings, pool, BuildReport(precision=settings.precision), LanePool(device) if pool is None else pool.lanes)
+    build.reference = reference if settings.precision != precision.FP32 else None
     build.traced = trace_for_build(module, model, device, build.report)
     heap.freeze_more()
     if build.traced is not None and settings.remember_choices:
@@ -256,6 +313,7 @@ def _build_on_gpu(
             log.warning("%s failed, falling back to %s: %s", attempt.label, after, reason)
             build.report.choices.clear()
             build.report.timings_ms.clear()
+            build.report.precision_error.clear()
             build.report.remembered = False
             continue
         build.report.seconds["plan+capture" if attempt.kind == "multi-stream graph" else "capture"] = time.perf_counter() - start
@@ -300,7 +358,8 @@ def graphs_for(build: Build, names: frozenset[str] | None) -> dict[str, OpGraph]
     wanted = set(graph_names(build.module, build.settings, build.device)) if names is None else set(names)
     missing = wanted - set(build.graphs)
     if missing:
-        build.graphs.update(traced_graphs(build.module, build.model, build.device, build.settings, build.report, traced=build.traced, only=missing))
+        tolerance = rewrite_tolerance(build)
+        build.graphs.update(traced_graphs(build.module, build.model, build.device, build.settings, build.report, traced=build.traced, only=missing, tolerance=tolerance))
         build.inductor_dir = build.inductor_dir or build.report.inductor  # where fused lanes keep compiled code
     heap.freeze_more()  # the graphs live as long as the runner
     return {name: graph for name, graph in build.graphs.items() if name in wanted}
@@ -357,14 +416,21 @@ def capture_sequential(build: Build, attempt: Attempt) -> tuple[dict[int, Captur
 
 def check(build: Build, runner: runtime.Runner, references: Mapping[int, torch.nn.Module], kind: str) -> None:
     """The guard: every bucket's replay against its graph run eagerly, fused
-    lanes with their own tolerance."""
-    settings = build.settings
-    fused = {b for b, c in build.report.choices.items() if isinstance(c, Candidate) and c.fused}
-    tolerances = {b: settings.fused_tolerance if b in fused else settings.guard_tolerance for b in build.report.choices}
+    lanes with their own tolerance; in another precision than fp32, against
+    the fp32 module instead, within `precision_tolerance` (the same graph run
+    eagerly in half precision rounds otherwise too, and only the distance
+    from what the user's module computes matters)."""
+    settings, report = build.settings, build.report
     start = time.perf_counter()
-    log.info("checking the %s of %d buckets against eager", kind, len(references))
-    check_against_eager(runner, dict(references), build.model, tolerances)
-    build.report.seconds["guard"] = time.perf_counter() - start
+    if build.reference is not None:
+        log.info("checking the %s of %d buckets against the fp32 module (%s)", kind, len(references), settings.precision)
+        report.precision_error = check_against_fp32(runner, build.module, build.reference, build.model, sorted(references), settings)
+    else:
+        fused = {b for b, c in report.choices.items() if isinstance(c, Candidate) and c.fused}
+        tolerances = {b: settings.fused_tolerance if b in fused else settings.guard_tolerance for b in report.choices}
+        log.info("checking the %s of %d buckets against eager", kind, len(references))
+        check_against_eager(runner, dict(references), build.model, tolerances)
+    report.seconds["guard"] = time.perf_counter() - start
 
 
 def remember(build: Build, attempt: Attempt) -> None:
@@ -496,11 +562,19 @@ def trace_for_build(module, model: ModelSpec, device: torch.device, report: Buil
 
 
 def traced_graphs(
-    module, model: ModelSpec, device: torch.device, settings: EngineSettings, report: BuildReport, traced: OpGraph | None = None, only: Collection[str] | None = None
+    module,
+    model: ModelSpec,
+    device: torch.device,
+    settings: EngineSettings,
+    report: BuildReport,
+    traced: OpGraph | None = None,
+    only: Collection[str] | None = None,
+    tolerance: float = FUSION_TOLERANCE,
 ) -> dict[str, OpGraph]:
     """The model traced (and fused) in each layout to try; empty if tracing fails.
     `traced`: the model already traced (trace_for_build); `only`: just these of
-    the graphs (a build whose remembered choices use only them).
+    the graphs (a build whose remembered choices use only them); `tolerance`:
+    fusion's bound for a rewrite (rewrite_tolerance).
 
     The guard later compares each replay with its own graph run eagerly (same
     kernels): fusion is checked on its own here, against the unfused graph in
@@ -523,7 +597,7 @@ def traced_graphs(
         start = time.perf_counter()
         log.info("fusing the traced graph (%d ops)", len(graph.dag.nodes))
         try:
-            graph, report.fusion = fuse_graph(graph, device, check_inputs=checks, cache=fusion_checks_dir())
+            graph, report.fusion = fuse_graph(graph, device, check_inputs=checks, tolerance=tolerance, cache=fusion_checks_dir())
         except Exception as error:  # noqa: BLE001 - the unfused graph is still right
             report.fallbacks.append(f"fusion: {error}")
         report.seconds["fusion"] = time.perf_counter() - start
@@ -541,7 +615,7 @@ def traced_graphs(
         except ValueError as error:  # the ATen candidates still serve
             report.fallbacks.append(f"fused lanes: {error}")
             return graphs
-        for name, inductor in _fused_lanes_graphs(traced, device, settings, report, checks, has_convs, only).items():
+        for name, inductor in _fused_lanes_graphs(traced, device, settings, report, checks, has_convs, only, tolerance).items():
             if settings.profile:
                 inductor = profiled(inductor, profile_inputs, device, report)
             # segments take their weights as inputs, and Inductor converts a
@@ -550,8 +624,26 @@ def traced_graphs(
     return graphs
 
 
+def rewrite_tolerance(build: Build) -> float:
+    """Fusion's bound for a rewrite against the graph it rewrites: in fp32
+    FUSION_TOLERANCE; in half precision a folded or merged weight rounds
+    otherwise, and a rounding anywhere grows through the network as much as
+    the precision's own do, so the bound the guard holds the build to against
+    fp32 (engine.precision.tolerance, on fusion's check inputs)."""
+    settings, model = build.settings, build.model
+    if settings.precision not in precision.HALF or build.reference is None:
+        return FUSION_TOLERANCE
+    worst = 0.0
+    for bucket in sorted({min(settings.buckets), max(settings.buckets)}):
+        inputs = model.example_inputs(bucket, seed=7)
+        with precision.fp32_reference():
+            expected = _eager(build.reference, inputs, build.device)
+        worst = max(worst, max_relative_error(_eager(build.module, inputs, build.device), expected))
+    return precision.tolerance(settings.precision, settings.precision_tolerance, worst)
+
+
 def _fused_lanes_graphs(
-    traced: OpGraph, device: torch.device, settings: EngineSettings, report: BuildReport, checks: list, has_convs: bool, only: Collection[str] | None
+    traced: OpGraph, device: torch.device, settings: EngineSettings, report: BuildReport, checks: list, has_convs: bool, only: Collection[str] | None, tolerance: float
 ) -> dict[str, OpGraph]:
     """The graphs fused lanes compile: `inductor` (INDUCTOR_PASSES) and, for a
     convolutional model where cuDNN fuses some convolution, `inductor-cudnn`.
@@ -564,10 +656,10 @@ def _fused_lanes_graphs(
     if not settings.fusion or not wanted_names:
         return {"inductor": traced} if "inductor" in wanted_names else {}
     start = time.perf_counter()
-    made = {"inductor": fuse_graph(traced, device, passes=INDUCTOR_PASSES, check_inputs=checks, cache=fusion_checks_dir())[0]}
+    made = {"inductor": fuse_graph(traced, device, passes=INDUCTOR_PASSES, check_inputs=checks, tolerance=tolerance, cache=fusion_checks_dir())[0]}
     if has_convs and "inductor-cudnn" in wanted_names:
         wanted = [p for p in INDUCTOR_CUDNN_PASSES if p not in INDUCTOR_PASSES]
-        cudnn, fusion = fuse_graph(made["inductor"], device, passes=wanted, check_inputs=checks, cache=fusion_checks_dir())
+        cudnn, fusion = fuse_graph(made["inductor"], device, passes=wanted, check_inputs=checks, tolerance=tolerance, cache=fusion_checks_dir())
         if fusion.rewrites.get("conv_relu") or fusion.rewrites.get("conv_add_relu"):  # else the same graph as `inductor`
             made["inductor-cudnn"] = cudnn
     report.seconds["fusion"] = report.seconds.get("fusion", 0.0) + time.perf_counter() - start  # every graph's fusion is the build's
@@ -668,17 +760,14 @@ def channels_last_graph(graph: OpGraph) -> OpGraph:
     return dataclasses.replace(graph, module=module)
 
 
-def check_against_eager(
-    runner: runtime.Runner, references: dict[int, torch.nn.Module], model: ModelSpec, tolerance: float | dict[int, float]
-) -> None:
+def check_against_eager(runner: runtime.Runner, references: dict[int, torch.nn.Module], model: ModelSpec, tolerance: float | dict[int, float]) -> None:
     """Replay every bucket on fresh random inputs and compare with the graph it
     replays, run eagerly (`references`: bucket -> module; `tolerance`: one for
     all, or per bucket)."""
     for bucket, reference in references.items():
         inputs = model.example_inputs(bucket, seed=1000 + bucket)
         outputs = [out.clone() for out in runner.run(inputs)]
-        with torch.inference_mode(), no_cudnn_autotuning():  # eager convolutions of every bucket: values only
-            expected = runtime._as_tuple(reference(*(x.to(runner.device) for x in inputs)))
+        expected = _eager(reference, inputs, runner.device)
         _compare(bucket, outputs, expected, tolerance[bucket] if isinstance(tolerance, dict) else tolerance)
 
 
@@ -689,14 +778,52 @@ def check_rows_against_eager(runner: runtime.Runner, reference: torch.nn.Module,
     bucket's replay compared with its leading rows. One eager run a bucket
     took T5 144 runs of about 20 ms per start, most of it Python."""
     inputs = model.example_inputs(max(buckets), seed=1000)
-    with torch.inference_mode(), no_cudnn_autotuning():
-        expected = runtime._as_tuple(reference(*(x.to(runner.device) for x in inputs)))
+    expected = _eager(reference, inputs, runner.device)
     for bucket in buckets:
         outputs = [out.clone() for out in runner.run([x[:bucket] for x in inputs])]
         _compare(bucket, outputs, [want[:bucket] for want in expected], tolerance)
 
 
-def _compare(bucket: int, outputs: list[torch.Tensor], expected: Any, limit: float) -> None:
+def check_against_fp32(
+    runner: runtime.Runner, served: torch.nn.Module, reference: torch.nn.Module, model: ModelSpec, buckets: Sequence[int], settings: EngineSettings, rows: bool = False
+) -> dict[int, precision.Accuracy]:
+    """The guard of a build in another precision than fp32: each bucket's
+    replay against the fp32 module (`reference`, with PyTorch's defaults) on
+    fresh random inputs, held to `precision_tolerance` (engine.precision.tolerance:
+    by default a multiple of the error of `served`, the module in that
+    precision, run eagerly on the same inputs). `rows`: the rows never interact
+    (check_rows_against_eager): one eager run each at the largest bucket."""
+    def references(inputs: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        with precision.fp32_reference():
+            expected = _eager(reference, inputs, runner.device)
+        with precision.numerics(settings.precision):
+            return expected, _eager(served, inputs, runner.device)
+
+    if rows:
+        largest = model.example_inputs(max(buckets), seed=1000)
+        both = references(largest)
+    found = {}
+    for bucket in buckets:
+        if rows:
+            inputs = [x[:bucket] for x in largest]
+            expected, eager = ([t[:bucket] for t in kept] for kept in both)
+        else:
+            inputs = model.example_inputs(bucket, seed=1000 + bucket)
+            expected, eager = references(inputs)
+        outputs = [out.clone() for out in runner.run(inputs)]
+        eager_error = max_relative_error(eager, expected)
+        limit = precision.tolerance(settings.precision, settings.precision_tolerance, eager_error)
+        found[bucket] = precision.Accuracy(_compare(bucket, outputs, expected, limit, "the fp32 module"), eager_error, limit)
+    return found
+
+
+def _eager(module: torch.nn.Module, inputs: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
+    with torch.inference_mode(), no_cudnn_autotuning():  # eager convolutions of every bucket: values only
+        return runtime._as_tuple(module(*(x.to(device) for x in inputs)))
+
+
+def _compare(bucket: int, outputs: list[torch.Tensor], expected: Any, limit: float, against: str = "eager") -> float:
     error = max_relative_error(outputs, expected)
     if not error <= limit:
-        raise GuardError(f"bucket {bucket}: replay differs from eager by {error:.2e} (relative), tolerance {limit:.0e}")
+        raise GuardError(f"bucket {bucket}: replay differs from {against} by {error:.2e} (relative), tolerance {limit:.0e}")
+    return error

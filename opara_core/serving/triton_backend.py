@@ -385,7 +385,9 @@ class ServingMetrics:
     opara_execute_seconds_total{model,stage}: where `execute` spends its time
     (validate the requests, stage them into the pinned buffers, run: copy in,
     replay, copy out; respond: split and build the responses), and
-    opara_requests_total{model}: requests seen, to divide them by. Every metric
+    opara_requests_total{model}: requests seen, to divide them by;
+    opara_precision_error{model,precision}: a model built in another precision
+    than fp32, its graphs' largest relative error against the fp32 module. Every metric
     update is an IPC round trip to the server, so counts are pushed every
     `FLUSH_SECONDS` by a background thread, never by `execute` (the request
     that paid for a flush waited on a round trip per changed counter), and the
@@ -417,6 +419,14 @@ class ServingMetrics:
             name="opara_execute_seconds_total", description="Seconds spent in execute, by stage", kind=kind
         )
         self._seconds = {stage: self._seconds_family.Metric(labels={"model": model, "stage": stage}) for stage in StageClock.STAGES}
+        self._precision_family = pb_utils.MetricFamily(
+            name="opara_precision_error",
+            description="Largest relative error of the model's graphs against the fp32 module, measured at load",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        if report.precision_error:
+            self._precision = self._precision_family.Metric(labels={"model": model, "precision": report.precision})
+            self._precision.set(max(accuracy.error for accuracy in report.precision_error.values()))
         self._requests_family = pb_utils.MetricFamily(name="opara_requests_total", description="Requests given to execute", kind=kind)
         self._requests = self._requests_family.Metric(labels={"model": model})
         self.clock = StageClock()

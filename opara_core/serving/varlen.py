@@ -60,8 +60,8 @@ from dataclasses import dataclass, field
 import torch
 
 from opara_core import parameters
-from opara_core.engine import cache
-from opara_core.engine.build import BuildReport, EngineSettings, GuardError, build_runner, check_rows_against_eager, static_inputs
+from opara_core.engine import cache, precision
+from opara_core.engine.build import BuildReport, EngineSettings, GuardError, build_runner, check_against_fp32, check_rows_against_eager, static_inputs
 from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, pool_mb, time_replays
 from opara_core.engine.inductor_cache import use_inductor_cache
 from opara_core.engine.runtime import GraphRunner, PackedInputs, Runner, RunnerInfo
@@ -249,6 +249,16 @@ class VarLenReport:
         return {shape: report.runner for shape, report in self.shapes.items()}
 
     @property
+    def precision(self) -> str:
+        """What the shapes compute in (engine.precision), "+"-joined where they differ."""
+        return "+".join(sorted({report.precision for report in self.shapes.values()})) or "fp32"
+
+    @property
+    def precision_error(self) -> dict[str, float]:
+        """`shape x batch` -> max relative error against the fp32 module, where one was measured."""
+        return {f"{_label(s)}x{b}": e for s, report in self.shapes.items() for b, e in report.precision_error.items()}
+
+    @property
     def fallbacks(self) -> list[str]:
         # the reason first: the metrics label a fallback by the text before its first colon
         shapes = [f"{reason} (shape {_label(s)})" for s, report in self.shapes.items() for reason in report.fallbacks]
@@ -323,6 +333,9 @@ class VarLenRunners:
     ):
         self.module, self.entry, self.device = module, entry, device
         self.engine_settings = settings
+        # the whole-model graph computes in this precision (the engine's builds choose their own, the same way)
+        self.precision = precision.on_device(settings.precision, device)[0]
+        served = precision.cast(module, entry, self.precision)
         self.max_batch = max(settings.buckets)
         self.report = VarLenReport(capture=varlen.capture, scheduler=varlen.scheduler, compiler=varlen.compiler)
         self.inductor_cache = ""
@@ -332,14 +345,14 @@ class VarLenRunners:
         self._lock = threading.Lock()
         self._cuda = device.type == "cuda"
         self.pool = GraphPool.new(device) if self._cuda else None
-        self.whole_model = self._whole_model(module, varlen.compiler)
+        self.whole_model = self._whole_model(served, varlen.compiler)
         self._inputs = {shape: entry.at(shape).inputs for shape in batching.grid(varlen.axes)}
         self._along = {n: a for a, axis in enumerate(entry.lengths) for n in axis.outputs}
         self._axes, self._batches = varlen.axes, tuple(sorted(settings.buckets))
         self._modelled = {(s, b): modelled_seconds(s, b) for s in batching.grid(varlen.axes) for b in self._batches}
         self._measured: dict[tuple[tuple[int, ...], int], float] = {}
         # timings of every cell from an earlier start that built every shape (serving.varlen_costs)
-        self._costs_key = varlen_costs.costs_key(entry.name, module, varlen.compiler, varlen.axes, self._batches, device)
+        self._costs_key = varlen_costs.costs_key(entry.name, served, varlen.compiler, varlen.axes, self._batches, device)
         self._stored = varlen_costs.load(self._costs_key)
         self._packed: dict[tuple[tuple[int, ...], int], PackedInputs] = {}  # cells of the whole-model graph
         self._events: list[torch.cuda.Event] = []  # see _landed
@@ -362,7 +375,8 @@ class VarLenRunners:
         try:
             self.inductor_cache = str(use_inductor_cache(self.engine_settings.inductor_cache))
             module = module.to(self.device).eval()
-            kept = WholeModelSaved(module, export_example(self.entry, self.device), dynamic_dims(self.entry, self.max_batch), cache.directory(compiler))
+            with precision.numerics(self.precision):
+                kept = WholeModelSaved(module, export_example(self.entry, self.device), dynamic_dims(self.entry, self.max_batch), cache.directory(compiler))
         except Exception as error:  # noqa: BLE001 - an unwritable cache, export and compile errors: the engine's builds still serve
             self.report.compiler_fallback = f"{WholeModelSaved.label}: {type(error).__name__}: {error}"
             log.warning("%s; building every shape with the engine instead", self.report.compiler_fallback)
@@ -401,13 +415,17 @@ class VarLenRunners:
         in the report's fallbacks) if a capture or a check fails."""
         entry, settings = self.entry.at(shape), self.engine_settings
         label = self.whole_model.label
-        report = BuildReport(runner=label, inductor=self.inductor_cache)
+        report = BuildReport(runner=label, inductor=self.inductor_cache, precision=self.precision)
         start = time.perf_counter()
         packed = {b: PackedInputs(entry.inputs, b, self.device) for b in settings.buckets} if PackedInputs.fits(entry.inputs) else {}
         try:
-            graphs = {b: self._capture(entry, b, packed.get(b)) for b in sorted(settings.buckets, reverse=True)}
+            with precision.numerics(self.precision):
+                graphs = {b: self._capture(entry, b, packed.get(b)) for b in sorted(settings.buckets, reverse=True)}
             runner = GraphRunner(graphs, entry.inputs, entry.outputs, self.device, self.max_batch)
-            if settings.guard:
+            if settings.guard and self.precision != precision.FP32:  # against the module as written
+                reference, at = self.module.to(self.device).eval(), dataclasses.replace(settings, precision=self.precision)
+                report.precision_error = check_against_fp32(runner, self.whole_model.module, reference, entry, sorted(graphs), at, rows=True)
+            elif settings.guard:
                 check_rows_against_eager(runner, self.whole_model.module, sorted(graphs), entry, settings.fused_tolerance)
         except (CaptureError, GuardError, RuntimeError) as error:
             report.fallbacks.append(f"{label}: {error}")
