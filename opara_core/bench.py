@@ -31,10 +31,12 @@ from typing import Any, Callable, Collection, Sequence
 
 import torch
 
-from opara_core import zoo
+from opara_core import parameters, zoo
 from opara_core.spec import ModelSpec
-from opara_core.engine import cache
-from opara_core.engine.build import FUSED_GRAPHS, BuildReport, Candidate, EngineSettings, build_runner, candidates, capture_fastest, plan_capture, traced_graphs
+from opara_core.engine import cache, precision
+from opara_core.engine.build import (
+    FUSED_GRAPHS, BuildReport, Candidate, EngineSettings, build_runner, candidates, capture_fastest, fusion_tolerance, plan_capture, traced_graphs,
+)  # fmt: skip
 from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, capture_module, pool_mb
 from opara_core.engine.inductor_cache import INDUCTOR_ENV, TRITON_ENV
 from opara_core.engine.interpreter import plan_graph
@@ -93,6 +95,7 @@ class Row:
     model: str
     batch: int
     timings: dict[str, Timing] = field(default_factory=dict)
+    precision: str = "fp32"  # what every column of the row computes in (engine.precision)
     streams: dict[str, int] = field(default_factory=dict)
     peak_mb: dict[str, float] = field(default_factory=dict)
     auto_choice: str = ""
@@ -168,6 +171,7 @@ def bench_model(
     cudnn_benchmark: bool = True,
     compile_here: bool = False,
     fused_lanes_autotune: bool = False,
+    numerics: str = "fp32",
 ) -> list[Row]:
     """Every variant of one model at each batch size (see the module docstring);
     `on_row` gets each row as soon as it is measured (a cut run keeps its rows);
@@ -182,7 +186,10 @@ def bench_model(
     `compile_here`: time the torch.compile columns in this process (the
     process `compiled_elsewhere` starts), not in a process of their own;
     `fused_lanes_autotune`: the engine setting of that name in the fused-lanes
-    columns, `auto` and the build (their convolutions' algorithms timed too).
+    columns, `auto` and the build (their convolutions' algorithms timed too);
+    `numerics`: the precision every column computes in (engine.precision):
+    eager and torch.compile run the module cast to it, the engine's columns
+    build from that module, the build and `served` with the engine setting.
 
     Policy columns use the NCHW graph (NHWC with --layout nhwc); `auto` chooses
     among the layouts `--layout` allows, as serving does. `served` times the
@@ -205,19 +212,22 @@ def bench_model(
     else:
         _use_cache(cache_dir)
     served_batches = batches if "served" in wanted else ()
-    build = _build_seconds(entry, device, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune, served_batches) if time_build else None
+    build = _build_seconds(entry, device, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune, served_batches, numerics) if time_build else None
     served = build.served if build else {}
     if served_batches and not build and cache_dir is not None and _holds_files(cache_dir):  # a warm cache: what a server restarted on it replays
-        served = _served_only(entry, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune, served_batches)
+        served = _served_only(entry, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune, served_batches, numerics)
     start = time.perf_counter()
-    module = entry.build().to(device).eval()  # eager and torch.compile
+    reference = entry.build().to(device).eval()
+    module = precision.cast(reference, entry, numerics).to(device)  # eager and torch.compile
     log.info("%s built and on %s in %.1f s", name, device, time.perf_counter() - start)
     # the engine's graphs only for the engine's columns (NASNet's trace, fusion and profile take a minute)
     unfused = trace_model(entry, module, device) if "sequential (unfused)" in wanted else None
     report = BuildReport()
     graphs, floors = {}, []
     if wanted - {"eager", "compile", "compile max-autotune"}:
-        graphs = traced_graphs(entry.build().to(device).eval(), entry, device, EngineSettings(fusion=fusion, layout=layout, fused_lanes=True), report)
+        settings = EngineSettings(fusion=fusion, layout=layout, fused_lanes=True, precision=numerics)
+        tolerance = fusion_tolerance(settings, entry, module, reference, device)
+        graphs = traced_graphs(module, entry, device, settings, report, tolerance=tolerance)
         profiled = not any(f.startswith("profile") for f in report.fallbacks)
         # measured kernel times (the graphs are profiled at batch 1): the least critical path over the layouts
         floors = [(g.dag.critical_path_us / 1000, sum(g.dag.costs) / 1000) for k, g in graphs.items() if k not in FUSED_GRAPHS] if profiled else []
@@ -225,7 +235,7 @@ def bench_model(
     graph = graphs.get(primary)
     rows = []
     for batch in batches:
-        row = Row(entry.name, batch, kernels=len(graph.dag) if graph is not None else 0)
+        row = Row(entry.name, batch, kernels=len(graph.dag) if graph is not None else 0, precision=numerics)
         if graph is not None:
             row.notes.append(f"fusion: {report.fusion}" if report.fusion else "fusion off")
             if fused_lanes_autotune:
@@ -242,7 +252,7 @@ def bench_model(
             if "compile max-autotune" in compile_columns:
                 row.timings["compile max-autotune"] = _time_compiled(module, inputs, row, "max-autotune-no-cudagraphs")
         elif compile_columns:
-            compiled_elsewhere(name, batch, compile_columns, row, cache_dir, cudnn_benchmark)
+            compiled_elsewhere(name, batch, compile_columns, row, cache_dir, cudnn_benchmark, numerics)
         progress.update()
         if graph is None:  # eager and compile columns only
             _keep(row, rows, on_row)
@@ -275,7 +285,7 @@ def bench_model(
                 progress.update()
             if "auto" in wanted:  # exactly as the serving build chooses, for this one bucket
                 auto_report = BuildReport()
-                settings = EngineSettings(max_streams=max_streams, fused_lanes=True, layout=layout, autotune=cudnn_benchmark, fused_lanes_autotune=fused_lanes_autotune)
+                settings = EngineSettings(max_streams=max_streams, fused_lanes=True, layout=layout, autotune=cudnn_benchmark, fused_lanes_autotune=fused_lanes_autotune, precision=numerics)
                 captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool, autotune=fused_lanes_autotune) for c, plan in candidates(graphs, settings).items()}
                 captured = capture_fastest(captures, entry, device, [batch], auto_report)[batch]
                 row.timings["auto"] = time_calls(graph_call(captured, inputs))
@@ -305,7 +315,7 @@ def _keep(row: Row, rows: list[Row], on_row: Callable[[Row], None] | None) -> No
         on_row(row)
 
 
-def compiled_elsewhere(name: str, batch: int, columns: Sequence[str], row: Row, cache_dir: Path | None, cudnn_benchmark: bool) -> None:
+def compiled_elsewhere(name: str, batch: int, columns: Sequence[str], row: Row, cache_dir: Path | None, cudnn_benchmark: bool, numerics: str = "fp32") -> None:
     """Time the torch.compile `columns` of one row in a process of their own
     and put them (and their notes) into `row`. cuDNN keeps the first plan it
     made for a convolution's parameters for the whole process, whichever way it
@@ -324,6 +334,7 @@ def compiled_elsewhere(name: str, batch: int, columns: Sequence[str], row: Row, 
                    "--no-plan-capture", "--compile-here", "--json", str(out), "--cache-dir", str((cache_dir or Path(tmp)) / "compile")]  # fmt: skip
         command += ["--compile-autotune", name] if "compile max-autotune" in columns else []
         command += [] if cudnn_benchmark else ["--no-cudnn-benchmark"]
+        command += ["--precision", numerics]
         env = {k: v for k, v in os.environ.items() if k not in (cache.ENV, INDUCTOR_ENV, TRITON_ENV)}
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         measured = _read_json(out) if out.exists() else []
@@ -402,6 +413,7 @@ class BuildTiming:
 def _build_seconds(
     entry: ModelSpec, device: torch.device, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool, fused_lanes_autotune: bool = False,
     served_batches: Sequence[int] = (),
+    numerics: str = "fp32",
 ) -> BuildTiming:
     """The serving build of all default buckets with `auto` and fused lanes,
     cold (this process, an empty cache) and warm (a new process, the same
@@ -411,10 +423,13 @@ def _build_seconds(
     pays (and replays: it times its graphs at `served_batches`), the second
     shows whether the first still did work that the cold build left undone
     (T5 13.1 s, then 5.5 s: docs/benchmarks.md run 30)."""
-    cold = _build_report(ref_of(entry), device, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune)
-    command = _build_command(ref_of(entry), max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune)
+    cold = _build_report(ref_of(entry), device, max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune, numerics=numerics)
+    command = _build_command(ref_of(entry), max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune, numerics)
     warm, again = _warm_build(command, served_batches), _warm_build(command)
     notes = [f"cold build seconds: {_breakdown(cold)}; {cold['inductor']}"]
+    if cold["precision_error"]:
+        notes.append(f"cold build in {cold['precision']}: " + precision.describe({b: precision.Accuracy(**a) for b, a in cold["precision_error"].items()}))
+    notes += [f"cold build fallback: {reason}" for reason in cold["fallbacks"]]
     notes += [f"warm build seconds: {_breakdown(warm)}; {warm['inductor']}" if warm else "warm build failed"]
     notes += [f"second warm build {_build_total(again):.1f} s: {_breakdown(again)}; {again['inductor']}" if again else "second warm build failed"]
     served = _served(warm)
@@ -427,18 +442,18 @@ def _build_seconds(
 
 
 def _served_only(
-    entry: ModelSpec, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool, fused_lanes_autotune: bool, batches: Sequence[int]
+    entry: ModelSpec, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool, fused_lanes_autotune: bool, batches: Sequence[int], numerics: str = "fp32"
 ) -> dict[int, Timing]:
     """The `served` column where the build is not timed: one warm build on the
     cache (a new process, as a server restarted on it), its graphs timed."""
-    served = _served(_warm_build(_build_command(ref_of(entry), max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune), batches))
+    served = _served(_warm_build(_build_command(ref_of(entry), max_streams, fusion, layout, cudnn_benchmark, fused_lanes_autotune, numerics), batches))
     if served:
         log.info("%s: %s", entry.name, _served_note(served))
     return served
 
 
-def _build_command(name: str, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool, fused_lanes_autotune: bool) -> list[str]:
-    command = [sys.executable, "-m", "opara_core.bench", "--build-only", name, "--max-streams", str(max_streams), "--layout", layout]
+def _build_command(name: str, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool, fused_lanes_autotune: bool, numerics: str = "fp32") -> list[str]:
+    command = [sys.executable, "-m", "opara_core.bench", "--build-only", name, "--max-streams", str(max_streams), "--layout", layout, "--precision", numerics]
     command += (["--no-fusion"] if not fusion else []) + (["--no-cudnn-benchmark"] if not cudnn_benchmark else [])
     return command + (["--fused-lanes-autotune", name] if fused_lanes_autotune else [])
 
@@ -465,12 +480,15 @@ def _warm_build(command: list[str], served_batches: Sequence[int] = ()) -> dict[
 def _build_report(
     name: str, device: torch.device, max_streams: int, fusion: bool, layout: str, cudnn_benchmark: bool = True, fused_lanes_autotune: bool = False,
     served_batches: Sequence[int] = (),
+    numerics: str = "fp32",
 ) -> dict[str, Any]:
     """One serving build's report; with `served_batches`, its graphs at those
     buckets timed afterwards as every graph column is (not part of its seconds)."""
     entry = model_for(name)
     # the guard on, as in serving: its check of every bucket against eager is part of the build
-    settings = EngineSettings(max_streams=max_streams, fusion=fusion, layout=layout, fused_lanes=True, autotune=cudnn_benchmark, fused_lanes_autotune=fused_lanes_autotune)
+    settings = EngineSettings(
+        max_streams=max_streams, fusion=fusion, layout=layout, fused_lanes=True, autotune=cudnn_benchmark, fused_lanes_autotune=fused_lanes_autotune, precision=numerics
+    )
     runner, report = build_runner(entry.build(), entry, device, max(settings.buckets), settings)
     chosen = {str(bucket): str(choice) for bucket, choice in sorted(report.choices.items())}
     graphs = getattr(runner, "graphs", {})  # a GraphRunner's, one per bucket
@@ -478,7 +496,9 @@ def _build_report(
     with torch.inference_mode():
         for batch in (b for b in served_batches if b in graphs):
             served[str(batch)] = asdict(time_calls(graph_call(graphs[batch], rotating_inputs(entry, batch, device))))
-    return {"seconds": report.seconds, "inductor": report.inductor, "remembered": report.remembered, "runner": report.runner, "choices": chosen, "served": served}
+    accuracy = {str(b): asdict(a) for b, a in sorted(report.precision_error.items())}
+    return {"seconds": report.seconds, "inductor": report.inductor, "remembered": report.remembered, "runner": report.runner, "choices": chosen, "served": served,
+            "precision": report.precision, "precision_error": accuracy, "fallbacks": report.fallbacks}  # fmt: skip
 
 
 def _build_total(report: dict[str, Any]) -> float:
@@ -498,7 +518,7 @@ def table(rows: Sequence[Row]) -> str:
     head = ["model", "batch", *COLUMNS, "floor", "best/seq", "auto pick", "peak MB seq/auto", "build s cold/warm"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        cells = [row.model, str(row.batch)]
+        cells = [row.model + ("" if row.precision == "fp32" else f" {row.precision}"), str(row.batch)]
         for column in COLUMNS:
             t = row.timings.get(column)
             cells.append("-" if t is None else f"{t.median_ms:.3f} (p99 {t.p99_ms:.3f})")
@@ -613,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", type=Path, help="keep the build cache (traces, profiles, compiled segments) here instead of a fresh temporary one; a cache that holds files is reused and needs --no-plan-capture (the build timing needs an empty one)")
     parser.add_argument("--no-cudnn-benchmark", action="store_true", help="cuDNN's heuristic convolution algorithms in every column (the engine's autotune setting off) instead of timing them per shape (fused-lanes columns take the heuristics unless --fused-lanes-autotune)")
     parser.add_argument("--layout", choices=("auto", "nchw", "nhwc"), default="auto", help="layouts auto may choose (policy columns: NCHW unless nhwc)")
+    parser.add_argument("--precision", default="fp32", help="what every column computes in, comma-separated for a run of each (rows per precision): fp32, tf32, bf16, fp16 (the engine setting `precision`; eager and torch.compile run the module cast to it)")
     parser.add_argument("--plot", type=Path, help="PNG of speedups over the sequential graph")
     parser.add_argument("--timeline", type=Path, help="PNG of the first model's stream timeline at batch 1")
     parser.add_argument("--report", type=Path, nargs="+", help="no run: print the table (and --plot) of these JSON files")
@@ -630,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         lanes_autotune = model_for(args.build_only).name in args.fused_lanes_autotune.split(",")
         served_batches = [int(b) for b in args.served_batches.split(",") if b]
-        report = _build_report(args.build_only, torch.device("cuda"), args.max_streams, not args.no_fusion, args.layout, not args.no_cudnn_benchmark, lanes_autotune, served_batches)
+        report = _build_report(args.build_only, torch.device("cuda"), args.max_streams, not args.no_fusion, args.layout, not args.no_cudnn_benchmark, lanes_autotune, served_batches, args.precision.split(",")[0])
         print(json.dumps(report))
         return 0
     if args.report:
@@ -648,6 +669,9 @@ def main(argv: list[str] | None = None) -> int:
         names = {ref_of(entry): entry.name for entry in entries}
         batches = [int(b) for b in args.batch.split(",")]
         columns = parse_columns(args.columns)
+        precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
+        for asked in precisions:
+            parameters.get("precision").check(asked, "--precision")
         lanes_models = list(filter(None, args.fused_lanes_autotune.split(",")))
         unknown = sorted(set(lanes_models) - set(names.values()))
         if unknown:
@@ -673,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             _write_json(args.json, rows, sys.argv[1:] if argv is None else argv)
 
-    steps = len(models) * len(batches) * (2 + 3 + len(POLICIES) + 1)
+    steps = len(models) * len(batches) * len(precisions) * (2 + 3 + len(POLICIES) + 1)
     with tqdm(total=steps, desc="bench", file=sys.stderr) as progress:
         for ref in models:
             name = names[ref]
@@ -681,12 +705,14 @@ def main(argv: list[str] | None = None) -> int:
             compile_ = args.compile_models is None or name in args.compile_models.split(",")
             autotune = name in args.compile_autotune.split(",")
             lanes_autotune = name in lanes_models
-            bench_model(
-                ref, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns,
-                args.cache_dir, not args.no_cudnn_benchmark, args.compile_here, lanes_autotune,
-            )
+            for numerics in precisions:
+                with precision.numerics(numerics):
+                    bench_model(
+                        ref, batches, compile_, args.max_streams, not args.no_fusion, progress, args.layout, not args.no_plan_capture, autotune, keep, columns,
+                        args.cache_dir, not args.no_cudnn_benchmark, args.compile_here, lanes_autotune, numerics,
+                    )
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
-          f"fp32 (cuDNN TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'}, cuDNN benchmark {'on' if torch.backends.cudnn.benchmark else 'off'}), times in ms: median (p99)")
+          f"{args.precision} (fp32's cuDNN TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'}, cuDNN benchmark {'on' if torch.backends.cudnn.benchmark else 'off'}), times in ms: median (p99)")
     print(table(rows))
     for row in rows:
         for note in row.notes:
@@ -714,7 +740,7 @@ def merge_rows(rows: Sequence[Row]) -> list[Row]:
     measured the same column, the later one counts and a note says so."""
     merged: dict[tuple[str, int], Row] = {}
     for row in rows:
-        key = (row.model, row.batch)
+        key = (row.model, row.batch, row.precision)
         if key not in merged:
             merged[key] = replace(row, timings=dict(row.timings), streams=dict(row.streams), peak_mb=dict(row.peak_mb), notes=list(row.notes))
             continue

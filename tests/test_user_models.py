@@ -4,7 +4,11 @@ served by the real tritonserver over HTTP and gRPC against the eager module."""
 
 from __future__ import annotations
 
+import copy
 import json
+import re
+import shutil
+import urllib.request
 
 import numpy as np
 import pytest
@@ -211,12 +215,27 @@ def user_server(tmp_path_factory, admin_key):
                  ["squeeze", "--module", "torchvision.models:squeezenet1_1", "--input", "image:fp32:3x48x48"],
                  ["tiny", "--hf", str(root / "tiny_bert")]):
         assert main(["add-model", *args[:1], "--repository", str(repository), *args[1:]]) == 0
+    # the same program and checkpoint in bf16: as asked, and beyond a tolerance nothing meets (fp32 then)
+    for name, source, extra in (("two_bf16", "two", ""), ("two_strict", "two", "1e-9"), ("tiny_bf16", "tiny", "")):
+        shutil.copytree(repository / source, repository / name)
+        config = repository / name / "config.pbtxt"
+        text = config.read_text().replace(f'name: "{source}"', f'name: "{name}"') + _parameter("precision", "bf16")
+        config.write_text(text + (_parameter("precision_tolerance", extra) if extra else ""))
     from safetensors.torch import load_model
 
     squeeze = call_factory("torchvision.models:squeezenet1_1")
     load_model(squeeze, str(repository / "squeeze" / "1" / "model.safetensors"))
     with TritonServer(server_config(repository), root / "server.log") as server:
         yield server, {"two": two, "bag": bag, "squeeze": squeeze.eval(), "tiny": tiny}
+
+
+def _parameter(key: str, value: str) -> str:
+    return f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+
+
+def _metrics(server) -> str:
+    with urllib.request.urlopen(server.metrics_url, timeout=30) as response:
+        return response.read().decode()
 
 
 def _infer(server, protocol: str, model: str, arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -338,3 +357,35 @@ def test_on_a_gpu_each_route_builds_its_graphs_and_they_answer_as_eager(tmp_path
             want = want if isinstance(want, tuple) else (want,)
             for g, w in zip(got, want):
                 torch.testing.assert_close(g.to(device), w, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.server
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no native bf16: a bf16 config runs fp32 here")
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_model_in_bf16_answers_in_bf16_within_its_tolerance_and_says_so(user_server, protocol):
+    """`precision bf16`: FP32 on the wire, bf16 inside (the answers are the
+    bf16 module's, not the fp32 one's), the measured error in /metrics; a
+    tolerance nothing meets serves fp32 and counts the fallback."""
+    server, modules = user_server
+    rng = np.random.default_rng(5)
+    arrays = {"x": rng.standard_normal((3, 6), dtype=np.float32), "y": rng.standard_normal((3, 3, 4), dtype=np.float32)}
+    x, y = (torch.from_numpy(a) for a in arrays.values())
+    with torch.inference_mode():
+        fp32 = modules["two"](x, y).numpy()
+        bf16 = copy.deepcopy(modules["two"]).to(torch.bfloat16)(x.bfloat16(), y.bfloat16()).float().numpy()
+    (got,) = _infer(server, protocol, "two_bf16", arrays)
+    assert got.dtype == np.float32 and np.abs(got - fp32).max() > 0
+    np.testing.assert_allclose(got, bf16, rtol=1e-2, atol=1e-2)
+    (strict,) = _infer(server, protocol, "two_strict", arrays)
+    np.testing.assert_allclose(strict, fp32, rtol=1e-4, atol=1e-5)
+    ids = rng.integers(0, 1000, (1, 9))
+    (hidden,) = _infer(server, protocol, "tiny_bf16", {"input_ids": ids, "attention_mask": np.ones((1, 9), np.int64)})
+    with torch.inference_mode():
+        want = modules["tiny"](torch.from_numpy(ids), torch.ones((1, 9), dtype=torch.int64)).numpy()
+    assert 0 < np.abs(hidden - want).max() / np.abs(want).max() < 5e-2
+    metrics = _metrics(server)
+    for model in ("two_bf16", "tiny_bf16"):
+        found = re.search(rf'^opara_precision_error{{model="{model}",precision="bf16"}} (\S+)$', metrics, re.M)
+        assert found and 0 < float(found.group(1)) < 0.1, [line for line in metrics.splitlines() if "precision" in line]
+    assert re.search(r'^opara_fallbacks_total\{model="two_strict",stage="precision bf16"\} 1$', metrics, re.M)
+    assert 'opara_precision_error{model="two_strict"' not in metrics

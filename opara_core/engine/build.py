@@ -625,20 +625,25 @@ def traced_graphs(
 
 
 def rewrite_tolerance(build: Build) -> float:
+    """Fusion's bound for a rewrite of the build's graphs (`fusion_tolerance`)."""
+    return fusion_tolerance(build.settings, build.model, build.module, build.reference, build.device)
+
+
+def fusion_tolerance(settings: EngineSettings, model: ModelSpec, served: torch.nn.Module, reference: torch.nn.Module | None, device: torch.device) -> float:
     """Fusion's bound for a rewrite against the graph it rewrites: in fp32
     FUSION_TOLERANCE; in half precision a folded or merged weight rounds
     otherwise, and a rounding anywhere grows through the network as much as
     the precision's own do, so the bound the guard holds the build to against
-    fp32 (engine.precision.tolerance, on fusion's check inputs)."""
-    settings, model = build.settings, build.model
-    if settings.precision not in precision.HALF or build.reference is None:
+    the fp32 module `reference` (engine.precision.tolerance, on fusion's check
+    inputs; `served`: the module in the settings' precision)."""
+    if settings.precision not in precision.HALF or reference is None:
         return FUSION_TOLERANCE
     worst = 0.0
     for bucket in sorted({min(settings.buckets), max(settings.buckets)}):
         inputs = model.example_inputs(bucket, seed=7)
         with precision.fp32_reference():
-            expected = _eager(build.reference, inputs, build.device)
-        worst = max(worst, max_relative_error(_eager(build.module, inputs, build.device), expected))
+            expected = _eager(reference, inputs, device)
+        worst = max(worst, max_relative_error(_eager(served, inputs, device), expected))
     return precision.tolerance(settings.precision, settings.precision_tolerance, worst)
 
 

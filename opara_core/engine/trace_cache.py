@@ -63,7 +63,18 @@ def exported_module(module: torch.nn.Module, example_inputs: Sequence[Any], dyna
 
 
 def _export(module: torch.nn.Module, example_inputs: Sequence[Any], dynamic_shapes: Any) -> torch.export.ExportedProgram:
-    return torch.export.export(module, tuple(example_inputs), dynamic_shapes=dynamic_shapes).run_decompositions()
+    return torch.export.export(module, tuple(example_inputs), dynamic_shapes=export_shapes(module, dynamic_shapes)).run_decompositions()
+
+
+def export_shapes(module: torch.nn.Module, dynamic_shapes: Any) -> Any:
+    """`dynamic_shapes` (one entry per input) as torch.export wants it for
+    `module`'s forward: wrapped once where that takes its inputs as `*args`
+    (engine.precision.AtPrecision, or a user's module), which export sees as
+    one argument holding them all."""
+    parameters = list(inspect.signature(module.forward).parameters.values())
+    if dynamic_shapes is not None and len(parameters) == 1 and parameters[0].kind is inspect.Parameter.VAR_POSITIONAL:
+        return (tuple(dynamic_shapes),)
+    return dynamic_shapes
 
 
 def save(program: torch.export.ExportedProgram, path: Path) -> None:

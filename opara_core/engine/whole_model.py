@@ -33,7 +33,7 @@ from opara_core.engine import cache, custom_ops, gpu_turn, skinny_gemm
 from opara_core.engine.capture import CapturedGraph, CaptureError, capture_module
 from opara_core.engine.exported_merge import MERGE_VERSION, merge_linears
 from opara_core.engine.short_attention import ShortAttentionPass
-from opara_core.engine.trace_cache import module_fingerprint
+from opara_core.engine.trace_cache import export_shapes, module_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def export_dynamic(module: torch.nn.Module, example_inputs: Sequence[torch.Tenso
         # On CUDA, SDPA pads its mask to a multiple of 8 and export's solver cannot prove the
         # resulting guard for every length: checked at run time instead of refused
         return torch.export.export(
-            module, tuple(example_inputs), dynamic_shapes=dynamic_shapes, prefer_deferred_runtime_asserts_over_guards=True
+            module, tuple(example_inputs), dynamic_shapes=export_shapes(module, dynamic_shapes), prefer_deferred_runtime_asserts_over_guards=True
         )
 
 
