@@ -80,3 +80,18 @@ def test_programs_of_the_same_tensors_but_other_operators_are_other_modules():
         return torch.export.export(Net().eval(), (torch.randn(2, 4),)).module()
 
     assert module_fingerprint(program(torch.relu)) != module_fingerprint(program(torch.tanh))
+
+
+class Varargs(torch.nn.Module):
+    """A forward of `*inputs` (engine.precision.AtPrecision is one)."""
+
+    def forward(self, *inputs):
+        return inputs[0] * 2 + inputs[1].sum(1, keepdim=True)
+
+
+def test_a_forward_of_varargs_exports_with_a_dynamic_batch(tmp_path):
+    batch = torch.export.Dim("batch", min=1, max=16)
+    inputs = (torch.randn(3, 4), torch.randn(3, 5))
+    gm = trace_cache.exported_module(Varargs(), inputs, ({0: batch}, {0: batch}), tmp_path)
+    other = (torch.randn(7, 4), torch.randn(7, 5))
+    torch.testing.assert_close(gm(*other), Varargs()(*other))
