@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from opara_core import parameters
 from opara_core.cli_helpers import Parser, fail, positive_int
 from opara_core.planning import order as orders
 from opara_core.planning import policies
@@ -54,6 +55,7 @@ def _parser() -> Parser:
     add.add_argument("--input", action="append", default=[], metavar="NAME:DTYPE:DIMS[:LOW,HIGH]", help="with --module, each input per row, e.g. image:fp32:3x224x224 or ids:int64:16:0,30522")
     add.add_argument("--ids", action="append", default=[], metavar="NAME=LOW,HIGH", help="with --export, the valid ids of an integer input that indexes no embedding table directly")
     add.add_argument("--max-batch", type=positive_int, metavar="N", help="max_batch_size (default 32, or the program's limit)")
+    add.add_argument("--precision", choices=parameters.get("precision").choices, help="the config's `precision` parameter (default: none, i.e. fp32; docs/precision.md)")
     add.add_argument("--force", action="store_true", help="replace DIR/NAME if it exists")
     return parser
 
@@ -106,7 +108,7 @@ def _add_model(args: argparse.Namespace) -> int:
 
     try:
         written = add_model(args.name, args.repository, export=args.export, module=args.module, hf=args.hf, inputs=tuple(args.input),
-                            ids=tuple(args.ids), max_batch=args.max_batch, force=args.force)
+                            ids=tuple(args.ids), max_batch=args.max_batch, precision=args.precision, force=args.force)
     except (ModelFileError, OSError) as error:
         return fail(error, code=2)
     except Exception as error:  # noqa: BLE001 - one line, named

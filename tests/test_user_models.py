@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shutil
 import urllib.request
 
 import numpy as np
@@ -89,6 +88,15 @@ def test_add_model_reads_the_programs_signature_into_the_config(tmp_path):
     bag = read_config(tmp_path / "repo" / "bag" / "config.pbtxt")
     assert bag["parameters"]["value_range.ids"]["string_value"] == "0,50"
     assert [t["name"] for t in bag["output"]] == ["output_0", "output_1"]
+
+
+def test_add_model_writes_the_precision_asked_for(tmp_path):
+    program = exported(TwoBranches().eval(), (torch.randn(2, 6), torch.randn(2, 3, 4)), tmp_path / "two.pt2")
+    add_model("two", tmp_path / "repo", export=program, precision="bf16")
+    config = read_config(tmp_path / "repo" / "two" / "config.pbtxt")
+    assert parse(BATCH, strings(config))["precision"] == "bf16"
+    with pytest.raises(ModelFileError, match="--precision int8: one of fp32, tf32, bf16, fp16"):
+        add_model("two", tmp_path / "repo", export=program, precision="int8", force=True)
 
 
 @pytest.mark.parametrize(
@@ -213,24 +221,20 @@ def user_server(tmp_path_factory, admin_key):
     repository = root / "repo"
     for args in (["two", "--export", str(root / "two.pt2")], ["bag", "--export", str(root / "bag.pt2"), "--max-batch", "8"],
                  ["squeeze", "--module", "torchvision.models:squeezenet1_1", "--input", "image:fp32:3x48x48"],
-                 ["tiny", "--hf", str(root / "tiny_bert")]):
+                 ["tiny", "--hf", str(root / "tiny_bert")],
+                 # the same program and checkpoint in bf16: as asked, and beyond a tolerance nothing meets (fp32 then)
+                 ["two_bf16", "--export", str(root / "two.pt2"), "--precision", "bf16"],
+                 ["two_strict", "--export", str(root / "two.pt2"), "--precision", "bf16"],
+                 ["tiny_bf16", "--hf", str(root / "tiny_bert"), "--precision", "bf16"]):
         assert main(["add-model", *args[:1], "--repository", str(repository), *args[1:]]) == 0
-    # the same program and checkpoint in bf16: as asked, and beyond a tolerance nothing meets (fp32 then)
-    for name, source, extra in (("two_bf16", "two", ""), ("two_strict", "two", "1e-9"), ("tiny_bf16", "tiny", "")):
-        shutil.copytree(repository / source, repository / name)
-        config = repository / name / "config.pbtxt"
-        text = config.read_text().replace(f'name: "{source}"', f'name: "{name}"') + _parameter("precision", "bf16")
-        config.write_text(text + (_parameter("precision_tolerance", extra) if extra else ""))
+    strict = repository / "two_strict" / "config.pbtxt"
+    strict.write_text(strict.read_text() + '\nparameters { key: "precision_tolerance" value: { string_value: "1e-9" } }\n')
     from safetensors.torch import load_model
 
     squeeze = call_factory("torchvision.models:squeezenet1_1")
     load_model(squeeze, str(repository / "squeeze" / "1" / "model.safetensors"))
     with TritonServer(server_config(repository), root / "server.log") as server:
         yield server, {"two": two, "bag": bag, "squeeze": squeeze.eval(), "tiny": tiny}
-
-
-def _parameter(key: str, value: str) -> str:
-    return f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
 
 
 def _metrics(server) -> str:

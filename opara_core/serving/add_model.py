@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from opara_core.parameters import get as get_parameter
 from opara_core.serving.triton_backend import TRITON_DTYPES
 from opara_core.serving.user_models import DYNAMIC_BATCH_HINT, PROGRAM_FILE, ModelFileError, call_factory, load_program, program_signature
 
@@ -171,8 +172,10 @@ def from_checkpoint(directory: Path) -> tuple[list[Tensor], list[Tensor], dict[s
 
 
 def add_model(name: str, repository: Path, export: Path | None = None, module: str | None = None, hf: Path | None = None,
-              inputs: tuple[str, ...] = (), ids: tuple[str, ...] = (), max_batch: int | None = None, force: bool = False) -> list[Path]:
-    """Write the model directory; the paths written. Exactly one of `export`, `module`, `hf`."""
+              inputs: tuple[str, ...] = (), ids: tuple[str, ...] = (), max_batch: int | None = None, precision: str | None = None,
+              force: bool = False) -> list[Path]:
+    """Write the model directory; the paths written. Exactly one of `export`, `module`, `hf`;
+    `precision`: the config's `precision` parameter (engine.precision), none for fp32."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name.startswith("."):
         raise ModelFileError(f"model name {name!r}: letters, digits, '_', '.', '-' only")
     if sum(route is not None for route in (export, module, hf)) != 1:
@@ -183,6 +186,8 @@ def add_model(name: str, repository: Path, export: Path | None = None, module: s
         raise ModelFileError("--ids is for --export; with --module give an integer input's ids in --input (NAME:int64:DIMS:LOW,HIGH), a checkpoint's come from its vocabulary")
     if max_batch is not None and max_batch < 1:
         raise ModelFileError(f"--max-batch {max_batch}: at least 1")
+    if precision is not None and precision not in get_parameter("precision").choices:
+        raise ModelFileError(f"--precision {precision}: one of {', '.join(get_parameter('precision').choices)}")
     target = Path(repository) / name
     if target.exists() and not force:
         raise ModelFileError(f"{target} exists; --force replaces it")
@@ -236,6 +241,8 @@ def add_model(name: str, repository: Path, export: Path | None = None, module: s
         max_batch = max_batch or 32
         parameters["weights"] = WEIGHTS_FILE
         model_py = MODEL_PY.format(name=name, what=f"the module {factory}() with the weights in {WEIGHTS_FILE}", where="user_models", base="ModuleModel", body=f"    factory = {factory!r}")
+    if precision is not None:
+        parameters["precision"] = precision
     text = config_text(name, declared, outputs, max_batch, parameters)
     if target.exists():
         shutil.rmtree(target)
