@@ -222,10 +222,10 @@ SCHEMA: tuple[Parameter, ...] = (
     P("guard_tolerance", "number", 1e-4, "the guard's largest relative error for graphs of ATen kernels",
       SERVED, ENGINE, minimum=0),
     # precision: opara_core.engine.precision (the defaults' measurements are there)
-    P("precision", "choice", "fp32", "the numerics the model is built in: `fp32` (the module as written); `tf32` (fp32 tensors, TF32 matrix products and convolutions allowed); `bf16` or `fp16` (weights and activations in half precision; floating inputs and outputs keep the config's datatypes and are cast inside the captured graph, integer inputs stay integers). A half-precision build is compared with the fp32 module on seeded inputs; a graph beyond `precision_tolerance` falls back (the next candidate, last of all fp32) and the report says why. A CPU instance keeps fp32 where the CPU has no native support for the half type",
-      SERVED, ENGINE, choices=("fp32", "tf32", "bf16", "fp16")),
+    P("precision", "choice", "fp32", "the numerics the model is built in: `fp32` (the module as written); `tf32` (fp32 tensors, TF32 matrix products and convolutions allowed); `bf16` or `fp16` (weights and activations in half precision; floating inputs and outputs keep the config's datatypes and are cast inside the captured graph, integer inputs stay integers). A half-precision build is compared with the fp32 module on seeded inputs; a graph beyond `precision_tolerance` falls back (the next candidate, last of all fp32) and the report says why. A CPU instance keeps fp32 where the CPU has no native support for the half type. Generation models: the language model and its KV cache, guarded by the decoder's next-token logits",
+      EVERY, ENGINE, choices=("fp32", "tf32", "bf16", "fp16")),
     P("precision_tolerance", "number", "auto", "the largest relative error against the fp32 module that a `tf32`, `bf16` or `fp16` build may have (the guard for those precisions); `auto`: twice the error of the module itself run eagerly in that precision on the same inputs, and at least 2e-2 for bf16, 5e-3 for fp16 and tf32 (`opara_core/engine/precision.py` has the measurements)",
-      SERVED, ENGINE, minimum=0, words=("auto",)),
+      EVERY, ENGINE, minimum=0, words=("auto",)),
     P("fusion", "boolean", True, "fold, merge and fuse kernels before planning (`opara_core/engine/fusion.py`)",
       SERVED, ENGINE),
     # NHWC wins at larger batches and on some models, NCHW on others; auto times both (NHWC weights)

@@ -322,6 +322,34 @@ def test_the_loop_counts_its_iterations_and_where_their_time_goes(server):
 # --- the model's parameters (no server) --------------------------------------------------------
 
 
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no native bf16: it decodes in fp32")
+def test_a_bf16_decoder_is_held_to_its_logits_and_decodes_in_fp32_beyond_its_tolerance():
+    from opara_core.serving.generation import GenerationSettings, decoder_in_precision
+
+    lm, cpu = small_gpt2(SMALL_OVERRIDES).lm, torch.device("cpu")
+    settings = GenerationSettings(max_active=2, max_context=64)
+    decoder, used, accuracy, why = decoder_in_precision(lm, settings, cpu, "bf16", "auto")
+    assert used == "bf16" and not why and decoder.keys.dtype == torch.bfloat16
+    assert 0 < accuracy.error <= accuracy.tolerance
+    assert 0 <= decoder.prefill(0, [5, 6, 7]) < lm.config.vocab_size
+    decoder, used, accuracy, why = decoder_in_precision(lm, settings, cpu, "bf16", 1e-9)
+    assert used == "fp32" and accuracy is None and why.endswith("decoding in fp32") and decoder.keys.dtype == torch.float32
+    assert decoder.prefill(0, [5, 6, 7]) == oracle([5, 6, 7], 1)[0], "fp32 decodes as transformers does"
+    assert lm.transformer.wte.weight.dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_bf16_decoder_captures_its_graphs_within_tolerance():
+    from opara_core.serving.generation import GenerationSettings, decoder_in_precision
+
+    lm, gpu = small_gpt2(SMALL_OVERRIDES).lm, torch.device("cuda")
+    decoder, used, accuracy, why = decoder_in_precision(lm, GenerationSettings(max_active=4, max_context=128), gpu, "bf16", "auto")
+    assert used == "bf16" and not why and accuracy.error <= accuracy.tolerance
+    assert all(bucket.graph is not None for bucket in decoder.buckets) and decoder.keys.dtype == torch.bfloat16
+    first = decoder.prefill(0, [5, 6, 7])
+    assert 0 <= decoder.step([0], [first], [3])[0] < lm.config.vocab_size
+
+
 def test_parameters_parse_and_bad_ones_are_named():
     from opara_core.serving.generation import GenerationSettings, graph_buckets, prefill_shapes, step_spans
 

@@ -174,12 +174,26 @@ class SlotDecoder:
             return self._prefill_forward(inputs[:, :length], inputs[:, length], inputs[:, length + 1]).tolist()
         return self._run(bucket, host, count)
 
+    @torch.inference_mode()
+    def next_logits(self, prompt: list[int]) -> torch.Tensor:
+        """The next-token logits after `prompt` (fp32), through the decoder's
+        own code run eagerly in its scratch slot (the kernels its graphs
+        replay): what a precision guard compares with the fp32 model."""
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        return self._logits(self._prefill_hidden(ids, torch.tensor([self.scratch], device=self.device))[0, -1]).float()
+
     def _prefill_forward(self, ids: torch.Tensor, index: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """Prompts `ids` [n, L] into cache slots `index`; the token after
         position `last` of each (capturable). Causal masking alone keeps a
         real position from seeing padding (padding comes after it); the
         padding's keys and values land in the cache past the prompt, where
         decoding overwrites each position before any step can see it."""
+        x = self._prefill_hidden(ids, index)
+        rows = torch.arange(ids.shape[0], device=self.device)
+        return self._logits(x[rows, last]).argmax(-1)
+
+    def _prefill_hidden(self, ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The prompts' last hidden states [n, L, E], their keys and values written to slots `index`."""
         span = ids.shape[1]
         positions = self._positions[:span]
         x = self._embed(ids, positions)  # [n, L, E]
@@ -189,8 +203,7 @@ class SlotDecoder:
             self.keys[layer][index, :, :span] = k
             self.values[layer][index, :, :span] = v
             x = self._finish_block(block, x, self._attend(block, q, k, v, causal))
-        rows = torch.arange(ids.shape[0], device=self.device)
-        return self._logits(x[rows, last]).argmax(-1)
+        return x
 
     def step_bucket(self, slots: list[int], lengths: list[int]) -> _Bucket | None:
         """The cheapest step shape covering the highest slot and the longest

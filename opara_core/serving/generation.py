@@ -28,6 +28,7 @@ see it with `enable_empty_final_response`).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import logging
@@ -43,6 +44,8 @@ from typing import Callable
 import torch
 
 from opara_core import parameters, zoo
+from opara_core.engine import precision
+from opara_core.engine.compare import max_relative_error
 from opara_core.models.gpt2 import GPT2Logits, SlotDecoder
 from opara_core.planning.iteration import Limits, Rejected, Scheduler, Sequence
 from opara_core.serving import weights
@@ -172,6 +175,45 @@ def make_decoder(lm: torch.nn.Module, settings: GenerationSettings, device: torc
             log.exception("capturing the decoding step failed; decoding eagerly")
             torch.cuda.synchronize(device)
     return SlotDecoder(lm, settings.max_active, settings.max_context, device)
+
+
+# the prompt a precision guard decodes (seeded ids, this many positions or max_context)
+CHECK_PROMPT = 32
+
+
+def decoder_in_precision(
+    lm: torch.nn.Module, settings: GenerationSettings, device: torch.device, asked: str, tolerance: float | str
+) -> tuple[SlotDecoder, str, precision.Accuracy | None, str]:
+    """The decoder of `lm` (fp32, as written) in the precision `asked`
+    (engine.precision: weights and KV cache in bf16 or fp16; tf32 while
+    capturing), the precision it got, its accuracy and why it is not the one
+    asked, if so. The guard: the decoder's next-token logits after a seeded
+    prompt against the fp32 model's, held to `tolerance` (engine.precision.tolerance,
+    "auto" from the error of the model itself run eagerly in that precision);
+    beyond it, the decoder is made again in fp32."""
+    used, why = precision.on_device(asked, device)
+    served = copy.deepcopy(lm).to(precision.HALF[used]) if used in precision.HALF else lm
+    with precision.numerics(used):
+        decoder = make_decoder(served, settings, device)
+    if used == precision.FP32:
+        return decoder, used, None, why
+    generator = torch.Generator().manual_seed(zoo.SEED)
+    prompt = torch.randint(0, lm.config.vocab_size, (min(CHECK_PROMPT, settings.max_context),), generator=generator)
+    ids = prompt[None].to(device)
+    with torch.inference_mode():
+        with precision.fp32_reference():
+            want = lm.to(device)(ids).logits[0, -1].float()
+        with precision.numerics(used):
+            eager = served.to(device)(ids).logits[0, -1].float()
+            got = decoder.next_logits(prompt.tolist())
+    eager_error = max_relative_error(eager, want)
+    accuracy = precision.Accuracy(max_relative_error(got, want), eager_error, precision.tolerance(used, tolerance, eager_error))
+    if not accuracy.error <= accuracy.tolerance:
+        reason = f"the decoder's logits differ from the fp32 model's by {accuracy.error:.2e} (relative), tolerance {accuracy.tolerance:.0e}; decoding in fp32"
+        log.warning("precision %s: %s", used, reason)
+        del decoder, served
+        return make_decoder(lm, settings, device), precision.FP32, None, reason
+    return decoder, used, accuracy, why
 
 
 @dataclass
@@ -675,7 +717,8 @@ class GenerationModel:
         if settings.switch_interval_us:
             sys.setswitchinterval(settings.switch_interval_us * 1e-6)
         device = select_device(args)
-        decoder = make_decoder(lm, settings, device)
+        asked = values["precision"]
+        decoder, used, accuracy, why = decoder_in_precision(lm, settings, device, asked, values["precision_tolerance"])
         decoder.prefill(0, [0, 1])  # warm-up; the slot is overwritten by its first request
         decoder.step([0], [2], [2])
         self.generator = Generator(pb_utils, decoder, settings, lm.config.vocab_size)
@@ -686,6 +729,7 @@ class GenerationModel:
         built = f"decoding step as CUDA graphs, {len(graphs)} (rows, span) shapes, prefill in {prefills} shapes" if graphs else "eager decoding step"
         rows, spans = sorted({r for r, _ in graphs}), sorted({s for _, s in graphs})
         details = [
+            f"precision {used}" + (f": {precision.describe({0: accuracy})}" if accuracy else "") + (f" (asked {asked}: {why})" if why else ""),
             f"{settings.scheduling} scheduling",
             f"{settings.max_active} slots x {settings.max_context} positions ({decoder.cache_bytes / 2**20:.0f} MiB of KV cache)",
             f"graph rows {rows} x spans {spans}" if graphs else "no CUDA graphs",
