@@ -275,6 +275,7 @@ class Build:
     traced: OpGraph | None = None
     key: str | None = None  # where its choices are remembered (engine.choices)
     graphs: dict[str, OpGraph] = field(default_factory=dict)  # made so far, by name
+    rewrite_bound: float | None = None  # fusion's bound for a rewrite, measured once (rewrite_tolerance)
     inductor_dir: str = ""  # fused lanes: Inductor's cache directory (set with the fused graphs)
 
 
@@ -625,8 +626,10 @@ def traced_graphs(
 
 
 def rewrite_tolerance(build: Build) -> float:
-    """Fusion's bound for a rewrite of the build's graphs (`fusion_tolerance`)."""
-    return fusion_tolerance(build.settings, build.model, build.module, build.reference, build.device)
+    """Fusion's bound for a rewrite of the build's graphs (`fusion_tolerance`), once per build."""
+    if build.rewrite_bound is None:
+        build.rewrite_bound = fusion_tolerance(build.settings, build.model, build.module, build.reference, build.device)
+    return build.rewrite_bound
 
 
 def fusion_tolerance(settings: EngineSettings, model: ModelSpec, served: torch.nn.Module, reference: torch.nn.Module | None, device: torch.device) -> float:

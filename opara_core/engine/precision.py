@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -30,8 +29,6 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from opara_core.spec import ModelSpec
-
-log = logging.getLogger(__name__)
 
 FP32, TF32, BF16, FP16 = "fp32", "tf32", "bf16", "fp16"
 HALF = {BF16: torch.bfloat16, FP16: torch.float16}
@@ -46,6 +43,7 @@ HALF = {BF16: torch.bfloat16, FP16: torch.float16}
 # 1.2e-2 (engine.compare's measure); in fp16 1.8e-2 to 5.8e-2 for the CNNs.
 FLOOR = {BF16: 2e-2, FP16: 5e-3, TF32: 5e-3}
 EAGER_FACTOR = 2.0
+
 
 @dataclass(frozen=True)
 class Accuracy:
