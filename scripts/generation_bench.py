@@ -19,7 +19,8 @@ time per output token stays within it (the issue's comparison): among the
 rates it sustained (p99 TTFT within --ttft-bound-ms: TPOT alone leaves the
 queueing out, so an overloaded rate passes any TPOT bound) and among all;
 the same for p99 latency per token (Orca's); then a lone request's TTFT
-(128-token prompt) and TPOT.
+(128-token prompt) and TPOT. `--precision bf16` serves both copies in bf16;
+meta and the line above the table say which.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ import urllib.request
 from pathlib import Path
 
 from client.generate import LoadConfig, TokenStream, output_lengths, run_load, tokens
+from opara_core.parameters import get as get_parameter
 from opara_core.serving.launcher import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
 
 MODELS = {"iteration": "gpt2", "request": "gpt2_request"}
 FLUSH_WAIT_S = 0.5  # GenerationMetrics.FLUSH_SECONDS (not imported: it would import torch)
+PRECISION = get_parameter("precision")  # --precision's choices, and what a config without the parameter gets
 
 
 def make_repository(root: Path, parameters: dict[str, str]) -> Path:
@@ -166,7 +169,21 @@ def plot(rows: list[dict], path: Path, bound_ms: float) -> None:
     plt.close(figure)
 
 
-def main() -> int:
+def served_parameters(args: argparse.Namespace) -> dict[str, str]:
+    """The parameters set in both models' configs (scheduling aside); precision only where --precision gives one."""
+    parameters = {
+        "max_active": args.max_active, "max_context": args.max_context, "max_queue": args.max_queue, "sender_threads": args.sender_threads,
+        "switch_interval_us": args.switch_interval_us, "merge_tokens": args.merge_tokens,
+        "admit_every": args.admit_every,
+    }  # fmt: skip
+    if args.config_overrides:
+        parameters["config_overrides"] = args.config_overrides
+    if args.precision:
+        parameters["precision"] = args.precision
+    return parameters
+
+
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="1,2,4,8,16,32", help="arrival rates, requests/s")
     parser.add_argument("--iteration-rates", help="rates for iteration-level scheduling (default: --rates)")
@@ -187,11 +204,20 @@ def main() -> int:
     parser.add_argument("--admit-every", default="4", help="the model's admit_every parameter (iterations between admissions while generating)")
     parser.add_argument("--sender-threads", default="2", help="the model's sender_threads parameter")
     parser.add_argument("--switch-interval-us", default="0", help="the model's switch_interval_us parameter (0: Python's 5 ms)")
+    parser.add_argument(
+        "--precision", choices=PRECISION.choices, default=None,
+        help="the models' precision parameter (docs/precision.md: the language model and its KV cache; default: the config's own)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config-overrides", default="", help="GPT2Config fields for a smoke run, e.g. n_layer=2,n_embd=128,n_head=4")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--log", type=Path, help="where the server log goes")
+    return parser
+
+
+def main() -> int:
+    parser = argument_parser()
     args = parser.parse_args()
     schedulings = [name for name in args.schedulings.split(",") if name]
     if not schedulings or set(schedulings) - set(MODELS):
@@ -202,13 +228,7 @@ def main() -> int:
     bounds = [float(b) for b in args.tpot_bound_ms.split(",")]
     prompt_len = tuple(int(v) for v in args.prompt_len.split(","))
     work = Path(tempfile.mkdtemp(prefix="generation_bench_"))
-    parameters = {
-        "max_active": args.max_active, "max_context": args.max_context, "max_queue": args.max_queue, "sender_threads": args.sender_threads,
-        "switch_interval_us": args.switch_interval_us, "merge_tokens": args.merge_tokens,
-        "admit_every": args.admit_every,
-    }  # fmt: skip
-    if args.config_overrides:
-        parameters["config_overrides"] = args.config_overrides
+    parameters = served_parameters(args)
     repository = make_repository(work, parameters)
     config = ServerConfig(
         model_repository=repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
@@ -219,7 +239,7 @@ def main() -> int:
     def save() -> None:
         """The JSON so far: written after every row, so that a run cut short keeps what it measured."""
         if args.json:
-            meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "parameters": parameters}
+            meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "parameters": parameters, "precision": args.precision}
             args.json.write_text(json.dumps({"meta": meta, "rows": rows, "lone": lone}, indent=1))
 
     server = TritonServer(config, args.log or work / "server.log").start()
@@ -246,6 +266,7 @@ def main() -> int:
     finally:
         server.stop()
     print()
+    print(f"precision: {args.precision}" if args.precision else f"precision: the config's own (default {PRECISION.default})")
     print(table(rows))
     print()
     print(loop_table(rows))

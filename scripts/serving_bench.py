@@ -15,7 +15,8 @@ and concurrency, and right after it the same level against the floor model, with
 rotating seeded random inputs (valid ids for embedding inputs). Prints a
 markdown table with the latency percentiles, Triton's server-side split, the
 floor and the model's time above it, and writes JSON after every row (a run cut
-short keeps what it measured).
+short keeps what it measured). `--precision bf16` serves every model (and its
+floor) in bf16; the JSON's meta and the line above the table say which.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ from client.inputs import ModelInfo
 from client.perf import PerfConfig, output_bytes, perf_analyzer_command, perf_row, read_perf_csv, write_input_data
 from client.perf import run_perf_analyzer as perf_run
 from opara_core import zoo
+from opara_core.parameters import get as get_parameter
 from opara_core.serving.launcher import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
 from opara_core.serving.triton_backend import StageClock
 
 FLOOR_SUFFIX = "_floor"
+PRECISION = get_parameter("precision")  # --precision's choices, and what a config without the parameter gets
 FLOOR_MODEL_PY = '''"""The Python backend's floor beside {model}: no work, zeros out (made by scripts/serving_bench.py)."""
 
 from opara_core.serving.floor import FloorModel
@@ -239,7 +242,25 @@ def device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (no CUDA device)"
 
 
-def main() -> int:
+def precision_title(precision: str | None) -> str:
+    """The line above a table that tells a bf16 run's rows from an fp32 run's (None: no --precision: each config's own)."""
+    return f"precision: {precision}" if precision else f"precision: the config's own (default {PRECISION.default})"
+
+
+def served_parameters(args: argparse.Namespace) -> dict[str, str]:
+    """The parameters set in every served config: --parameter's KEY=VALUE pairs and --precision."""
+    malformed = [p for p in args.parameter if "=" not in p]
+    if malformed:
+        raise SystemExit(f"error: --parameter {malformed[0]!r}: use KEY=VALUE")
+    parameters = dict(p.split("=", 1) for p in args.parameter)
+    if args.precision:
+        if parameters.get("precision", args.precision) != args.precision:
+            raise SystemExit(f"error: --precision {args.precision} and --parameter precision={parameters['precision']}: give one")
+        parameters["precision"] = args.precision
+    return parameters
+
+
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(zoo.names()))
     parser.add_argument("--concurrency", default="1,16")
@@ -255,16 +276,26 @@ def main() -> int:
         help="set a config parameter in every served config, e.g. torch_threads=0, output_memory=host, "
         "FORCE_CPU_ONLY_INPUT_TENSORS=yes (repeatable)",
     )  # fmt: skip
+    parser.add_argument(
+        "--precision", choices=PRECISION.choices, default=None,
+        help="the precision parameter of every served config (docs/precision.md; default: the configs' own)",
+    )  # fmt: skip
     parser.add_argument("--requests", type=int, default=1000, help="requests per measurement window")
     parser.add_argument("--perf-analyzer", default=None, help="default: the one of the tritonclient wheel, else on PATH")
     parser.add_argument("--budget", type=float, default=None, metavar="S", help="start no measurement after S seconds; the rest is listed as skipped")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, help="where the server log goes")
     parser.add_argument("--report", type=Path, help="no run: print the table of this JSON (replay times from --log if given)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = argument_parser().parse_args()
     if args.report:
         stored = json.loads(args.report.read_text())
         replay = replay_medians(args.log.read_text(errors="replace")) if args.log else stored["meta"].get("replay_ms", {})
+        # a JSON from before --precision has no "precision": its rows were served in the configs' own
+        print(precision_title(stored["meta"].get("precision")))
         print(table(stored["rows"], replay))
         return 0
     modes = args.shared_memory.split(",")
@@ -276,10 +307,7 @@ def main() -> int:
             check_shared_memory("cuda")
         except ClientError as error:
             raise SystemExit(f"error: {error}") from None
-    malformed = [p for p in args.parameter if "=" not in p]
-    if malformed:
-        raise SystemExit(f"error: --parameter {malformed[0]!r}: use KEY=VALUE")
-    parameters = dict(p.split("=", 1) for p in args.parameter)
+    parameters = served_parameters(args)
     started = time.perf_counter()
     models = [zoo.get(m).name for m in args.models.split(",")]
     work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
@@ -293,6 +321,7 @@ def main() -> int:
     meta = {
         "date": time.strftime("%Y-%m-%d"), "device": device_name(), "command": " ".join(sys.argv), "instances": args.instances,
         "batching": args.batching, "queue_delay_us": args.queue_delay, "parameters": parameters, "requests_per_window": args.requests,
+        "precision": parameters.get("precision"),  # None: the configs' own
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }  # fmt: skip
     rows: list[dict] = []
@@ -340,6 +369,7 @@ def main() -> int:
     meta["replay_ms"] = replay_medians(log_path.read_text(errors="replace"))
     save()
     print()
+    print(precision_title(meta["precision"]))
     print(table(rows, meta["replay_ms"]))
     if skipped:
         print(f"skipped (past --budget {args.budget:g} s): {', '.join(skipped)}")

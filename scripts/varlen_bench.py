@@ -25,7 +25,9 @@ those cells cost by the model's cost table (the GPU time the scheduler
 expected), so a gap between `run` + `stage` and the table is overhead.
 
 Prints markdown tables and writes JSON (rows, the models' build reports with
-their cost tables from the server log, the check's errors, meta).
+their cost tables from the server log, the check's errors, meta). `--precision
+bf16` serves every model in bf16 (a `--set MODEL:precision=P` wins for its
+model); meta and the line above the table say each model's.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from opara_core import zoo
 from opara_core.planning import batching
 from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
 from opara_core.serving.triton_backend import ServingMetrics, StageClock
-from serving_bench import batch_counts, execute_counters, set_instances, set_parameter
+from serving_bench import PRECISION, batch_counts, execute_counters, precision_title, set_instances, set_parameter
 
 SCHEDULERS = ("padded", "single", "greedy", "dp")
 
@@ -225,7 +227,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def config_overrides(args: argparse.Namespace, models: list[str]) -> dict[str, dict[str, str]]:
+    """Each model's parameters to set: --precision for every model, then its --set ones (a model's own wins)."""
+    overrides: dict[str, dict[str, str]] = {model: {"precision": args.precision} for model in models} if args.precision else {}
+    for item in args.set:
+        model, _, assignment = item.partition(":")
+        key, sep, value = assignment.partition("=")
+        if not sep or model not in models:
+            raise SystemExit(f"--set {item!r}: give MODEL:KEY=VALUE for one of {models}")
+        overrides.setdefault(model, {})[key] = value
+    return overrides
+
+
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="bert", help="comma-separated: bert, t5")
     parser.add_argument("--concurrency", default="1,16,64")
@@ -237,24 +251,34 @@ def main() -> int:
         "--set", action="append", default=[], metavar="MODEL:KEY=VALUE",
         help="a config parameter of a model, e.g. t5:capture=first_use or bert:policy=sequential (repeatable)",
     )  # fmt: skip
+    parser.add_argument(
+        "--precision", choices=PRECISION.choices, default=None,
+        help="the precision parameter of every model (docs/precision.md; default: the configs' own; a --set MODEL:precision=P wins)",
+    )  # fmt: skip
     parser.add_argument("--queue-delay-us", type=int, default=None, help="max_queue_delay_microseconds (default: the config's)")
     parser.add_argument("--instances", type=int, default=1, help="model instances per model (instance_group count; default 1)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, help="where the server log goes")
     parser.add_argument("--predict", type=Path, metavar="JSON", help="only print what the cost tables of an earlier run's JSON predict for --lengths")
-    args = parser.parse_args()
+    return parser
+
+
+def precisions_title(overrides: dict[str, dict[str, str]], models: list[str]) -> str:
+    """precision_title per model: a --set may give one model another precision."""
+    return "; ".join(f"{model} {precision_title(overrides.get(model, {}).get('precision'))}" for model in models)
+
+
+def main() -> int:
+    args = argument_parser().parse_args()
     if args.predict:
-        for model, report in json.loads(args.predict.read_text())["meta"]["reports"].items():
+        meta = json.loads(args.predict.read_text())["meta"]
+        # a JSON from before --precision: its overrides say which model had one, if any
+        print(precisions_title(meta.get("overrides", {}), list(meta["reports"])))
+        for model, report in meta["reports"].items():
             print_prediction(model, predicted(cost_table(report), args.lengths), args.lengths)
         return 0
     models = [zoo.get(m).name for m in args.models.split(",")]
-    overrides: dict[str, dict[str, str]] = {}
-    for item in args.set:
-        model, _, assignment = item.partition(":")
-        key, sep, value = assignment.partition("=")
-        if not sep or model not in models:
-            raise SystemExit(f"--set {item!r}: give MODEL:KEY=VALUE for one of {models}")
-        overrides.setdefault(model, {})[key] = value
+    overrides = config_overrides(args, models)
     work = Path(tempfile.mkdtemp(prefix="varlen_bench_"))
     if args.instances < 1:
         raise SystemExit(f"--instances must be at least 1, got {args.instances}")
@@ -268,6 +292,7 @@ def main() -> int:
         "lengths": args.lengths,
         "duration_s": args.duration,
         "overrides": overrides,
+        "precision": {model: overrides.get(model, {}).get("precision") for model in models},  # None: the config's own
         "instances": args.instances,
     }
     started = time.perf_counter()
@@ -303,6 +328,7 @@ def main() -> int:
     for model, report in meta["reports"].items():
         print(f"\n{model}:\n{report}")
     print()
+    print(precisions_title(overrides, models))
     print(table(rows))
     print()
     print(breakdown([*meta.get("lone_16_tokens", {}).values(), *rows]))

@@ -1,10 +1,17 @@
-"""scripts/generation_bench.py's comparison: which rate counts as sustained."""
+"""scripts/generation_bench.py's comparison (which rate counts as sustained) and its configs."""
 
 from __future__ import annotations
 
+import re
+
+import pytest
 from conftest import load_script
 
-best_under_bound = load_script("generation_bench").best_under_bound
+from opara_core.parameters import GENERATION, parse
+from opara_core.parameters import get as get_parameter
+
+generation_bench = load_script("generation_bench")
+best_under_bound = generation_bench.best_under_bound
 
 
 def row(scheduling: str, req_s: float, tpot: float, ttft: float, errors: int = 0) -> dict:
@@ -23,3 +30,23 @@ def test_an_overloaded_rate_counts_only_without_the_ttft_bound():
     assert best_under_bound(rows, "iteration", 20.0, ttft_bound_ms=2000.0)["requests_per_s"] == 40.0
     assert best_under_bound(rows, "iteration", 20.0, ttft_bound_ms=100.0) is None
     assert best_under_bound(rows, "request", 4.0) is None
+
+
+def test_precision_reaches_both_configs_and_a_bad_one_is_refused(tmp_path, capsys):
+    """--precision bf16 (issue 72) in both copies of gpt2, and the configs still parse
+    (a later entry of the parameters map replaces an earlier one, as Triton reads it);
+    without --precision they keep their own."""
+    parser = generation_bench.argument_parser()
+    repository = generation_bench.make_repository(tmp_path / "a", generation_bench.served_parameters(parser.parse_args(["--precision", "bf16"])))
+    for name in generation_bench.MODELS.values():
+        text = (repository / name / "config.pbtxt").read_text()
+        assert 'key: "precision"' in text
+        parameters = dict(re.findall(r'key: "([\w.]+)"\s+value: \{ string_value: "([^"]*)" \}', text))
+        assert parse(GENERATION, parameters)["precision"] == "bf16"
+    repository = generation_bench.make_repository(tmp_path / "b", generation_bench.served_parameters(parser.parse_args([])))
+    assert 'key: "precision"' not in (repository / "gpt2" / "config.pbtxt").read_text()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--precision", "bf17"])
+    error = capsys.readouterr().err
+    assert "argument --precision: invalid choice: 'bf17'" in error
+    assert all(repr(choice) in error for choice in get_parameter("precision").choices)

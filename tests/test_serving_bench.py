@@ -3,15 +3,20 @@ beside every model (opara_core.serving.floor), against the real server."""
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 
 import numpy as np
 import pytest
 from conftest import load_script, server_config
 from serving import example
+from test_triton_backend import config_of
 
 from client.api import Client, result_arrays
 from opara_core import zoo
+from opara_core.parameters import BATCH, parse, strings
+from opara_core.parameters import get as get_parameter
 from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer
 
 
@@ -108,3 +113,35 @@ def test_the_table_puts_the_floor_beside_each_row():
     assert cells["outside replay"] == "0.600"  # 1.0 ms in Triton - 0.4 replay
     assert cells["floor p50"] == "0.700" and cells["floor server"] == "0.400"
     assert cells["p50 above floor"] == "0.500" and cells["outside replay above floor"] == "0.200"
+
+
+PRECISION_ENTRY = r'key: "precision"\s+value: \{ string_value: "([^"]*)" \}'
+
+
+def test_precision_reaches_every_served_config_and_a_bad_one_is_refused(tmp_path, capsys):
+    """--precision bf16 (issue 72): the model's config and its floor's say it, once, and
+    the config still parses; without --precision the configs keep their own."""
+    parser = serving_bench.argument_parser()
+    args = parser.parse_args(["--precision", "bf16", "--parameter", "torch_threads=0"])
+    repository = serving_bench.make_repository(["googlenet"], tmp_path / "bf16", parameters=serving_bench.served_parameters(args))
+    for name in ("googlenet", "googlenet_floor"):
+        assert re.findall(PRECISION_ENTRY, (repository / name / "config.pbtxt").read_text()) == ["bf16"]
+    assert parse(BATCH, strings(config_of("googlenet", repository)))["precision"] == "bf16"
+    plain = serving_bench.make_repository(["googlenet"], tmp_path / "plain", parameters=serving_bench.served_parameters(parser.parse_args([])))
+    assert 'key: "precision"' not in (plain / "googlenet" / "config.pbtxt").read_text()
+    with pytest.raises(SystemExit, match="give one"):
+        serving_bench.served_parameters(parser.parse_args(["--precision", "bf16", "--parameter", "precision=fp16"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--precision", "bf17"])
+    error = capsys.readouterr().err
+    assert "argument --precision: invalid choice: 'bf17'" in error
+    assert all(repr(choice) in error for choice in get_parameter("precision").choices)
+
+
+def test_the_report_says_the_precision_and_reads_a_json_from_before_it(tmp_path, monkeypatch, capsys):
+    for meta, title in (({"precision": "bf16"}, "precision: bf16"), ({}, "precision: the config's own (default fp32)")):
+        stored = tmp_path / "serving.json"
+        stored.write_text(json.dumps({"meta": {"replay_ms": {}, **meta}, "rows": []}))
+        monkeypatch.setattr(sys, "argv", ["serving_bench.py", "--report", str(stored)])
+        assert serving_bench.main() == 0
+        assert capsys.readouterr().out.splitlines()[0] == title

@@ -12,6 +12,7 @@ from test_varlen import KEPT, first_use_runners_with_kept_table
 
 from opara_core import zoo
 from opara_core.parameters import VARLEN, parse, strings
+from opara_core.parameters import get as get_parameter
 from opara_core.serving.varlen import check_config, varlen_settings
 
 load_script("serving_bench")  # varlen_bench imports it by name
@@ -39,6 +40,27 @@ def test_every_shape_is_built_at_load_unless_an_override_says_otherwise(tmp_path
     assert {config_of(m, repository)["parameters"]["capture"]["string_value"] for m in ("bert", "t5")} == {"load"}
     repository = varlen_bench.make_repository(["t5"], tmp_path / "b", {"t5": {"capture": "first_use"}}, None)
     assert config_of("t5", repository)["parameters"]["capture"] == {"string_value": "first_use"}
+
+
+def test_precision_reaches_every_config_a_models_own_set_wins_and_a_bad_one_is_refused(tmp_path, capsys):
+    """--precision bf16 (issue 72) in every model's config, once; `--set t5:precision=fp16` wins
+    for t5; without --precision the configs keep their own."""
+    parser = varlen_bench.argument_parser()
+    args = parser.parse_args(["--precision", "bf16", "--set", "t5:precision=fp16", "--set", "bert:policy=sequential"])
+    repository = varlen_bench.make_repository(["bert", "t5"], tmp_path / "a", varlen_bench.config_overrides(args, ["bert", "t5"]), None)
+    for model, expected in (("bert", "bf16"), ("t5", "fp16")):
+        assert (repository / model / "config.pbtxt").read_text().count('key: "precision"') == 1
+        config = config_of(model, repository)
+        check_config(zoo.get(model), config)
+        assert parse(VARLEN, strings(config))["precision"] == expected
+    assert config_of("bert", repository)["parameters"]["policy"] == {"string_value": "sequential"}
+    repository = varlen_bench.make_repository(["bert"], tmp_path / "b", varlen_bench.config_overrides(parser.parse_args([]), ["bert"]), None)
+    assert 'key: "precision"' not in (repository / "bert" / "config.pbtxt").read_text()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--precision", "bf17"])
+    error = capsys.readouterr().err
+    assert "argument --precision: invalid choice: 'bf17'" in error
+    assert all(repr(choice) in error for choice in get_parameter("precision").choices)
 
 
 def test_a_bad_override_is_refused_by_name(tmp_path):
