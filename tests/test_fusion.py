@@ -669,3 +669,31 @@ def test_a_cache_that_cannot_be_written_does_not_cost_the_fusion(patterns, tmp_p
     blocker.write_text("")  # a file where the cache directory would be
     fused, report = fusion.fuse_graph(graph, "cpu", check_inputs=[patterns_inputs(2)], cache=blocker / "fusion")
     assert fused is not graph and report.note == ""
+
+
+def test_in_bf16_the_cudnn_probe_holds_a_fused_convolution_to_the_plain_kernels_error_against_fp32(patterns, monkeypatch, tmp_path):
+    """A bf16 fused kernel rounds otherwise than conv + ReLU in bf16 (its epilogue in
+    fp32): the probe compares both with fp32 and refuses the fused one only where it
+    errs beyond twice what the plain kernels do (before: against bf16 conv + ReLU at
+    fp32's 1e-4, which refused every bf16 convolution, so bf16 builds had no cuDNN
+    fusion)."""
+    from opara_core.engine.shape_choices import ShapeChoices
+
+    monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
+    _, graph = patterns
+    gm = copy.deepcopy(graph.module).to(torch.bfloat16)
+    fusion.fold_batchnorm(gm)
+    conv = next(n for n in gm.graph.nodes if n.target is aten.convolution.default)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def fp32_epilogue(x, w, b, stride, padding, dilation, groups):
+        """cuDNN's fused kernel: fp32 accumulation in its own order (here a 1e-3 relative
+        difference), so some outputs round to the neighbouring bf16 value of the plain one's."""
+        out = aten.convolution.default(x.float(), w.float(), b.float(), stride, padding, dilation, False, [0, 0], groups)
+        return (torch.relu(out) * (1 + 1e-3)).to(torch.bfloat16)
+
+    for n, (stand_in, accepted) in enumerate(((fp32_epilogue, True), (lambda *a: fp32_epilogue(*a) * 1.05, False))):
+        monkeypatch.setattr(fusion, "CONV_RELU", stand_in)
+        known = ShapeChoices("cudnn_fusion", ["a GPU", "bf16", n], str, "plain")
+        assert fusion._cudnn_probe(gm, conv, None, None, known) is accepted, stand_in
