@@ -17,6 +17,12 @@ markdown table with the latency percentiles, Triton's server-side split, the
 floor and the model's time above it, and writes JSON after every row (a run cut
 short keeps what it measured). `--precision bf16` serves every model (and its
 floor) in bf16; the JSON's meta and the line above the table say which.
+
+Beside each batch model (not the variable-length ones) it also serves
+`<model>_peer` (opara_core.serving.peer): the hand-written model.py a user
+writes without this project, torch.compile with freezing and a CUDA graph per
+bucket in the same precision, measured right after the floor at each level
+(`--no-peer` leaves it out).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from opara_core.serving.launcher import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY,
 from opara_core.serving.triton_backend import StageClock
 
 FLOOR_SUFFIX = "_floor"
+PEER_SUFFIX = "_peer"
 PRECISION = get_parameter("precision")  # --precision's choices, and what a config without the parameter gets
 FLOOR_MODEL_PY = '''"""The Python backend's floor beside {model}: no work, zeros out (made by scripts/serving_bench.py)."""
 
@@ -54,17 +61,42 @@ class TritonPythonModel(FloorModel):
 '''
 
 
+PEER_MODEL_PY = '''"""The hand-written peer beside {model}: torch.compile and a CUDA graph per bucket (made by scripts/serving_bench.py)."""
+
+from opara_core.serving.peer import PeerModel
+
+
+class TritonPythonModel(PeerModel):
+    zoo_name = {model!r}
+'''
+
+
+def has_peer(model: str) -> bool:
+    """Whether the peer serves this zoo model: batch models of fixed shapes, not the variable-length ones."""
+    return not zoo.get(model).lengths
+
+
 def add_floor_model(repository: Path, model: str) -> str:
-    """`<model>_floor` beside `model` in `repository`: the model's config under
+    """`<model>_floor` beside `model` in `repository` (see `add_companion`). Returns its name."""
+    return add_companion(repository, model, FLOOR_SUFFIX, FLOOR_MODEL_PY)
+
+
+def add_peer_model(repository: Path, model: str) -> str:
+    """`<model>_peer` beside `model` in `repository` (see `add_companion`). Returns its name."""
+    return add_companion(repository, model, PEER_SUFFIX, PEER_MODEL_PY)
+
+
+def add_companion(repository: Path, model: str, suffix: str, model_py: str) -> str:
+    """`<model><suffix>` beside `model` in `repository`: the model's config under
     the new name (so the same inputs, outputs, instance group, batching and
-    parameters) with the floor model's model.py. Returns its name."""
-    name = model + FLOOR_SUFFIX
+    parameters) with `model_py` as its model.py. Returns its name."""
+    name = model + suffix
     text, found = re.subn(rf'^name: "{model}"$', f'name: "{name}"', (repository / model / "config.pbtxt").read_text(), flags=re.M)
     if found != 1:
         raise SystemExit(f"{model}/config.pbtxt: no single `name: \"{model}\"` line to rename")
     (repository / name / "1").mkdir(parents=True)
     (repository / name / "config.pbtxt").write_text(text)
-    (repository / name / "1" / "model.py").write_text(FLOOR_MODEL_PY.format(model=model))
+    (repository / name / "1" / "model.py").write_text(model_py.format(model=model))
     return name
 
 
@@ -98,6 +130,7 @@ def make_repository(
     batching: str = "preferred",
     queue_delay_us: int | None = None,
     parameters: dict[str, str] | None = None,
+    peers: bool = True,
 ) -> Path:
     """A copy of the selected models, each with `instances` model instances
     (stub processes, each with its own graphs) and its floor model beside it.
@@ -105,7 +138,8 @@ def make_repository(
     every queued request (up to max_batch_size) instead of the largest
     preferred size it can form (7 queued: 4 now, 3 later); `queue_delay_us`
     replaces the configs' max_queue_delay_microseconds; `parameters` are set
-    in every config (the floor's too: it is made from the model's config)."""
+    in every config (the floor's too: it is made from the model's config);
+    `peers`: the hand-written peer beside each batch model too."""
     repository = root / "models"
     for name in models:
         shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, repository / name)
@@ -123,6 +157,8 @@ def make_repository(
             text = set_parameter(text, key, value)
         config.write_text(text)
         add_floor_model(repository, name)
+        if peers and has_peer(name):
+            add_peer_model(repository, name)
     return repository
 
 
@@ -145,7 +181,16 @@ def run_perf_analyzer(
         return {"error": output[-800:]}
     row = perf_row(read_perf_csv(out)[0])
     del row["concurrency"]
+    row["avg_ms"] = mean_latency(output) or row["avg_ms"]
     return {"throughput_rps": row.pop("throughput"), **row, "seconds": time.perf_counter() - started}
+
+
+def mean_latency(output: str) -> float | None:
+    """The mean request time (ms) of perf_analyzer's stable windows: its summary's
+    "Avg gRPC time" (or HTTP); the CSV of a run stabilised on p50 has no mean. A
+    mean far above the p50 with a normal p99 means a few requests stalled."""
+    found = re.findall(r"Avg (?:gRPC|HTTP) time: (\d+) usec", output)
+    return int(found[-1]) / 1000 if found else None
 
 
 def execute_counters(metrics_url: str) -> dict[str, dict[str, float]]:
@@ -202,12 +247,13 @@ def server_ms(result: dict) -> float:
 def table(rows: list[dict], replay: dict[str, float]) -> str:
     """Markdown: perf_analyzer's numbers, Triton's split, the bucket-1 replay,
     the floor model's p50 and server time in the same run and the model's time
-    above them, and execute's own split."""
+    above them, the hand-written peer's p50 and throughput (and ours against
+    it), and execute's own split."""
     lines = [
-        "| model | shm | conc | infer/s | p50 ms | p99 ms | queue | compute input | compute infer | compute output "
+        "| model | shm | conc | infer/s | p50 ms | p99 ms | mean ms | queue | compute input | compute infer | compute output "
         "| bucket-1 replay | outside replay | floor p50 | floor server | p50 above floor | outside replay above floor "
-        "| floor infer/s | mean batch | execute: validate / stage / run / respond |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| floor infer/s | peer p50 | peer infer/s | infer/s / peer | mean batch | execute: validate / stage / run / respond |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
@@ -217,10 +263,13 @@ def table(rows: list[dict], replay: dict[str, float]) -> str:
         outside = server_ms(r) - graph if graph else None
         floor = r.get("floor") or {}
         measured = "error" not in floor and bool(floor)
+        peer = r.get("peer") or {}
+        peer_measured = "error" not in peer and bool(peer)
         stages = r.get("execute_ms") or {}
         split = " / ".join(f"{stages[k]:.3f}" for k in StageClock.STAGES if k in stages) or "-"
         cells = [
             r["model"], r["shared_memory"], r["concurrency"], f"{r['throughput_rps']:.0f}", f"{r['p50_ms']:.3f}", f"{r['p99_ms']:.3f}",
+            f"{r['avg_ms']:.3f}" if r.get("avg_ms") else "-",
             *(f"{r[f'server_{k}_ms']:.3f}" for k in ("queue", "compute_input", "compute_infer", "compute_output")),
             graph or "-",
             "-" if outside is None else f"{outside:.3f}",
@@ -229,6 +278,9 @@ def table(rows: list[dict], replay: dict[str, float]) -> str:
             f"{r['p50_ms'] - floor['p50_ms']:.3f}" if measured else "-",
             f"{outside - server_ms(floor):.3f}" if measured and outside is not None else "-",
             f"{floor['throughput_rps']:.0f}" if measured else "-",
+            f"{peer['p50_ms']:.3f}" if peer_measured else "error" if peer else "-",
+            f"{peer['throughput_rps']:.0f}" if peer_measured else "-",
+            f"{r['throughput_rps'] / peer['throughput_rps']:.2f}" if peer_measured and peer["throughput_rps"] else "-",
             r.get("mean_batch") or "-",
             split,
         ]  # fmt: skip
@@ -280,6 +332,7 @@ def argument_parser() -> argparse.ArgumentParser:
         "--precision", choices=PRECISION.choices, default=None,
         help="the precision parameter of every served config (docs/precision.md; default: the configs' own)",
     )  # fmt: skip
+    parser.add_argument("--no-peer", action="store_true", help="serve no hand-written peer beside the batch models")
     parser.add_argument("--requests", type=int, default=1000, help="requests per measurement window")
     parser.add_argument("--perf-analyzer", default=None, help="default: the one of the tritonclient wheel, else on PATH")
     parser.add_argument("--budget", type=float, default=None, metavar="S", help="start no measurement after S seconds; the rest is listed as skipped")
@@ -311,7 +364,7 @@ def main() -> int:
     started = time.perf_counter()
     models = [zoo.get(m).name for m in args.models.split(",")]
     work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
-    repository = make_repository(models, work, args.instances, args.batching, args.queue_delay, parameters)
+    repository = make_repository(models, work, args.instances, args.batching, args.queue_delay, parameters, peers=not args.no_peer)
     # the server is ours: its admin key (for the shared-memory API) is OPARA_ADMIN_KEY or a new one
     config = ServerConfig(
         model_repository=repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
@@ -350,9 +403,10 @@ def main() -> int:
             return result
 
         for model in models:
-            floor = model + FLOOR_SUFFIX
+            floor, peer = model + FLOOR_SUFFIX, model + PEER_SUFFIX
             with Client(server.grpc_url) as client:
                 info, floor_info = client.model_info(model), client.model_info(floor)
+                peer_info = client.model_info(peer) if (repository / peer).is_dir() else None
             data = write_input_data(info, work / f"{model}.json", count=4, seed=200)
             for shm in modes:
                 for concurrency in (int(c) for c in args.concurrency.split(",")):
@@ -361,6 +415,8 @@ def main() -> int:
                         continue
                     result = measure(model, info, data, shm, concurrency)
                     result["floor"] = {k: v for k, v in measure(floor, floor_info, data, shm, concurrency).items() if k != "execute_ms"}
+                    if peer_info is not None:
+                        result["peer"] = {k: v for k, v in measure(peer, peer_info, data, shm, concurrency).items() if k != "execute_ms"}
                     rows.append({"model": model, "shared_memory": shm, "concurrency": concurrency, **result})
                     print(json.dumps(rows[-1]), flush=True)
                     save()

@@ -1,5 +1,6 @@
-"""scripts/serving_bench.py's repository and table, and the floor model it serves
-beside every model (opara_core.serving.floor), against the real server."""
+"""scripts/serving_bench.py's repository and table, and the floor model and the
+hand-written peer it serves beside every model (opara_core.serving.floor and
+.peer), against the real server."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from conftest import load_script, server_config
 from serving import example
 from test_triton_backend import config_of
 
-from client.api import Client, result_arrays
+from client.api import Client, ClientError, result_arrays
 from opara_core import zoo
 from opara_core.parameters import BATCH, parse, strings
 from opara_core.parameters import get as get_parameter
@@ -55,11 +57,20 @@ def test_each_model_gets_a_floor_with_its_own_config(repository, model):
     assert parameters["FORCE_CPU_ONLY_INPUT_TENSORS"] == "yes" and parameters["torch_threads"] == "0"
     assert floor.count('key: "FORCE_CPU_ONLY_INPUT_TENSORS"') == 1  # replaced, not added twice
     assert "FloorModel" in (repository / f"{model}_floor" / "1" / "model.py").read_text()
+    peer = (repository / f"{model}_peer" / "config.pbtxt").read_text()
+    assert f'name: "{model}_peer"' in peer and without_name(peer) == without_name(config)
+    assert "PeerModel" in (repository / f"{model}_peer" / "1" / "model.py").read_text()
+
+
+def test_a_variable_length_model_gets_a_floor_but_no_peer(tmp_path):
+    repository = serving_bench.make_repository(["bert"], tmp_path)
+    assert (repository / "bert_floor").is_dir() and not (repository / "bert_peer").exists()
+    assert not (serving_bench.make_repository(["deepfm"], tmp_path / "no", peers=False) / "deepfm_peer").exists()
 
 
 @pytest.fixture(scope="module")
 def floor_server(tmp_path_factory):
-    """The floor models alone (the real ones are not needed to serve them)."""
+    """The floor models and the peers alone (the real ones are not needed to serve them)."""
     root = tmp_path_factory.mktemp("floors") / "models"
     for model in FLOORED + VARLEN_FLOORED:
         (root / model).mkdir(parents=True)
@@ -67,6 +78,8 @@ def floor_server(tmp_path_factory):
         text = serving_bench.set_parameter((DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt").read_text(), "output_memory", "host")
         (root / model / "config.pbtxt").write_text(text)
         serving_bench.add_floor_model(root, model)
+        if serving_bench.has_peer(model):
+            serving_bench.add_peer_model(root, model)
         (root / model / "config.pbtxt").unlink()
         (root / model).rmdir()
     with TritonServer(server_config(root), root.parent / "server.log") as running:
@@ -83,6 +96,34 @@ def test_the_floor_answers_zeros_of_the_models_output_shapes(floor_server, model
         outputs = result_arrays(request, client.infer(request), [s.name for s in entry.outputs])
     for spec in entry.outputs:
         np.testing.assert_array_equal(outputs[spec.name], np.zeros((3, *spec.shape), dtype=np.float32))
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", FLOORED)
+def test_the_peer_answers_as_the_eager_module_does(floor_server, model):
+    """Over gRPC and HTTP, two requests batched or not: the zoo's module (its seeded weights) is the oracle."""
+    entry = zoo.get(model)
+    inputs = example(model, batch=3, seed=5)
+    want = entry.build().eval()(*(torch.from_numpy(x) for x in inputs)).detach().numpy()
+    for url, protocol in ((floor_server.grpc_url, "grpc"), (floor_server.http_url, "http")):
+        with Client(url, protocol=protocol) as client:
+            request = client.request(f"{model}_peer", dict(zip((s.name for s in entry.inputs), inputs)))
+            got = result_arrays(request, client.infer(request), [entry.outputs[0].name])[entry.outputs[0].name]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.server
+def test_the_peer_refuses_an_id_beyond_its_vocabulary_and_stays_up(floor_server):
+    entry = zoo.get("deepfm")
+    inputs = dict(zip((s.name for s in entry.inputs), example("deepfm", batch=2, seed=6)))
+    ids = next(s for s in entry.inputs if s.value_range is not None)
+    inputs[ids.name] = np.full_like(inputs[ids.name], ids.value_range[1] + 10)
+    with Client(floor_server.grpc_url) as client:
+        with pytest.raises(ClientError, match="index"):
+            client.infer(client.request("deepfm_peer", inputs))
+        good = dict(zip((s.name for s in entry.inputs), example("deepfm", batch=1, seed=7)))
+        request = client.request("deepfm_peer", good)
+        assert result_arrays(request, client.infer(request), [entry.outputs[0].name])[entry.outputs[0].name].shape == (1, *entry.outputs[0].shape)
 
 
 @pytest.mark.server
@@ -113,6 +154,11 @@ def test_the_table_puts_the_floor_beside_each_row():
     assert cells["outside replay"] == "0.600"  # 1.0 ms in Triton - 0.4 replay
     assert cells["floor p50"] == "0.700" and cells["floor server"] == "0.400"
     assert cells["p50 above floor"] == "0.500" and cells["outside replay above floor"] == "0.200"
+    assert cells["peer p50"] == "-" and cells["infer/s / peer"] == "-"  # no peer measured in this row
+    row["peer"] = {"throughput_rps": 640.0, "p50_ms": 1.5, "p99_ms": 1.9, **split}
+    header, _, line = serving_bench.table([row], {"googlenet": 0.4}).splitlines()
+    cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in line.split("|")]))
+    assert cells["peer p50"] == "1.500" and cells["peer infer/s"] == "640" and cells["infer/s / peer"] == "1.25"
 
 
 PRECISION_ENTRY = r'key: "precision"\s+value: \{ string_value: "([^"]*)" \}'
@@ -145,3 +191,27 @@ def test_the_report_says_the_precision_and_reads_a_json_from_before_it(tmp_path,
         monkeypatch.setattr(sys, "argv", ["serving_bench.py", "--report", str(stored)])
         assert serving_bench.main() == 0
         assert capsys.readouterr().out.splitlines()[0] == title
+
+
+PERF_SUMMARY = """  Client: 
+    Request count: 3388
+    Throughput: 1109.51 infer/sec
+    p50 latency: 795 usec
+    p99 latency: 3821 usec
+    Avg gRPC time: 872 usec (marshal 4 usec + response wait 867 usec + unmarshal 1 usec)
+  Server: 
+    Avg request latency: 613 usec (overhead 2 usec + queue 314 usec + compute input 19 usec + compute infer 166 usec + compute output 111 usec)
+"""  # perf_analyzer 2.51's summary of a level (a CPU run of deepfm's floor)
+
+
+def test_the_mean_comes_from_perf_analyzers_summary_and_shows_in_the_table():
+    """A run stabilised on p50 has no mean in its CSV: the summary's Avg gRPC (or HTTP) time is it."""
+    assert serving_bench.mean_latency(PERF_SUMMARY) == 0.872
+    assert serving_bench.mean_latency(PERF_SUMMARY.replace("gRPC", "HTTP")) == 0.872
+    assert serving_bench.mean_latency("Failed to obtain stable measurement.") is None
+    split = {"server_queue_ms": 0.05, "server_compute_input_ms": 0.05, "server_compute_infer_ms": 0.8, "server_compute_output_ms": 0.1}
+    row = {"model": "deepfm", "shared_memory": "none", "concurrency": 16, "throughput_rps": 800.0, "p50_ms": 1.2, "p99_ms": 1.5,
+           "avg_ms": 3.1, **split}  # fmt: skip
+    header, _, line = serving_bench.table([row], {}).splitlines()
+    cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in line.split("|")]))
+    assert cells["mean ms"] == "3.100"

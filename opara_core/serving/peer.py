@@ -1,0 +1,111 @@
+"""The hand-written peer: the model.py a Triton user writes without this project.
+
+`scripts/serving_bench.py` serves one beside each benchmarked batch model (as
+`<model>_peer`, made from that model's config), so that every row shows the
+floor, the peer and ours from the same server. It is what issue #73 measured
+against: the zoo's own module (the same seeded weights) in the config's
+`precision`, and on a GPU `torch.compile` with Inductor's freezing under
+`inference_mode`, one CUDA graph captured around the compiled call per batch
+bucket (the config's `buckets`), the batch padded up to its bucket, outputs
+copied to the host. On a CPU it runs the module eagerly under
+`inference_mode` (what a CPU model.py runs; the comparison that matters is
+the GPU's). Nothing of the engine is used: no plans, no streams, no checks
+beyond what Triton's own shape checks give.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from opara_core import zoo
+from opara_core.serving.triton_backend import select_device
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def config_parameters(config: dict) -> dict[str, str]:
+    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+
+
+def peer_buckets(config: dict) -> list[int]:
+    """The config's `buckets` (the batch sizes ours captures), else powers of two up to max_batch_size."""
+    largest = int(config.get("max_batch_size", 0))
+    if largest < 1:
+        raise ValueError("the peer stands in for batching models (max_batch_size >= 1)")
+    text = config_parameters(config).get("buckets")
+    buckets = sorted({int(b) for b in text.split(",")}) if text else [1 << k for k in range(largest.bit_length()) if 1 << k <= largest]
+    return buckets if buckets[-1] >= largest else [*buckets, largest]
+
+
+class PeerModel:
+    """Base class of the peer's generated model.py; `zoo_name` is the zoo model it serves."""
+
+    zoo_name: str = ""
+
+    def initialize(self, args: dict) -> None:
+        import triton_python_backend_utils as pb_utils
+
+        self._pb = pb_utils
+        config = json.loads(args["model_config"])
+        precision = config_parameters(config).get("precision", "fp32")
+        if precision not in DTYPES:
+            raise ValueError(f"precision {precision!r}: the peer takes {', '.join(DTYPES)}")
+        self.dtype = DTYPES[precision]
+        self.device = select_device(args)
+        self.inputs = [tensor["name"] for tensor in config["input"]]
+        self.outputs = [tensor["name"] for tensor in config["output"]]
+        entry = zoo.get(self.zoo_name)
+        module = entry.build().eval().to(self.device, self.dtype)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
+            examples = {b: [self._cast(x.to(self.device)) for x in entry.example_inputs(b, seed=b)] for b in peer_buckets(config)}
+            with torch._inductor.config.patch(freezing=True), torch.inference_mode():
+                compiled = torch.compile(module)
+                for inputs in examples.values():
+                    compiled(*inputs)
+                pool = torch.cuda.graph_pool_handle()
+                for bucket, inputs in examples.items():
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        outputs = compiled(*inputs)
+                    self.graphs[bucket] = (graph, inputs, outputs if isinstance(outputs, tuple) else (outputs,))
+        self.module = module
+        log.info("peer %s loaded on %s in %s (buckets %s)", args["model_name"], self.device, precision, sorted(self.graphs) or "-, eager")
+
+    def _cast(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype) if x.is_floating_point() else x
+
+    def _run(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        rows = inputs[0].shape[0]
+        bucket = next((b for b in sorted(self.graphs) if b >= rows), None)
+        with torch.inference_mode():
+            if bucket is None:  # a CPU instance (or more rows than any bucket): the module itself
+                outputs = self.module(*(self._cast(x.to(self.device)) for x in inputs))
+                outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            else:
+                graph, static, outputs = self.graphs[bucket]
+                for buffer, x in zip(static, inputs):
+                    buffer[:rows].copy_(x)
+                graph.replay()
+            return tuple(out[:rows].float().cpu() for out in outputs)
+
+    def execute(self, requests: list) -> list:
+        pb_utils = self._pb
+        try:
+            batches = [[torch.from_dlpack(pb_utils.get_input_tensor_by_name(r, name).to_dlpack()) for name in self.inputs] for r in requests]
+            sizes = [batch[0].shape[0] for batch in batches]
+            outputs = self._run([torch.cat([batch[i] for batch in batches]) for i in range(len(self.inputs))])
+        except Exception as error:  # noqa: BLE001 - every request gets the error, the model stays up
+            return [pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(error).__name__}: {error}")) for _ in requests]
+        responses, start = [], 0
+        for rows in sizes:
+            tensors = [pb_utils.Tensor(name, out[start : start + rows].numpy()) for name, out in zip(self.outputs, outputs)]
+            responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+            start += rows
+        return responses
