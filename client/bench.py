@@ -107,6 +107,8 @@ class Row:
     p50_ms: float | None
     p90_ms: float | None
     p99_ms: float | None
+    p999_ms: float | None  # p99.9 and the slowest: the requests that stall far beyond p99
+    max_ms: float | None
     mean_ms: float | None
     throughput_rps: float
     server_queue_ms: float | None = None
@@ -149,7 +151,7 @@ def summarize(
 ) -> Row:
     """A row from one level's successful latencies, error count and wall time."""
     ms = np.asarray(latencies_ns, dtype=np.float64) / 1e6
-    p50, p90, p99 = (float(v) for v in np.percentile(ms, [50, 90, 99])) if ms.size else (None, None, None)
+    p50, p90, p99, p999 = (float(v) for v in np.percentile(ms, [50, 90, 99, 99.9])) if ms.size else (None,) * 4
     mean = float(ms.mean()) if ms.size else None
     throughput = ms.size / elapsed_s if elapsed_s > 0 else 0.0
     server = server or {}
@@ -160,6 +162,8 @@ def summarize(
         p50_ms=p50,
         p90_ms=p90,
         p99_ms=p99,
+        p999_ms=p999,
+        max_ms=float(ms.max()) if ms.size else None,
         mean_ms=mean,
         throughput_rps=throughput,
         **{f"server_{name}_ms": server.get(name) for name in SERVER_COMPONENTS},

@@ -17,7 +17,10 @@ because PSS splits each shared library's pages among the processes mapping
 it, so it grows when other processes on the machine exit (17% for
 tritonserver while a test suite's other servers stopped). RSS and PSS are recorded too. The run passes when
 nothing failed, nothing was wrong and no USS or GPU sample grew more than
---memory-tolerance over its baseline. Prints a table, writes JSON, exits 1 on
+--memory-tolerance over its baseline, and no level's mean request time was
+above --stall-ratio (1.5) times its p50: a mean that far above the median while
+the p99 stays normal means a few requests stalled far beyond p99 (their p99.9
+and slowest request are in the table). Prints a table, writes JSON, exits 1 on
 a failed run. The server must run on this machine for memory to be measured.
 """
 
@@ -206,6 +209,7 @@ def soak(args: argparse.Namespace) -> dict:
     if checker.wrong or checker.errors or checker.sent == 0:
         problems.append(f"checker: {checker.sent} sent, {checker.wrong} wrong, {checker.errors} failed: {checker.messages[:3]}")
     problems += [f"{key} grew {value:.1%} (limit {args.memory_tolerance:.0%})" for key, value in grew.items() if value > args.memory_tolerance]
+    problems += stalls(rows, args.stall_ratio)
     return {
         "model": args.model,
         "protocol": args.protocol,
@@ -225,15 +229,25 @@ def soak(args: argparse.Namespace) -> dict:
     }
 
 
+def stalls(rows: list[dict], ratio: float) -> list[str]:
+    """A problem line for each level whose mean request time exceeds `ratio` times its p50."""
+    return [
+        f"concurrency {row['concurrency']}: mean {row['mean_ms']:.2f} ms > {ratio:g} x p50 {row['p50_ms']:.2f} ms "
+        f"(p99 {row['p99_ms']:.2f}, p99.9 {row['p999_ms']:.2f}, slowest {row['max_ms']:.2f} ms): requests stalled"
+        for row in rows if row["p50_ms"] and row["mean_ms"] > ratio * row["p50_ms"]
+    ]  # fmt: skip
+
+
 def table(result: dict) -> str:
     lines = [f"{result['model']} over {result['protocol']} at {result['url']} on {result['device']}, {result['date']}"]
-    header = f"{'concurrency':>11} {'requests':>9} {'errors':>6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}  memory after the level (MiB)"
+    times = ("p50_ms", "p99_ms", "p999_ms", "max_ms", "mean_ms")
+    header = (f"{'concurrency':>11} {'requests':>9} {'errors':>6} " + " ".join(f"{k[:-3].replace('p999', 'p99.9') + ' ms':>10}" for k in times)
+              + f" {'req/s':>8}  memory after the level (MiB)")  # fmt: skip
     lines.append(header)
     for row in result["levels"]:
         memory = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in row["memory"].items() if not k.endswith("_rss")) or "-"
-        p50 = "-" if row["p50_ms"] is None else f"{row['p50_ms']:.1f}"
-        p99 = "-" if row["p99_ms"] is None else f"{row['p99_ms']:.1f}"
-        lines.append(f"{row['concurrency']:>11} {row['requests']:>9} {row['errors']:>6} {p50:>8} {p99:>8} {row['throughput_rps']:>8.1f}  {memory}")
+        cells = " ".join(f"{'-' if row.get(k) is None else format(row[k], '.2f'):>10}" for k in times)
+        lines.append(f"{row['concurrency']:>11} {row['requests']:>9} {row['errors']:>6} {cells} {row['throughput_rps']:>8.1f}  {memory}")
     baseline = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in result["memory"]["baseline"].items() if not k.endswith("_rss"))
     baseline = baseline or "not measured"
     lines.append(f"memory after warm-up (MiB): {baseline}")
@@ -255,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-tolerance", type=float, default=0.02, help="largest growth allowed (default 0.02)")
     parser.add_argument("--tolerance", type=float, default=zoo.oracle_tolerance(),
                         help="answer error allowed, relative to the largest output (default: 5e-2 with a GPU (TF32 convolutions), else 1e-4)")
+    parser.add_argument("--stall-ratio", type=float, default=1.5, help="largest mean request time allowed, in p50s (default 1.5)")
     parser.add_argument("--server-pid", type=int, default=None, help="tritonserver's pid (default: found by port)")
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
     args = parser.parse_args(argv)
