@@ -67,6 +67,10 @@
 #              ($SERVE_CACHE to keep one), until its "ready after" line, once per word of $SERVE_RUNS
 #              (default "cold"; "cold warm": a second start on the same cache): the terminal in
 #              $OUT/servestart_RUN_terminal.log, the whole server log in $OUT/servestart_RUN_full.log
+#   guardcost  scripts/guard_cost.sh: the HTTP guard's cost, `launcher serve` with and without it in turns,
+#              $GUARD_MODEL (default googlenet) over HTTP at concurrency 1 and 16, $GUARD_ROUNDS rounds of
+#              $GUARD_SECONDS per level: $OUT/guard_cost/<guard|noguard><round>.json
+#   (transport, serving, varlen, generation: $PRECISION, e.g. bf16, serves every model in that precision)
 #   soak       GoogLeNet served by `python -m opara_core.serving.launcher serve` on ports 18000-18002,
 #              scripts/soak.py over gRPC at 1, 8 and 64 ($SOAK_SECONDS each, default 30, and as long a warm-up): errors, wrong
 #              answers, host and GPU memory growth
@@ -220,11 +224,11 @@ for spec in "$@"; do
         tests/test_models.py -k numpy_2; b=\$?; exit \$((a || b))" ;;
     transport) step transport "$limit" python3 scripts/serving_bench.py --models googlenet --concurrency 1,16 \
         --shared-memory none,system,cuda --requests 200 --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
-        --budget "${BUDGET:-$((limit - 45))}" --json "$out/transport.json" --log "$out/transport_server.log" ;;
+        --budget "${BUDGET:-$((limit - 45))}" --json "$out/transport.json" --log "$out/transport_server.log" ${PRECISION:+--precision "$PRECISION"} ;;
     transportexp) step transportexp "$limit" bash -c "transportexp $limit" ;;
     serving) step serving "$limit" python3 scripts/serving_bench.py --models "${MODELS:-resnet50,inception_v3,deepfm,bert,t5}" \
         --concurrency 1,16 --shared-memory none,system,cuda --requests 200 --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
-        --budget "${BUDGET:-$((limit - 45))}" --json "$out/serving.json" --log "$out/server.log" ;;
+        --budget "${BUDGET:-$((limit - 45))}" --json "$out/serving.json" --log "$out/server.log" ${PRECISION:+--precision "$PRECISION"} ;;
     soak) step soak "$limit" bash -c soak ;;
     servestart) step servestart "$limit" bash -c servestart ;;
     warmbuild) step warmbuild "$limit" bash -c warmbuild ;;
@@ -238,9 +242,10 @@ for spec in "$@"; do
         tests/test_capture.py tests/test_varlen.py -k "one_pool or on_a_gpu" ;;
     generation) step generation "$limit" python3 scripts/generation_bench.py --requests 1000 --tpot-bound-ms 20 \
         --ttft-bound-ms 2000 --max-active 64 --output-len lognormal:mean=64,cap=384,seed=1 --iteration-rates 64,352,416 \
-        --request-rates 64,72,80 --json "$out/generation.json" --log "$out/generation_server.log" ;;
+        --request-rates 64,72,80 --json "$out/generation.json" --log "$out/generation_server.log" ${PRECISION:+--precision "$PRECISION"} ;;
     varlen) step varlen "$limit" python3 scripts/varlen_bench.py --models "${VARLEN_MODELS:-bert}" --concurrency 1,16,64 \
-        --json "$out/varlen_bench.json" --log "$out/varlen_server.log" ${VARLEN_ARGS:-} ;;
-    *) echo "unknown step $name (tests, fusedtests, bench, servertests, launcher, servestart, csan, racecheck, transporttests, transport, transportexp, serving, instances, twogpu, soak, warmbuild, generation, varlen, varlentests)" >&2; exit 2 ;;
+        --json "$out/varlen_bench.json" --log "$out/varlen_server.log" ${PRECISION:+--precision "$PRECISION"} ${VARLEN_ARGS:-} ;;
+    guardcost) step guardcost "$limit" bash scripts/guard_cost.sh "${GUARD_MODEL:-googlenet}" "${GUARD_ROUNDS:-2}" "${GUARD_SECONDS:-15}" "$out/guard_cost" ;;
+    *) echo "unknown step $name (tests, fusedtests, bench, servertests, launcher, servestart, csan, racecheck, transporttests, transport, transportexp, serving, instances, twogpu, soak, warmbuild, generation, varlen, varlentests, guardcost)" >&2; exit 2 ;;
     esac
 done

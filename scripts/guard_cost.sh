@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-deepfm} ROUNDS=${2:-2} SECONDS_PER_LEVEL=${3:-20} OUT=${4:-out/guard_cost}
-PY=.venv/bin/python
+PY=.venv/bin/python; [ -x "$PY" ] || PY=python3  # the GPU machine: its own python3 with .gpuenv on PYTHONPATH
 REPO=$(mktemp -d)
 trap 'rm -rf "$REPO"' EXIT
 mkdir -p "$REPO/$MODEL/1" "$OUT"
@@ -20,7 +20,8 @@ for round in $(seq "$ROUNDS"); do
     flag=(); [ "$mode" = noguard ] && flag=(--no-guard)
     $PY -m opara_core.serving.launcher serve --model-repository "$REPO" "${flag[@]}" > "$OUT/$mode$round.log" 2>&1 &
     server=$!
-    until curl -sf "127.0.0.1:$PORT/v2/models/$MODEL/ready" >/dev/null; do sleep 1; done
+    until $PY -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" \
+        "http://127.0.0.1:$PORT/v2/models/$MODEL/ready" 2>/dev/null; do sleep 1; done
     $PY -m client bench --model "$MODEL" --protocol http --url "127.0.0.1:$PORT" --concurrency 1,16 \
         --duration "$SECONDS_PER_LEVEL" --warmup 20 --no-progress --json "$OUT/$mode$round.json"
     kill -TERM "$server"; wait "$server" || true
