@@ -18,7 +18,7 @@ floor and the model's time above it, and writes JSON after every row (a run cut
 short keeps what it measured). `--precision bf16` serves every model (and its
 floor) in bf16; the JSON's meta and the line above the table say which.
 
-Beside each batch model (not the variable-length ones) it also serves
+Beside each model it also serves
 `<model>_peer` (opara_core.serving.peer): the hand-written model.py a user
 writes without this project, torch.compile with freezing and a CUDA graph per
 bucket in the same precision, measured right after the floor at each level
@@ -69,11 +69,6 @@ from opara_core.serving.peer import PeerModel
 class TritonPythonModel(PeerModel):
     zoo_name = {model!r}
 '''
-
-
-def has_peer(model: str) -> bool:
-    """Whether the peer serves this zoo model: batch models of fixed shapes, not the variable-length ones."""
-    return not zoo.get(model).lengths
 
 
 def add_floor_model(repository: Path, model: str) -> str:
@@ -139,7 +134,7 @@ def make_repository(
     preferred size it can form (7 queued: 4 now, 3 later); `queue_delay_us`
     replaces the configs' max_queue_delay_microseconds; `parameters` are set
     in every config (the floor's too: it is made from the model's config);
-    `peers`: the hand-written peer beside each batch model too."""
+    `peers`: the hand-written peer beside each model too."""
     repository = root / "models"
     for name in models:
         shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, repository / name)
@@ -157,7 +152,7 @@ def make_repository(
             text = set_parameter(text, key, value)
         config.write_text(text)
         add_floor_model(repository, name)
-        if peers and has_peer(name):
+        if peers:
             add_peer_model(repository, name)
     return repository
 
@@ -332,7 +327,7 @@ def argument_parser() -> argparse.ArgumentParser:
         "--precision", choices=PRECISION.choices, default=None,
         help="the precision parameter of every served config (docs/precision.md; default: the configs' own)",
     )  # fmt: skip
-    parser.add_argument("--no-peer", action="store_true", help="serve no hand-written peer beside the batch models")
+    parser.add_argument("--no-peer", action="store_true", help="serve no hand-written peer beside the models")
     parser.add_argument("--requests", type=int, default=1000, help="requests per measurement window")
     parser.add_argument("--perf-analyzer", default=None, help="default: the one of the tritonclient wheel, else on PATH")
     parser.add_argument("--budget", type=float, default=None, metavar="S", help="start no measurement after S seconds; the rest is listed as skipped")

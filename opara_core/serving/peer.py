@@ -1,16 +1,20 @@
 """The hand-written peer: the model.py a Triton user writes without this project.
 
-`scripts/serving_bench.py` serves one beside each benchmarked batch model (as
+`scripts/serving_bench.py` serves one beside each benchmarked model (as
 `<model>_peer`, made from that model's config), so that every row shows the
 floor, the peer and ours from the same server. It is what issue #73 measured
 against: the zoo's own module (the same seeded weights) in the config's
 `precision`, and on a GPU `torch.compile` with Inductor's freezing under
 `inference_mode`, one CUDA graph captured around the compiled call per batch
-bucket (the config's `buckets`), the batch padded up to its bucket, outputs
-copied to the host. On a CPU it runs the module eagerly under
+bucket (the config's `buckets`) and input shape, the batch padded up to its
+bucket, outputs copied to the host. A variable-length model (BERT, T5) pads
+the requests of one execute to the longest among them (ids and masks with 0)
+and cuts each answer back to its request's length; its graphs are captured
+at load for the zoo's example lengths (what the serving benchmark sends) and
+on first use for any other. On a CPU it runs the module eagerly under
 `inference_mode` (what a CPU model.py runs; the comparison that matters is
 the GPU's). Nothing of the engine is used: no plans, no streams, no checks
-beyond what Triton's own shape checks give.
+beyond Triton's own.
 """
 
 from __future__ import annotations
@@ -57,55 +61,81 @@ class PeerModel:
             raise ValueError(f"precision {precision!r}: the peer takes {', '.join(DTYPES)}")
         self.dtype = DTYPES[precision]
         self.device = select_device(args)
-        self.inputs = [tensor["name"] for tensor in config["input"]]
-        self.outputs = [tensor["name"] for tensor in config["output"]]
         entry = zoo.get(self.zoo_name)
-        module = entry.build().eval().to(self.device, self.dtype)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
+        self.inputs = [spec.name for spec in entry.inputs]  # the module's argument order (the config names the same)
+        self.outputs = [spec.name for spec in entry.outputs]
+        # each variable output follows the axis of its inputs: (the input that says the length, output)
+        self.lengths = [(axis.inputs[0], name) for axis in entry.lengths for name in axis.outputs]
+        self.axis_inputs = [[self.inputs.index(name) for name in axis.inputs] for axis in entry.lengths]
+        self.module = entry.build().eval().to(self.device, self.dtype)
+        self.buckets = peer_buckets(config)
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
-            examples = {b: [self._cast(x.to(self.device)) for x in entry.example_inputs(b, seed=b)] for b in peer_buckets(config)}
             with torch._inductor.config.patch(freezing=True), torch.inference_mode():
-                compiled = torch.compile(module)
-                for inputs in examples.values():
-                    compiled(*inputs)
-                pool = torch.cuda.graph_pool_handle()
-                for bucket, inputs in examples.items():
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        outputs = compiled(*inputs)
-                    self.graphs[bucket] = (graph, inputs, outputs if isinstance(outputs, tuple) else (outputs,))
-        self.module = module
-        log.info("peer %s loaded on %s in %s (buckets %s)", args["model_name"], self.device, precision, sorted(self.graphs) or "-, eager")
+                self.compiled = torch.compile(self.module)
+            self.pool = torch.cuda.graph_pool_handle()
+            for bucket in self.buckets:
+                self._graph([x.to(self.device) for x in entry.example_inputs(bucket, seed=bucket)])
+        log.info("peer %s loaded on %s in %s (graphs: %s)", args["model_name"], self.device, precision, len(self.graphs) or "none, eager")
 
     def _cast(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.dtype) if x.is_floating_point() else x
 
+    def _graph(self, inputs: list[torch.Tensor]) -> tuple:
+        """The CUDA graph of this batch's shapes (rows already a bucket), captured on first use."""
+        key = tuple(tuple(x.shape) for x in inputs)
+        if key not in self.graphs:
+            static = [self._cast(x.to(self.device)) for x in inputs]
+            with torch._inductor.config.patch(freezing=True), torch.inference_mode():
+                for _ in range(2):
+                    self.compiled(*static)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    outputs = self.compiled(*static)
+            self.graphs[key] = (graph, static, outputs if isinstance(outputs, tuple) else (outputs,))
+        return self.graphs[key]
+
     def _run(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         rows = inputs[0].shape[0]
-        bucket = next((b for b in sorted(self.graphs) if b >= rows), None)
+        bucket = next((b for b in self.buckets if b >= rows), None)
         with torch.inference_mode():
-            if bucket is None:  # a CPU instance (or more rows than any bucket): the module itself
+            if self.device.type != "cuda" or bucket is None:  # a CPU instance: the module itself
                 outputs = self.module(*(self._cast(x.to(self.device)) for x in inputs))
                 outputs = outputs if isinstance(outputs, tuple) else (outputs,)
             else:
-                graph, static, outputs = self.graphs[bucket]
+                padded = [torch.cat([x, x[:1].expand(bucket - rows, *x.shape[1:])]) if bucket > rows else x for x in inputs]
+                graph, static, outputs = self._graph(padded)
                 for buffer, x in zip(static, inputs):
                     buffer[:rows].copy_(x)
                 graph.replay()
             return tuple(out[:rows].float().cpu() for out in outputs)
 
+    def _padded(self, batches: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Each request's inputs, the variable-length ones padded with 0 to the longest of the execute."""
+        for positions in self.axis_inputs:
+            longest = max(batch[positions[0]].shape[1] for batch in batches)
+            for batch in batches:
+                for i in positions:
+                    batch[i] = torch.nn.functional.pad(batch[i], (0, longest - batch[i].shape[1]))
+        return batches
+
     def execute(self, requests: list) -> list:
         pb_utils = self._pb
         try:
             batches = [[torch.from_dlpack(pb_utils.get_input_tensor_by_name(r, name).to_dlpack()) for name in self.inputs] for r in requests]
+            lengths = [{name: batch[self.inputs.index(by)].shape[1] for by, name in self.lengths} for batch in batches]
             sizes = [batch[0].shape[0] for batch in batches]
+            batches = self._padded(batches)
             outputs = self._run([torch.cat([batch[i] for batch in batches]) for i in range(len(self.inputs))])
         except Exception as error:  # noqa: BLE001 - every request gets the error, the model stays up
             return [pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(error).__name__}: {error}")) for _ in requests]
         responses, start = [], 0
-        for rows in sizes:
-            tensors = [pb_utils.Tensor(name, out[start : start + rows].numpy()) for name, out in zip(self.outputs, outputs)]
+        for rows, length in zip(sizes, lengths):
+            tensors = [
+                pb_utils.Tensor(name, (out[start : start + rows, : length[name]] if name in length else out[start : start + rows]).contiguous().numpy())
+                for name, out in zip(self.outputs, outputs)
+            ]  # fmt: skip
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
             start += rows
         return responses
