@@ -24,26 +24,23 @@ import logging
 
 import torch
 
-from opara_core import zoo
+from opara_core import parameters, zoo
+from opara_core.engine.precision import HALF
 from opara_core.serving.triton_backend import select_device
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def config_parameters(config: dict) -> dict[str, str]:
-    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
-
-
-def peer_buckets(config: dict) -> list[int]:
-    """The config's `buckets` (the batch sizes ours captures), else powers of two up to max_batch_size."""
+def peer_settings(config: dict) -> tuple[str, list[int]]:
+    """The config's `precision` and `buckets` (the batch sizes ours captures), read
+    through the project's one schema (opara_core.parameters), with max_batch_size
+    as the last bucket where the buckets stop below it."""
     largest = int(config.get("max_batch_size", 0))
     if largest < 1:
         raise ValueError("the peer stands in for batching models (max_batch_size >= 1)")
-    text = config_parameters(config).get("buckets")
-    buckets = sorted({int(b) for b in text.split(",")}) if text else [1 << k for k in range(largest.bit_length()) if 1 << k <= largest]
-    return buckets if buckets[-1] >= largest else [*buckets, largest]
+    given = parameters.strings(config)
+    read = {name: parameters.get(name).parse(given[name], name) if name in given else parameters.get(name).default for name in ("precision", "buckets")}
+    buckets = sorted({b for b in read["buckets"] if b <= largest} | {largest})
+    return read["precision"], buckets
 
 
 class PeerModel:
@@ -56,10 +53,8 @@ class PeerModel:
 
         self._pb = pb_utils
         config = json.loads(args["model_config"])
-        precision = config_parameters(config).get("precision", "fp32")
-        if precision not in DTYPES:
-            raise ValueError(f"precision {precision!r}: the peer takes {', '.join(DTYPES)}")
-        self.dtype = DTYPES[precision]
+        precision, self.buckets = peer_settings(config)
+        self.dtype = HALF.get(precision, torch.float32)  # tf32: fp32 tensors, TF32 products allowed below
         self.device = select_device(args)
         entry = zoo.get(self.zoo_name)
         self.inputs = [spec.name for spec in entry.inputs]  # the module's argument order (the config names the same)
@@ -68,7 +63,6 @@ class PeerModel:
         self.lengths = [(axis.inputs[0], name) for axis in entry.lengths for name in axis.outputs]
         self.axis_inputs = [[self.inputs.index(name) for name in axis.inputs] for axis in entry.lengths]
         self.module = entry.build().eval().to(self.device, self.dtype)
-        self.buckets = peer_buckets(config)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
