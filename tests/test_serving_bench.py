@@ -131,7 +131,8 @@ def test_a_variable_length_peer_answers_at_the_requests_lengths_as_the_eager_mod
     inputs = [t.numpy() for t in sized.example_inputs(2, seed=3)]
     want = entry.build().eval()(*(torch.from_numpy(x) for x in inputs)).detach().numpy()
     assert want.shape == (2, 4, 512)
-    with Client(floor_server.grpc_url) as client:
+    # lengths the peer has no graph for yet: on a GPU it compiles and captures one in this request (tens of seconds)
+    with Client(floor_server.grpc_url, timeout_s=300) as client:
         request = client.request("t5_peer", dict(zip((s.name for s in entry.inputs), inputs)))
         got = result_arrays(request, client.infer(request), ["last_hidden_state"])["last_hidden_state"]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
@@ -144,7 +145,7 @@ def test_the_peer_refuses_an_id_beyond_its_vocabulary_and_stays_up(floor_server)
     ids = next(s for s in entry.inputs if s.value_range is not None)
     inputs[ids.name] = np.full_like(inputs[ids.name], ids.value_range[1] + 10)
     with Client(floor_server.grpc_url) as client:
-        with pytest.raises(ClientError, match="index"):
+        with pytest.raises(ClientError, match=rf"input '{ids.name}': value \d+ .* is outside \[0, \d+\)"):
             client.infer(client.request("deepfm_peer", inputs))
         good = dict(zip((s.name for s in entry.inputs), example("deepfm", batch=1, seed=7)))
         request = client.request("deepfm_peer", good)

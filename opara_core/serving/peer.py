@@ -14,13 +14,14 @@ at load for the zoo's example lengths (what the serving benchmark sends) and
 on first use for any other. On a CPU it runs the module eagerly under
 `inference_mode` (what a CPU model.py runs; the comparison that matters is
 the GPU's). Nothing of the engine is used: no plans, no streams, no checks
-beyond Triton's own.
+beyond Triton's own and the id ranges (which a careful model.py checks too).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -57,6 +58,7 @@ class PeerModel:
         self.dtype = HALF.get(precision, torch.float32)  # tf32: fp32 tensors, TF32 products allowed below
         self.device = select_device(args)
         entry = zoo.get(self.zoo_name)
+        self.specs = list(entry.inputs)
         self.inputs = [spec.name for spec in entry.inputs]  # the module's argument order (the config names the same)
         self.outputs = [spec.name for spec in entry.outputs]
         # each variable output follows the axis of its inputs: (the input that says the length, output)
@@ -114,22 +116,43 @@ class PeerModel:
                     batch[i] = torch.nn.functional.pad(batch[i], (0, longest - batch[i].shape[1]))
         return batches
 
+    def _bad_ids(self, inputs: list[torch.Tensor]) -> str | None:
+        """Where a request's ids leave their tables, or None: the check a careful
+        model.py makes, since on a GPU an embedding indexed out of range is a
+        device-side assert that kills the process's CUDA context."""
+        for spec, x in zip(self.specs, inputs):
+            if spec.limits() is not None:
+                sized = spec if spec.upper_bounds is not None else replace(spec, shape=tuple(x.shape[1:]))
+                problem = sized.check(x)
+                if problem:
+                    return problem
+        return None
+
     def execute(self, requests: list) -> list:
         pb_utils = self._pb
+        responses: list = [None] * len(requests)
         try:
             batches = [[torch.from_dlpack(pb_utils.get_input_tensor_by_name(r, name).to_dlpack()) for name in self.inputs] for r in requests]
-            lengths = [{name: batch[self.inputs.index(by)].shape[1] for by, name in self.lengths} for batch in batches]
-            sizes = [batch[0].shape[0] for batch in batches]
-            batches = self._padded(batches)
-            outputs = self._run([torch.cat([batch[i] for batch in batches]) for i in range(len(self.inputs))])
+            for i, batch in enumerate(batches):
+                problem = self._bad_ids(batch)
+                if problem:
+                    responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(problem))
+            good = [(i, batch) for i, batch in enumerate(batches) if responses[i] is None]
+            if not good:
+                return responses
+            lengths = [{name: batch[self.inputs.index(by)].shape[1] for by, name in self.lengths} for _, batch in good]
+            sizes = [batch[0].shape[0] for _, batch in good]
+            padded = self._padded([batch for _, batch in good])
+            outputs = self._run([torch.cat([batch[k] for batch in padded]) for k in range(len(self.inputs))])
         except Exception as error:  # noqa: BLE001 - every request gets the error, the model stays up
             return [pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(error).__name__}: {error}")) for _ in requests]
-        responses, start = [], 0
-        for rows, length in zip(sizes, lengths):
+        start = 0
+        for (i, _), rows, length in zip(good, sizes, lengths):
+            # through DLPack: the stub's numpy bridge sends zero bytes for numpy 2 arrays (see triton_backend.input_tensor)
             tensors = [
-                pb_utils.Tensor(name, (out[start : start + rows, : length[name]] if name in length else out[start : start + rows]).contiguous().numpy())
+                pb_utils.Tensor.from_dlpack(name, (out[start : start + rows, : length[name]] if name in length else out[start : start + rows]).contiguous())
                 for name, out in zip(self.outputs, outputs)
             ]  # fmt: skip
-            responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+            responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
             start += rows
         return responses
