@@ -17,9 +17,11 @@ from test_triton_backend import config_of
 
 from client.api import Client, ClientError, result_arrays
 from opara_core import zoo
+from opara_core.engine.build import BuildReport, Candidate
 from opara_core.parameters import BATCH, parse, strings
 from opara_core.parameters import get as get_parameter
 from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer
+from opara_core.serving.startup import ready_line
 
 
 def _load_bench():
@@ -228,6 +230,17 @@ PERF_SUMMARY = """  Client:
   Server: 
     Avg request latency: 613 usec (overhead 2 usec + queue 314 usec + compute input 19 usec + compute infer 166 usec + compute output 111 usec)
 """  # perf_analyzer 2.51's summary of a level (a CPU run of deepfm's floor)
+
+
+@pytest.mark.parametrize("graph", ["nchw", "inductor", "inductor-cudnn"])
+def test_the_bucket_1_replay_is_read_from_the_ready_line_whatever_the_graph(graph):
+    """The line as triton_backend logs it, from the build's own report (every
+    row of the H200's bf16 run of 2026-12-03 read '-': inductor-cudnn has a '-')."""
+    chosen, other = Candidate(graph, "opara", 4), Candidate("inductor", "sequential", 1)
+    report = BuildReport(runner="multi-stream graph", choices={1: chosen, 2: other}, timings_ms={1: {chosen: 0.202, other: 0.33}, 2: {other: 0.36}})
+    details = [line for line in report.summary().splitlines()[1:]]
+    log = "INFO [googlenet] opara_core.serving.triton_backend: " + ready_line("googlenet", "cuda:0", 108.9, "multi-stream graph, 2 buckets", details)
+    assert serving_bench.replay_medians(log + "\n") == {"googlenet": 0.202}
 
 
 def test_the_mean_comes_from_perf_analyzers_summary_and_shows_in_the_table():
