@@ -33,7 +33,8 @@ tar -C "$site" --exclude=__pycache__ -czf "$out/tritonclient.tar.gz" tritonclien
 .venv/bin/pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux1_x86_64 -d "$out" \
-    python-rapidjson geventhttpclient gevent greenlet zope.event zope.interface brotli certifi six
+    python-rapidjson geventhttpclient gevent greenlet zope.event zope.interface brotli certifi six \
+    "$(grep -o 'uvloop==[^"]*' pyproject.toml)"
 
 tmp=$(mktemp -d)
 .venv/bin/pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
@@ -50,7 +51,8 @@ if [ ! -d /tmp/site/pytriton ]; then
   tar -C /tmp/site -xJf .gpuenv/triton.tar.xz
   pip install -q --no-index --no-deps --target /tmp/pa .gpuenv/perf_analyzer-*.whl 2>/dev/null
   pip install -q --no-index --no-deps --target /tmp/tc .gpuenv/python_rapidjson-*.whl .gpuenv/gevent*.whl \
-    .gpuenv/greenlet-*.whl .gpuenv/zope*.whl .gpuenv/brotli-*.whl .gpuenv/certifi-*.whl .gpuenv/six-*.whl 2>/dev/null
+    .gpuenv/greenlet-*.whl .gpuenv/zope*.whl .gpuenv/brotli-*.whl .gpuenv/certifi-*.whl .gpuenv/six-*.whl \
+    .gpuenv/uvloop-*.whl 2>/dev/null
   tar -C /tmp/tc -xzf .gpuenv/tritonclient.tar.gz
 fi
 if [ ! -d /tmp/cudapy/cuda ]; then

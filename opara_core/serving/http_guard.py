@@ -35,6 +35,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import aiohttp
+import uvloop
 from aiohttp import web
 from yarl import URL
 
@@ -422,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     host, port = _host_port(args.listen)
-    asyncio.run(serve(make_app(args.upstream, args.status_file), host, port))
+    uvloop.run(serve(make_app(args.upstream, args.status_file), host, port))
     return 0
 
 
