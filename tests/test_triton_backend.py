@@ -192,6 +192,18 @@ def test_the_batch_range_check_names_the_same_problems_as_a_check_per_request(de
     assert "position 7" in problems[1] and "attention_mask" in problems[4]
 
 
+def test_the_batch_range_check_names_a_bad_id_at_a_length_other_than_the_specs():
+    """BERT's spec says 128 tokens; a variable-length request of 40 with a bad id
+    is described by its id, not refused for its length."""
+    entry = zoo.get("bert")
+    good = [torch.zeros(2, 40, dtype=torch.int64), torch.ones(2, 40, dtype=torch.int64)]
+    bad = [t.clone() for t in good]
+    bad[0][1, 39] = 30522
+    problems = RangeCheck(entry.inputs, torch.device("cpu")).problems([good, bad])
+    assert problems[0] is None
+    assert "30522" in problems[1] and "position 39" in problems[1] and "shape" not in problems[1]
+
+
 def test_ids_on_a_gpu_are_left_to_the_batch_check():
     """request_tensors checks host ids itself and leaves device ids to RangeCheck
     (a meta tensor stands in for a GPU one: it has a device and no data)."""

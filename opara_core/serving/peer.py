@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
 
 import torch
 
 from opara_core import parameters, zoo
 from opara_core.engine.precision import HALF
-from opara_core.serving.triton_backend import select_device
+from opara_core.serving.triton_backend import RangeCheck, select_device
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ class PeerModel:
         self.dtype = HALF.get(precision, torch.float32)  # tf32: fp32 tensors, TF32 products allowed below
         self.device = select_device(args)
         entry = zoo.get(self.zoo_name)
-        self.specs = list(entry.inputs)
+        self.range_check = RangeCheck(entry.inputs, self.device)
         self.inputs = [spec.name for spec in entry.inputs]  # the module's argument order (the config names the same)
         self.outputs = [spec.name for spec in entry.outputs]
         # each variable output follows the axis of its inputs: (the input that says the length, output)
@@ -116,34 +115,24 @@ class PeerModel:
                     batch[i] = torch.nn.functional.pad(batch[i], (0, longest - batch[i].shape[1]))
         return batches
 
-    def _bad_ids(self, inputs: list[torch.Tensor]) -> str | None:
-        """Where a request's ids leave their tables, or None: the check a careful
-        model.py makes, since on a GPU an embedding indexed out of range is a
-        device-side assert that kills the process's CUDA context."""
-        for spec, x in zip(self.specs, inputs):
-            if spec.limits() is not None:
-                sized = spec if spec.upper_bounds is not None else replace(spec, shape=tuple(x.shape[1:]))
-                problem = sized.check(x)
-                if problem:
-                    return problem
-        return None
-
     def execute(self, requests: list) -> list:
         pb_utils = self._pb
         responses: list = [None] * len(requests)
         try:
             batches = [[torch.from_dlpack(pb_utils.get_input_tensor_by_name(r, name).to_dlpack()) for name in self.inputs] for r in requests]
-            for i, batch in enumerate(batches):
-                problem = self._bad_ids(batch)
+            lengths = [{name: batch[self.inputs.index(by)].shape[1] for by, name in self.lengths} for batch in batches]
+            batches = [[x.to(self.device, non_blocking=True) for x in batch] for batch in self._padded(batches)]
+            # a careful model.py checks ids before an embedding reads them: on a GPU an id out of its
+            # table is a device-side assert that kills the process's CUDA context (one wait per execute)
+            for i, problem in enumerate(self.range_check.problems(batches)):
                 if problem:
                     responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(problem))
             good = [(i, batch) for i, batch in enumerate(batches) if responses[i] is None]
             if not good:
                 return responses
-            lengths = [{name: batch[self.inputs.index(by)].shape[1] for by, name in self.lengths} for _, batch in good]
+            lengths = [lengths[i] for i, _ in good]
             sizes = [batch[0].shape[0] for _, batch in good]
-            padded = self._padded([batch for _, batch in good])
-            outputs = self._run([torch.cat([batch[k] for batch in padded]) for k in range(len(self.inputs))])
+            outputs = self._run([torch.cat([batch[k] for _, batch in good]) for k in range(len(self.inputs))])
         except Exception as error:  # noqa: BLE001 - every request gets the error, the model stays up
             return [pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(error).__name__}: {error}")) for _ in requests]
         start = 0

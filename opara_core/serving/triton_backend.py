@@ -24,6 +24,7 @@ import json
 import logging
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -152,6 +153,13 @@ def request_tensors(entry: ModelSpec, tensors: dict[str, torch.Tensor | None]) -
     return checked
 
 
+def _sized(spec: TensorSpec, values: torch.Tensor) -> TensorSpec:
+    """The spec at these values' per-row shape where only its range constrains
+    them (a variable-length input, whose shape the spec cannot say); per-position
+    bounds keep the spec's own shape."""
+    return spec if spec.upper_bounds is not None else replace(spec, shape=tuple(values.shape[1:]))
+
+
 class RangeCheck:
     """Id ranges of a batch's GPU inputs, checked where the ids are, with one
     synchronisation for the whole batch (a check per request and input would
@@ -181,7 +189,7 @@ class RangeCheck:
             rows = tensors[0].shape[0]
             failed = any(bad[offset : offset + rows])
             offset += rows
-            problems.append(next(filter(None, (spec.check(tensors[k]) for k, spec, _, _ in self._ranged))) if failed else None)
+            problems.append(next(filter(None, (_sized(spec, tensors[k]).check(tensors[k]) for k, spec, _, _ in self._ranged))) if failed else None)
         return problems
 
 
