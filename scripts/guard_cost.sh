@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The HTTP guard's cost on good requests: `python -m client bench` over HTTP
 # against `launcher serve` with and without the guard, alternating, ROUNDS times.
-#   bash scripts/guard_cost.sh [MODEL] [ROUNDS] [SECONDS] [OUT_DIR]
+#   [OPARA_GUARD_WORKERS=N] bash scripts/guard_cost.sh [MODEL] [ROUNDS] [SECONDS] [OUT_DIR]
 # Writes OUT_DIR/<guard|noguard><round>.json (the bench rows: p50, throughput).
 set -euo pipefail
 cd "$(dirname "$0")/.."

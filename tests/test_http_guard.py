@@ -1,17 +1,26 @@
 """The HTTP guard's checks, without a server: what it refuses, in which words,
-and that every good request passes. The guard in front of the real server is
+and that every good request passes; its workers on one port. The guard in front of the real server is
 exercised by test_fuzz.py, test_bad_input.py and test_security.py."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import http.client
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 
 from opara_core.serving.http_guard import (
     HEADER_LIMIT,
     ModelLimits,
+    Refusals,
     Refused,
     _check_nesting,
     _decode,
@@ -19,6 +28,7 @@ from opara_core.serving.http_guard import (
     check_inference,
     metrics_text,
 )
+from opara_core.serving.launcher import free_ports
 
 # Triton's JSON model config, as /v2/models/deepfm/config returns it (int64 dims as strings)
 DEEPFM = ModelLimits.from_config(
@@ -138,7 +148,8 @@ def test_metrics_report_refusals_and_the_launchers_restarts(tmp_path):
     from opara_core.serving.http_guard import GuardState
 
     state = GuardState("127.0.0.1:1", tmp_path / "status.json")
-    state.refused["invalid"] += 2
+    state.refused.add("invalid")
+    state.refused.add("invalid")
     (tmp_path / "status.json").write_text(json.dumps({"restarts": {"server exited": 3}}))
     text = metrics_text(state)
     assert 'opara_guard_refused_total{reason="invalid"} 2' in text
@@ -152,3 +163,86 @@ def test_every_json_body_is_refused_when_nested_too_deeply():
         _check_nesting(b"[" * 300_000 + b"]" * 300_000)
     _check_nesting(b'{"text_input": "hello", "parameters": {"a": [1, [2]]}}')
     _check_nesting(b"not json: Triton's to refuse")
+
+
+def test_refusals_counted_in_one_worker_are_seen_by_the_others():
+    refused = Refusals()
+    child = os.fork()
+    if child == 0:  # a worker forked from the guard's first process, as `main` forks them
+        refused.add("json")
+        refused.add("size")
+        os._exit(0)
+    os.waitpid(child, 0)
+    refused.add("json")
+    assert refused.items() == [("json", 2), ("size", 1)]
+    with pytest.raises(ValueError, match="unknown refusal reason"):
+        Refused("no", reason="teapot")
+
+
+class Guard:
+    """The guard as the launcher starts it, here with no server behind it: what it
+    refuses itself (JSON nested too deeply) never needs one."""
+
+    def __init__(self, workers: int):
+        self.port, upstream = free_ports(2)
+        command = [sys.executable, "-m", "opara_core.serving.http_guard", f"--listen=127.0.0.1:{self.port}",
+                   f"--upstream=127.0.0.1:{upstream}", f"--workers={workers}"]  # fmt: skip
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.forked = []
+        deadline = time.monotonic() + 30
+        while len(self.forked) < workers - 1 or not self._answers():
+            assert self.process.poll() is None and time.monotonic() < deadline, "the guard did not start"
+            self.forked = psutil.Process(self.process.pid).children()
+            time.sleep(0.05)
+
+    def _answers(self) -> bool:
+        with contextlib.suppress(OSError):
+            return self.request("GET", "/metrics")[0] == 200
+        return False
+
+    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)  # a new connection each time
+        try:
+            connection.request(method, path, body=body)
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+
+@pytest.fixture
+def guard():
+    started = Guard(workers=3)
+    yield started
+    started.process.kill()
+    for process in started.forked:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    started.process.wait(10)
+
+
+def test_the_workers_share_one_port_and_report_the_same_refusal_totals(guard):
+    assert len(guard.forked) == 2
+    deep = b"[" * 300_000 + b"]" * 300_000
+    for _ in range(30):  # 30 connections spread over 3 workers by SO_REUSEPORT
+        status, body = guard.request("POST", "/v2/repository/index", deep)
+        assert status == 400 and b"nested too deeply" in body
+    for _ in range(10):  # whichever worker answers, it reports the guard's total
+        status, body = guard.request("GET", "/metrics")
+        assert status == 200 and 'opara_guard_refused_total{reason="json"} 30' in body.decode()
+
+
+def test_sigterm_stops_every_worker_and_the_guard_exits_0(guard):
+    guard.process.send_signal(signal.SIGTERM)
+    assert guard.process.wait(30) == 0
+    gone, alive = psutil.wait_procs(guard.forked, timeout=10)
+    assert not alive
+
+
+def test_a_worker_that_dies_stops_the_guard_with_exit_code_1(guard):
+    """The launcher restarts a guard that exits, not one missing a worker."""
+    first, second = guard.forked
+    first.kill()
+    assert guard.process.wait(30) == 1
+    gone, alive = psutil.wait_procs([second], timeout=10)
+    assert not alive

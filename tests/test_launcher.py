@@ -690,3 +690,11 @@ def test_the_stall_limit_comes_from_the_environment_and_must_be_positive():
     for bad in ("soon", "0", "-5"):
         with pytest.raises(ValueError, match="OPARA_START_STALL_S"):
             ServerConfig.from_env({"OPARA_START_STALL_S": bad})
+
+
+def test_the_guards_workers_come_from_the_environment_within_1_to_64():
+    assert ServerConfig.from_env({"OPARA_GUARD_WORKERS": "3"}).guard_workers == 3
+    assert ServerConfig.from_env({}).guard_workers is None  # the guard's own default
+    for bad in ("many", "0", "65"):
+        with pytest.raises(ValueError, match="OPARA_GUARD_WORKERS"):
+            ServerConfig.from_env({"OPARA_GUARD_WORKERS": bad})

@@ -76,6 +76,7 @@ _ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]{16,}")
 # compiling NASNet's segments prints nothing for minutes) keep their processes
 # busy, so they count as progress whatever this is.
 START_STALL_ENV = "OPARA_START_STALL_S"
+GUARD_WORKERS_ENV = "OPARA_GUARD_WORKERS"
 DEFAULT_START_STALL_S = 300.0
 PROGRESS_CPU_S = 1.0  # CPU time below this over a wait is the stubs' idle housekeeping, not work
 WAITING_NOTE_S = 30.0  # how often a start that is still loading says what each model does
@@ -182,6 +183,8 @@ class ServerConfig:
     # the HTTP guard (opara_core.serving.http_guard) on http_port, tritonserver's
     # own HTTP port on a free loopback port behind it; False: tritonserver on http_port
     guard: bool = True
+    # the guard's worker processes (GUARD_WORKERS_ENV); None: its own default (one per four CPUs, at most 4)
+    guard_workers: int | None = None
     # more tritonserver flags (TRITON_ARGS, or `serve -- FLAGS`); see passthrough_flags
     extra_args: tuple[str, ...] = ()
     # the key for the restricted APIs; None: a random one per start, so nobody has it
@@ -200,12 +203,14 @@ class ServerConfig:
             )
         if not self.start_stall_s > 0:
             raise ValueError(f"{START_STALL_ENV} must be a positive number of seconds, got {self.start_stall_s}")
+        if self.guard_workers is not None and not 1 <= self.guard_workers <= 64:
+            raise ValueError(f"{GUARD_WORKERS_ENV} must be 1 to 64 worker processes, got {self.guard_workers}")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "ServerConfig":
         """Ports from HTTP_PORT, GRPC_PORT and METRICS_PORT (defaults 8000-8002),
         the admin key from OPARA_ADMIN_KEY, the stall limit of a start from
-        OPARA_START_STALL_S, more tritonserver flags from TRITON_ARGS (split
+        OPARA_START_STALL_S, the HTTP guard's workers from OPARA_GUARD_WORKERS, more tritonserver flags from TRITON_ARGS (split
         as a shell would), before any `extra_args` given."""
         env = os.environ if env is None else env
         values: dict = {}
@@ -220,6 +225,11 @@ class ServerConfig:
                     values[key] = int(env[var])
                 except ValueError:
                     raise ValueError(f"{var} must be a port number, got {env[var]!r}") from None
+        if env.get(GUARD_WORKERS_ENV):
+            try:
+                values["guard_workers"] = int(env[GUARD_WORKERS_ENV])
+            except ValueError:
+                raise ValueError(f"{GUARD_WORKERS_ENV} must be a number of processes, got {env[GUARD_WORKERS_ENV]!r}") from None
         try:
             extra = tuple(shlex.split(env.get(TRITON_ARGS_ENV, "")))
         except ValueError as error:
@@ -482,6 +492,8 @@ class TritonServer:
             self.record_restart(None)
             guard = [sys.executable, "-m", "opara_core.serving.http_guard", f"--listen={self.http_url}",
                      f"--upstream={self.upstream[0]}:{self.upstream[1]}", f"--status-file={self.status_file}"]  # fmt: skip
+            if self.config.guard_workers is not None:
+                guard.append(f"--workers={self.config.guard_workers}")
             if self.log_path is None and self.startup is not None:
                 self.guard = self._spawn(guard, subprocess.PIPE)
                 threading.Thread(target=self._read_output, args=(self.guard.stdout, False), daemon=True).start()
@@ -832,7 +844,7 @@ def _parent_death_wrapper() -> tuple[str, ...]:
     return (setpriv, "--pdeathsig", "TERM", "--")
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent dies."""
     pr_set_pdeathsig = 1
     try:
@@ -957,7 +969,7 @@ def serve(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR, image: bool = F
     )
     if full_log is not None:  # the launcher's own lines are sorted like the server's
         logging.getLogger().handlers = [StartupHandler(startup)]
-    _die_with_parent()
+    die_with_parent()
     stop = threading.Event()
 
     def forward(signum, frame) -> None:
@@ -1008,7 +1020,7 @@ def warm(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR) -> int:
         f"full log: {full_log.name}",
         flush=True,
     )
-    _die_with_parent()
+    die_with_parent()
     problem = None
     try:
         server.start().wait_ready()
