@@ -49,7 +49,7 @@ from aiohttp import web
 from yarl import URL
 
 from opara_core.cpus import usable_cpus
-from opara_core.serving.launcher import die_with_parent
+from opara_core.serving.launcher import MAX_GUARD_WORKERS, die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -457,8 +457,8 @@ def default_workers() -> int:
 
 def _workers(value: str) -> int:
     workers = int(value)
-    if not 1 <= workers <= 64:
-        raise argparse.ArgumentTypeError(f"workers must be 1 to 64, got {workers}")
+    if not 1 <= workers <= MAX_GUARD_WORKERS:
+        raise argparse.ArgumentTypeError(f"workers must be 1 to {MAX_GUARD_WORKERS}, got {workers}")
     return workers
 
 

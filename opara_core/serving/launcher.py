@@ -77,6 +77,7 @@ _ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]{16,}")
 # busy, so they count as progress whatever this is.
 START_STALL_ENV = "OPARA_START_STALL_S"
 GUARD_WORKERS_ENV = "OPARA_GUARD_WORKERS"
+MAX_GUARD_WORKERS = 64  # the HTTP guard's worker processes, at most
 DEFAULT_START_STALL_S = 300.0
 PROGRESS_CPU_S = 1.0  # CPU time below this over a wait is the stubs' idle housekeeping, not work
 WAITING_NOTE_S = 30.0  # how often a start that is still loading says what each model does
@@ -203,15 +204,16 @@ class ServerConfig:
             )
         if not self.start_stall_s > 0:
             raise ValueError(f"{START_STALL_ENV} must be a positive number of seconds, got {self.start_stall_s}")
-        if self.guard_workers is not None and not 1 <= self.guard_workers <= 64:
-            raise ValueError(f"{GUARD_WORKERS_ENV} must be 1 to 64 worker processes, got {self.guard_workers}")
+        if self.guard_workers is not None and not 1 <= self.guard_workers <= MAX_GUARD_WORKERS:
+            raise ValueError(f"{GUARD_WORKERS_ENV} must be 1 to {MAX_GUARD_WORKERS} worker processes, got {self.guard_workers}")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "ServerConfig":
         """Ports from HTTP_PORT, GRPC_PORT and METRICS_PORT (defaults 8000-8002),
         the admin key from OPARA_ADMIN_KEY, the stall limit of a start from
-        OPARA_START_STALL_S, the HTTP guard's workers from OPARA_GUARD_WORKERS, more tritonserver flags from TRITON_ARGS (split
-        as a shell would), before any `extra_args` given."""
+        OPARA_START_STALL_S, the HTTP guard's workers from OPARA_GUARD_WORKERS,
+        more tritonserver flags from TRITON_ARGS (split as a shell would),
+        before any `extra_args` given."""
         env = os.environ if env is None else env
         values: dict = {}
         if env.get(START_STALL_ENV):
