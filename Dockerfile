@@ -1,14 +1,26 @@
 # Production image: the project's models served by the NGC image's tritonserver.
 #
-# Base: tritonserver 25.10, whose Ubuntu 24.04 brings Python 3.12 and CUDA 13.0.
-# The pins need Python >= 3.11 (networkx 3.6.1, transformers 5.23.0), and the
-# pinned torch 2.14.1 from PyPI is a CUDA 13.0 build: 24.10 (Triton 2.51, the
-# release of the nvidia-pytriton binary that `make serve` runs) has Python 3.10
-# and CUDA 12.6, and `pip install` of the pins fails there. Older pins would
-# have fitted 24.10 but changed the engine everywhere for the image's sake.
+# Base: tritonserver 26.05 (Triton 2.69.0): Ubuntu 24.04 with Python 3.12
+# (glibc 2.39), CUDA 13.2.1. Why this release: its HTTP front end fixes two of
+# the request classes that ended tritonserver 2.51 (`make serve`'s binary) and
+# that the HTTP guard refuses: a JSON shape far larger than its data (fixed in
+# 2.59) and JSON nested about a million levels deep (fixed in 2.69; 25.10,
+# Triton 2.62, still parses it recursively). No upstream fix was found for a
+# chunk size beyond 64 bits, so the guard still runs here; docs/deployment.md
+# has the table. Not 26.06-26.08: they parse Inference-Header-Content-Length
+# with std::stoi and end on a value above 2^31-1 (fixed after 26.08 branched,
+# server PR #8925).
+# The pins need Python >= 3.11 (networkx 3.6.1, transformers 5.23.0): 24.10
+# (Triton 2.51) has Python 3.10 and CUDA 12.6, and `pip install` of the pins
+# fails there (older pins would have fitted 24.10 but changed the engine
+# everywhere for the image's sake). The pinned torch 2.14.1 from PyPI is a
+# CUDA 13.0 build that brings its own CUDA 13.0 libraries as wheels
+# (nvidia-cuda-runtime 13.0.96 and the rest), so it needs a driver for CUDA 13
+# (580 or newer, NVIDIA's minor version compatibility), not the image's CUDA
+# 13.2 toolkit.
 # tests/test_dockerfile.py resolves these requirements for the image's Python
 # and platform (pip --dry-run), since no Docker engine runs in CI.
-FROM nvcr.io/nvidia/tritonserver:25.10-py3
+FROM nvcr.io/nvidia/tritonserver:26.05-py3
 
 # Ubuntu 24.04 marks its Python as externally managed; this image is the
 # server's alone, so the project installs into it (the image's Python backend

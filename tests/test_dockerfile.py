@@ -20,8 +20,10 @@ from opara_core.serving.launcher import ADMIN_KEY_ENV, REPO_ROOT, RESTRICTED_API
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 from requirements import requirements  # noqa: E402 - scripts/ is not a package
 
-BASE_IMAGE = "nvcr.io/nvidia/tritonserver:25.10-py3"
-# What the base image runs: Ubuntu 24.04 (glibc 2.39) with Python 3.12, x86-64.
+BASE_IMAGE = "nvcr.io/nvidia/tritonserver:26.05-py3"
+# What the base image runs: Ubuntu 24.04 (glibc 2.39) with Python 3.12, x86-64
+# (Triton 2.69.0's build installs into it from NVIDIA's ubuntu2404 repository and
+# its QA preloads the system's libpython3.12; CUDA 13.2.1 per the 26.05 release notes).
 IMAGE_PYTHON = "3.12"
 IMAGE_GLIBC_MINOR = 39
 SOURCE = ("opara_core", "client")
