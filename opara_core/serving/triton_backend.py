@@ -7,9 +7,9 @@ host or, with FORCE_CPU_ONLY_INPUT_TENSORS "no", on the GPU), which copies them
 once into place and runs the batch once, and splits the outputs, which leave
 through DLPack too. Two paths, chosen per batch by where Triton put the inputs:
 host inputs are checked on the host and copied once into pinned staging memory;
-GPU inputs (a client's CUDA shared memory) are checked on the GPU with one
-synchronisation for the whole batch, copied device to device into the graph's
-static inputs; outputs leave as host tensors (`output_memory` "host", the default:
+GPU inputs (a client's CUDA shared memory) are checked on the GPU without a
+wait of their own (ids clamped into their tables, the verdict read after the
+run), copied device to device into the graph's static inputs; outputs leave as host tensors (`output_memory` "host", the default:
 measured faster than GPU outputs, which cost the Python backend a round trip more)
 or, with "auto", as GPU tensors for a batch whose inputs came on the GPU.
 A bad request gets its own INVALID_ARG error; the others in the batch are still
@@ -27,6 +27,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from opara_core import zoo
@@ -124,7 +125,7 @@ def request_tensors(entry: ModelSpec, tensors: dict[str, torch.Tensor | None]) -
     """Validate one request's inputs against the model; return them in model order.
 
     Ids on the host are range-checked here (numpy, no copy); ids on a GPU are
-    left to `RangeCheck`, which checks a whole batch with one synchronisation.
+    left to `RangeCheck`, which checks a whole batch on the GPU.
     Raises RequestError with a message that names the input and the problem.
     """
     unknown = sorted(set(tensors) - {s.name for s in entry.inputs})
@@ -161,36 +162,101 @@ def _sized(spec: TensorSpec, values: torch.Tensor) -> TensorSpec:
 
 
 class RangeCheck:
-    """Id ranges of a batch's GPU inputs, checked where the ids are, with one
-    synchronisation for the whole batch (a check per request and input would
-    wait on the GPU for each). Only a request that fails pays for its message."""
+    """Id ranges of a batch's GPU inputs, checked where the ids are.
 
-    def __init__(self, specs: tuple[TensorSpec, ...], device: torch.device):
-        self._ranged = []
+    `problems` waits for the GPU once for the whole batch (a check per request
+    and input would wait once each): what a careful model.py does (the peer).
+    `clamp` does not wait at all: the ids the graph reads are clamped into their
+    tables and the per-request verdict travels to the host behind the batch,
+    read after the run's own synchronisation (`PendingCheck`). Only a request
+    that fails pays for its message."""
+
+    def __init__(self, specs: tuple[TensorSpec, ...], device: torch.device, max_batch: int = 1):
+        self._ranged, self._bounds = [], []
         for k, spec in enumerate(specs):
             limits = spec.limits()
             if limits is not None:
                 low, high = limits
                 self._ranged.append((k, spec, low, torch.as_tensor(high, device=device)))
+                # clamp's bounds in the input's own dtype (an int64 bound would promote int32 ids)
+                info = torch.iinfo(spec.dtype)
+                lowest, highest = max(low, info.min), np.minimum(high - 1, info.max)
+                self._bounds.append((torch.as_tensor(lowest, dtype=spec.dtype, device=device), torch.as_tensor(highest, dtype=spec.dtype, device=device)))
+        self._device = device
+        self._flags = self._host_flags(max_batch)
+        self._done = torch.cuda.Event() if device.type == "cuda" else None  # the verdict's arrival on the host
+
+    def _host_flags(self, rows: int) -> torch.Tensor:
+        return torch.zeros(rows, dtype=torch.bool, pin_memory=self._device.type == "cuda")
+
+    def _bad_rows(self, batch: list[list[torch.Tensor]]) -> torch.Tensor:
+        bad_rows = []
+        for k, _, low, high in self._ranged:
+            blocks = [tensors[k] for tensors in batch]
+            ids = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+            bad_rows.append(((ids < low) | (ids >= high)).flatten(1).any(1))
+        return torch.stack(bad_rows).any(0)
+
+    def _describe(self, tensors: list[torch.Tensor]) -> str | None:
+        return next(filter(None, (_sized(spec, tensors[k]).check(tensors[k]) for k, spec, _, _ in self._ranged)))
 
     def problems(self, batch: list[list[torch.Tensor]]) -> list[str | None]:
         """Per request (its inputs in model order, all on the device): the first
         bad id described, or None."""
         if not self._ranged or not batch:
             return [None] * len(batch)
+        return _per_request(batch, self._bad_rows(batch).tolist(), self._describe)  # the batch's one synchronisation
+
+    def clamp(self, batch: list[list[torch.Tensor]]) -> PendingCheck | None:
+        """Check without waiting: each request's ranged inputs are replaced, in
+        `batch`, by views of one clamped copy (an id out of its table would be a
+        device-side assert that ends the process's CUDA context; a clamped row's
+        answer is thrown away), and the verdict is queued to the host on the
+        current stream, ahead of the work that follows. None when nothing is ranged."""
+        if not self._ranged or not batch:
+            return None
+        rows = sum(tensors[0].shape[0] for tensors in batch)
+        if rows > self._flags.numel():
+            self._flags = self._host_flags(rows)
+        originals = [list(tensors) for tensors in batch]
         bad_rows = []
-        for k, _, low, high in self._ranged:
+        for (k, _, _, _), (lowest, highest) in zip(self._ranged, self._bounds):
             blocks = [tensors[k] for tensors in batch]
             ids = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-            bad_rows.append(((ids < low) | (ids >= high)).flatten(1).any(1))
-        bad = torch.stack(bad_rows).any(0).tolist()  # the batch's one synchronisation
-        problems, offset = [], 0
-        for tensors in batch:
-            rows = tensors[0].shape[0]
-            failed = any(bad[offset : offset + rows])
-            offset += rows
-            problems.append(next(filter(None, (_sized(spec, tensors[k]).check(tensors[k]) for k, spec, _, _ in self._ranged))) if failed else None)
-        return problems
+            safe = torch.clamp(ids, lowest, highest)
+            bad_rows.append((safe != ids).flatten(1).any(1))
+            offset = 0
+            for tensors in batch:
+                tensors[k] = safe[offset : offset + tensors[k].shape[0]]
+                offset += tensors[k].shape[0]
+        bad = self._flags[:rows]
+        bad.copy_(bad_rows[0] if len(bad_rows) == 1 else torch.stack(bad_rows).any(0), non_blocking=True)
+        if self._done is not None:
+            self._done.record()
+        return PendingCheck(originals, bad, self._done, self._describe)
+
+
+class PendingCheck:
+    """`RangeCheck.clamp`'s verdict, on its way to the host."""
+
+    def __init__(self, batch: list[list[torch.Tensor]], bad: torch.Tensor, done, describe):
+        self._batch, self._bad, self._done, self._describe = batch, bad, done, describe
+
+    def problems(self) -> list[str | None]:
+        """Per request, as RangeCheck.problems; waits only for the check itself
+        (at once after a run that waited for the GPU)."""
+        if self._done is not None:
+            self._done.synchronize()
+        return _per_request(self._batch, self._bad.tolist(), self._describe)
+
+
+def _per_request(batch: list[list[torch.Tensor]], bad: list[bool], describe) -> list[str | None]:
+    problems, offset = [], 0
+    for tensors in batch:
+        rows = tensors[0].shape[0]
+        problems.append(describe(tensors) if any(bad[offset : offset + rows]) else None)
+        offset += rows
+    return problems
 
 
 class OparaModel:
@@ -227,7 +293,7 @@ class OparaModel:
             self.runner, self.report = self._build(module, settings, config)
         if threads is not None:  # after the build, which may use every core (tracing, CPU fallbacks)
             torch.set_num_threads(threads)
-        self.range_check = RangeCheck(self.entry.inputs, self.device)
+        self.range_check = RangeCheck(self.entry.inputs, self.device, self.max_batch)
         self.name, self.gpu_path_seen = args["model_name"], False
         self.metrics = ServingMetrics(pb_utils, args["model_name"], self.runner, self.report)
         report = self.report
@@ -250,20 +316,22 @@ class OparaModel:
             except RequestError as error:
                 responses[i] = _error(pb_utils, str(error), pb_utils.TritonError.INVALID_ARG)
         on_device = self._place(good)
+        pending = None
         if on_device:
             if not self.gpu_path_seen:  # once: where a test or an operator sees that CUDA shared memory arrived as such
                 self.gpu_path_seen = True
                 log.info("model %s: a batch arrived on %s: the GPU path (inputs device to device)", self.name, self.device)
-            for (i, _), problem in zip(list(good), self.range_check.problems([tensors for _, tensors in good])):
-                if problem:
-                    responses[i] = _error(pb_utils, problem, pb_utils.TritonError.INVALID_ARG)
-            good = [(i, tensors) for i, tensors in good if responses[i] is None]
+            pending = self.range_check.clamp([tensors for _, tensors in good])  # read after the run: no wait here
         clock.lap("validate")
         if good:
             try:
                 with torch.inference_mode():
                     for (i, _), response in zip(good, self._run(good, on_device)):
                         responses[i] = response
+                if pending is not None:  # a request with a bad id gets its error, not the clamped row's answer
+                    for (i, _), problem in zip(good, pending.problems()):
+                        if problem:
+                            responses[i] = _error(pb_utils, problem, pb_utils.TritonError.INVALID_ARG)
                 clock.lap("respond")
             except Exception:  # noqa: BLE001 - reported per request, never as a traceback
                 log.exception("inference failed for a batch of %d requests", len(good))
