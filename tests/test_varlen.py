@@ -416,3 +416,20 @@ def test_a_first_use_start_plans_with_the_timings_an_earlier_start_kept(tmp_path
     # another grid is another key: the model's costs again
     other = VarLenRunners(module, entry, cpu, EngineSettings(buckets=batches), VarLenSettings(((16, 512),), capture="first_use"))
     assert other.report.stored == set() and other.costs.seconds[((16,), 1)] < other.costs.seconds[((512,), 1)]
+
+
+def test_a_cpu_instance_in_bf16_says_so_and_what_its_guard_measured():
+    """The ready line's details come from VarLenReport.summary: eager shapes (no
+    choices, no fallbacks) printed nothing of their precision, so a bf16 BERT on
+    a CPU looked like an fp32 one."""
+    from opara_core.engine import precision
+    from opara_core.engine.build import EngineSettings
+    from opara_core.serving.varlen import VarLenRunners, VarLenSettings
+
+    if precision.on_device("bf16", torch.device("cpu"))[0] != "bf16":
+        pytest.skip("this CPU has no native bf16")
+    entry = zoo.get("bert")
+    runners = VarLenRunners(entry.build(), entry, torch.device("cpu"), EngineSettings(buckets=(1, 2), precision="bf16"), VarLenSettings(((16, 32),)))
+    lines = [line for line in runners.report.summary().splitlines() if line.startswith("precision")]
+    assert len(lines) == 1 and lines[0].startswith("precision bf16: max relative error against the fp32 module"), lines
+    assert lines[0].endswith(f"over {len(runners.report.precision_error)} graphs") and len(runners.report.precision_error) >= 2

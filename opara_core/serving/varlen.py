@@ -271,8 +271,13 @@ class VarLenReport:
         for shape, report in sorted(self.shapes.items()):
             memory = f", {self.memory_bytes[shape] / 2**20:.0f} MiB" if shape in self.memory_bytes else ""
             lines.append(f"shape {_label(shape)}: {report.runner}, built in {self.build_seconds.get(shape, 0):.1f} s{memory}")
-            if report.choices or report.fallbacks:
-                lines += ["  " + line for line in report.summary().splitlines()[1:]]
+            if report.choices or report.fallbacks:  # the precision's line comes once, for every shape, below
+                lines += ["  " + line for line in report.summary().splitlines()[1:] if not line.startswith("precision ")]
+        accuracies = {(shape, batch): a for shape, report in self.shapes.items() for batch, a in report.precision_error.items()}
+        if accuracies:
+            lines.append(f"precision {self.precision}: " + precision.describe(accuracies))
+        elif self.precision != precision.FP32:
+            lines.append(f"precision {self.precision}")
         if self.memory_bytes:
             lines.append(f"device memory reserved by the shapes' builds: {sum(self.memory_bytes.values()) / 2**20:.0f} MiB "
                          f"(largest shape {max(self.memory_bytes.values()) / 2**20:.0f} MiB)")
