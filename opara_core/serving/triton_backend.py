@@ -9,9 +9,10 @@ through DLPack too. Two paths, chosen per batch by where Triton put the inputs:
 host inputs are checked on the host and copied once into pinned staging memory;
 GPU inputs (a client's CUDA shared memory) are checked on the GPU without a
 wait of their own (ids clamped into their tables, the verdict read after the
-run), copied device to device into the graph's static inputs; outputs leave as host tensors (`output_memory` "host", the default:
-measured faster than GPU outputs, which cost the Python backend a round trip more)
-or, with "auto", as GPU tensors for a batch whose inputs came on the GPU.
+run), copied device to device into the graph's static inputs; outputs leave as
+host tensors (`output_memory` "host", the default: measured faster than GPU
+outputs, which cost the Python backend a round trip more) or, with "auto", as
+GPU tensors for a batch whose inputs came on the GPU.
 A bad request gets its own INVALID_ARG error; the others in the batch are still
 answered; no Python traceback ever reaches a client.
 """
