@@ -229,8 +229,6 @@ def test_a_batch_on_the_gpu_is_checked_with_one_synchronisation():
     assert len(synchronising) == 1, [str(w.message) for w in caught]
 
 
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_waitless_check_names_the_same_problems_and_clamps_what_the_graph_reads(device):
     """RangeCheck.clamp gives each request the verdict `problems` gives, after the

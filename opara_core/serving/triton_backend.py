@@ -190,11 +190,16 @@ class RangeCheck:
     def _host_flags(self, rows: int) -> torch.Tensor:
         return torch.zeros(rows, dtype=torch.bool, pin_memory=self._device.type == "cuda")
 
+    @staticmethod
+    def _ids(batch: list[list[torch.Tensor]], k: int) -> torch.Tensor:
+        """Input k of every request, as one tensor of the batch's rows."""
+        blocks = [tensors[k] for tensors in batch]
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+
     def _bad_rows(self, batch: list[list[torch.Tensor]]) -> torch.Tensor:
         bad_rows = []
         for k, _, low, high in self._ranged:
-            blocks = [tensors[k] for tensors in batch]
-            ids = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+            ids = self._ids(batch, k)
             bad_rows.append(((ids < low) | (ids >= high)).flatten(1).any(1))
         return torch.stack(bad_rows).any(0)
 
@@ -222,8 +227,7 @@ class RangeCheck:
         originals = [list(tensors) for tensors in batch]
         bad_rows = []
         for (k, _, _, _), (lowest, highest) in zip(self._ranged, self._bounds):
-            blocks = [tensors[k] for tensors in batch]
-            ids = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+            ids = self._ids(batch, k)
             safe = torch.clamp(ids, lowest, highest)
             bad_rows.append((safe != ids).flatten(1).any(1))
             offset = 0
