@@ -13,6 +13,7 @@ import re
 import threading
 import time
 import urllib.request
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -32,7 +33,7 @@ from opara_core.parameters import VARLEN, parse, strings
 from opara_core.planning import batching
 from opara_core.serving.launcher import TritonServer
 from opara_core.serving.triton_backend import RequestError
-from opara_core.serving.varlen import check_config, check_request, varlen_settings
+from opara_core.serving.varlen import check_config, check_request, on_host, varlen_settings
 
 # long enough that every request of a burst joins one batch
 QUEUE_DELAY_US = 500_000
@@ -433,3 +434,26 @@ def test_a_cpu_instance_in_bf16_says_so_and_what_its_guard_measured():
     lines = [line for line in runners.report.summary().splitlines() if line.startswith("precision")]
     assert len(lines) == 1 and lines[0].startswith("precision bf16: max relative error against the fp32 module"), lines
     assert lines[0].endswith(f"over {len(runners.report.precision_error)} graphs") and len(runners.report.precision_error) >= 2
+
+
+@pytest.mark.gpu
+def test_a_requests_gpu_inputs_come_to_the_host_with_one_wait():
+    """Ids from CUDA shared memory: both of BERT's inputs queued to the host, then one
+    wait (`.cpu()` per input waits twice), the values intact."""
+    inputs = {spec.name: tensor.cuda() for spec, tensor in zip(zoo.get("bert").inputs, zoo.get("bert").example_inputs(3, seed=1))}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            host = on_host(inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    waits = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(waits) == 1, waits
+    assert all(host[name].device.type == "cpu" and torch.equal(host[name], tensor.cpu()) for name, tensor in inputs.items())
+
+
+def test_host_inputs_stay_as_they_are():
+    inputs = dict(zip(("input_ids", "attention_mask"), zoo.get("bert").example_inputs(2, seed=0)))
+    assert all(on_host(inputs)[name] is tensor for name, tensor in inputs.items())

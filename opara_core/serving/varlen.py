@@ -612,6 +612,16 @@ def request_scheduler(request, default: str) -> str:
     return asked
 
 
+def on_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A request's inputs on the host: those on a GPU all queued first, then one
+    wait for the lot (`.cpu()` on each waits once per input)."""
+    devices = [tensor.device for tensor in tensors.values() if tensor.is_cuda]
+    copies = {name: tensor.to("cpu", non_blocking=True) for name, tensor in tensors.items()}
+    for device in dict.fromkeys(devices):
+        torch.cuda.current_stream(device).synchronize()
+    return copies
+
+
 class VarLenModel(OparaModel):
     """The adapter for models with variable sequence axes (model.py of bert, t5)."""
 
@@ -627,8 +637,7 @@ class VarLenModel(OparaModel):
 
     def _request(self, request, tensors: dict[str, torch.Tensor]) -> VarLenRequest:
         # ids from CUDA shared memory come on the GPU; lengths and ranges are checked on the host
-        tensors = {name: tensor.cpu() for name, tensor in tensors.items()}
-        return check_request(self.entry, tensors, request_scheduler(request, self.varlen.scheduler))
+        return check_request(self.entry, on_host(tensors), request_scheduler(request, self.varlen.scheduler))
 
     def _place(self, good: list) -> bool:
         return False  # each request was brought to the host by _request; the runners copy it up
