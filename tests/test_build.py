@@ -137,11 +137,11 @@ def test_the_cudnn_fused_lanes_graph_is_the_inductor_graph_with_the_cudnn_passes
     module = entry.build().to(device).eval()
     traced = trace_model(entry, module, device)
     checks = [tuple(t.to(device) for t in entry.example_inputs(2, seed=7))]
-    graphs = build._fused_lanes_graphs(traced, device, EngineSettings(), BuildReport(), checks, True, None)
+    graphs = build._fused_lanes_graphs(traced, device, EngineSettings(), BuildReport(), checks, True, None, build.FUSION_TOLERANCE)
     at_once, report = fuse_graph(traced, device, passes=build.INDUCTOR_CUDNN_PASSES)
     assert report.rewrites["conv_add_relu"] > 0 and report.rewrites["conv_relu"] > 0
     assert count_kernels(graphs["inductor-cudnn"].module) == count_kernels(at_once.module) < count_kernels(graphs["inductor"].module)
-    assert sorted(build._fused_lanes_graphs(traced, device, EngineSettings(), BuildReport(), checks, True, {"inductor-cudnn"})) == ["inductor-cudnn"]
+    assert sorted(build._fused_lanes_graphs(traced, device, EngineSettings(), BuildReport(), checks, True, {"inductor-cudnn"}, build.FUSION_TOLERANCE)) == ["inductor-cudnn"]
     with torch.inference_mode():
         for batch in (1, 4):
             inputs = tuple(x.to(device) for x in entry.example_inputs(batch, seed=batch))
