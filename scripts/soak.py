@@ -5,7 +5,8 @@ no failed request, no wrong answer and flat server memory as the bar.
 
 The load is the project's client (`client.bench`: closed-loop workers sending
 valid random inputs). Alongside it a checker sends fixed seeded inputs and
-compares every answer with the eager model (the oracle): Triton batches the
+compares every answer with the eager model in the precision it is served in
+(--precision; the oracle): Triton batches the
 checker's rows together with the load's, which is where a mix-up would show.
 Memory is sampled with the server idle, after a warm-up at the highest
 concurrency (the baseline) and after every level: the unique set size (USS,
@@ -48,6 +49,8 @@ from client import bench
 from client.api import Client, describe, result_arrays
 from opara_core.cli_helpers import positive_int_list
 from opara_core import zoo
+from opara_core.engine import precision
+from opara_core.engine.compare import max_relative_error
 from opara_core.serving.launcher import find_server, stub_processes
 
 log = logging.getLogger("soak")
@@ -113,18 +116,27 @@ def growth(baseline: dict[str, int], samples: list[dict[str, int]]) -> dict[str,
 class Checker(threading.Thread):
     """Sends fixed inputs in a loop and compares each answer with the oracle."""
 
-    def __init__(self, url: str, protocol: str, model: str, tolerance: float, interval_s: float = 0.1, cases: int = 6):
+    def __init__(self, url: str, protocol: str, model: str, served: str, tolerance: float | None, interval_s: float = 0.1, cases: int = 6):
+        """`served`: the precision the model is served in (the oracle's);
+        `tolerance`: None for zoo.oracle_tolerance with the oracle's own
+        error against the fp32 module on the checker's inputs."""
         super().__init__(daemon=True)
         entry = zoo.get(model)
         module = entry.build()
-        self.url, self.protocol, self.model, self.tolerance, self.interval_s = url, protocol, model, tolerance, interval_s
+        oracle = precision.cast(module, entry, served)
+        self.url, self.protocol, self.model, self.interval_s = url, protocol, model, interval_s
         self.output = entry.outputs[0].name
         self.cases = []
+        own_error = 0.0
         with torch.inference_mode():
             for seed in range(cases):
                 tensors = entry.example_inputs(1 + seed % 3, seed=1000 + seed)
                 arrays = {spec.name: t.numpy() for spec, t in zip(entry.inputs, tensors)}
-                self.cases.append((arrays, module(*tensors).numpy()))
+                expected = oracle(*tensors)
+                self.cases.append((arrays, expected.numpy()))
+                if oracle is not module:
+                    own_error = max(own_error, max_relative_error(expected, module(*tensors)))
+        self.tolerance = zoo.oracle_tolerance(served, own_error) if tolerance is None else tolerance
         self.stop = threading.Event()
         self.idle = threading.Lock()  # held while a request is out: hold it to keep the checker quiet
         self.sent = self.wrong = self.errors = 0
@@ -186,7 +198,7 @@ def soak(args: argparse.Namespace) -> dict:
             return memory.sample()
 
     messages: list[str] = []
-    checker = Checker(args.url, args.protocol, args.model, args.tolerance)
+    checker = Checker(args.url, args.protocol, args.model, args.precision, args.tolerance)
     checker.start()
     try:
         log.info("warm-up: concurrency %d for %.0f s", max(args.concurrency), args.warmup)
@@ -221,7 +233,7 @@ def soak(args: argparse.Namespace) -> dict:
         "warmup_s": args.warmup,
         "levels": rows,
         "memory": {"measured": memory is not None, "baseline": baseline, "growth": grew, "tolerance": args.memory_tolerance},
-        "checks": {"sent": checker.sent, "wrong": checker.wrong, "errors": checker.errors, "tolerance": args.tolerance},
+        "checks": {"sent": checker.sent, "wrong": checker.wrong, "errors": checker.errors, "precision": args.precision, "tolerance": checker.tolerance},
         "errors": errors,
         "error_messages": messages[:10],
         "passed": not problems,
@@ -267,8 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=positive_int_list, default=(1, 2, 4, 8, 16, 32, 64), help="levels, e.g. 1,8,64")
     parser.add_argument("--warmup", type=float, default=30.0, help="seconds at the highest level before the baseline (default 30)")
     parser.add_argument("--memory-tolerance", type=float, default=0.02, help="largest growth allowed (default 0.02)")
-    parser.add_argument("--tolerance", type=float, default=zoo.oracle_tolerance(),
-                        help="answer error allowed, relative to the largest output (default: 5e-2 with a GPU (TF32 convolutions), else 1e-4)")
+    parser.add_argument("--precision", choices=(precision.FP32, precision.TF32, precision.BF16, precision.FP16), default=precision.FP32,
+                        help="the precision the model is served in, which the oracle runs in (its config's `precision`, fp32 where a CPU lacks it; default fp32)")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="answer error allowed, relative to the largest output (default: 5e-2 with a GPU (TF32 convolutions), else 1e-4; "
+                             "in bf16 or fp16 plus three times the oracle's own error against fp32)")
     parser.add_argument("--stall-ratio", type=float, default=1.5, help="largest mean request time allowed, in p50s (default 1.5)")
     parser.add_argument("--server-pid", type=int, default=None, help="tritonserver's pid (default: found by port)")
     parser.add_argument("--json", type=Path, default=None, help="write the result here")

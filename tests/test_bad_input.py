@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 import pytest
-from serving import assert_close, eager, example, infer
+from serving import assert_served, eager, example, infer, served_tolerance
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from opara_core import zoo
@@ -246,7 +246,7 @@ def test_a_batch_dimension_beyond_32_bits_never_reads_past_the_data_sent(server,
     if status == 200:
         output = json.loads(body)["outputs"][0]
         assert output["shape"] == [1, 1000]
-        assert_close(np.asarray(output["data"], np.float32).reshape(1, 1000), eager("googlenet", [x]))
+        assert_served(np.asarray(output["data"], np.float32).reshape(1, 1000), "googlenet", [x])
     else:
         assert 400 <= status < 500 and "image" in body
     code, _ = grpc_infer(grpc_stub, grpc_request(case))
@@ -256,9 +256,9 @@ def test_a_batch_dimension_beyond_32_bits_never_reads_past_the_data_sent(server,
 # --- NaN and infinity: served as given --------------------------------------------------------
 
 
-def assert_same_with_nan(actual: np.ndarray, expected: np.ndarray) -> None:
-    """assert_close where NaN and ±Inf must sit at the same places."""
-    tolerance = zoo.oracle_tolerance()
+def assert_same_with_nan(actual: np.ndarray, model: str, arrays: list[np.ndarray]) -> None:
+    """assert_served where NaN and ±Inf must sit at the same places."""
+    expected, tolerance = eager(model, arrays), served_tolerance(model)
     finite = expected[np.isfinite(expected)]
     scale = max(float(np.abs(finite).max()) if finite.size else 0.0, 1e-12)
     np.testing.assert_allclose(actual, expected, rtol=0, atol=tolerance * scale, equal_nan=True)
@@ -274,15 +274,15 @@ def test_nan_and_inf_are_served_as_the_model_computes_them(http_client, grpc_cli
     x[0, 0, 0, 0], x[1, 2, 5, 5] = np.nan, np.inf
     logits = infer(client, "googlenet", [x])
     assert np.isnan(logits[0]).all() and not np.isfinite(logits[1]).all()
-    assert_same_with_nan(logits, eager("googlenet", [x]))
-    assert_close(logits[2:], eager("googlenet", [x[2:]]))
+    assert_same_with_nan(logits, "googlenet", [x])
+    assert_served(logits[2:], "googlenet", [x[2:]])
     dense, sparse = example("deepfm", 3, seed=9)
     dense = dense.copy()
     dense[0, 3], dense[1, 0] = np.nan, -np.inf
     probability = infer(client, "deepfm", [dense, sparse])
     assert np.isnan(probability[0]).all()
-    assert_same_with_nan(probability, eager("deepfm", [dense, sparse]))
-    assert_close(probability[2:], eager("deepfm", [dense[2:], sparse[2:]]))
+    assert_same_with_nan(probability, "deepfm", [dense, sparse])
+    assert_served(probability[2:], "deepfm", [dense[2:], sparse[2:]])
     assert client.is_model_ready("googlenet") and client.is_model_ready("deepfm")
 
 
@@ -311,7 +311,7 @@ def test_good_requests_sent_among_bad_ones_all_succeed(server, grpc_stub, http_c
         answers = [f.result() for f in good_futures]
         outcomes = [f.result() for f in bad_futures]
     for (model, arrays), answer in zip(goods, answers):
-        assert_close(answer, eager(model, arrays))
+        assert_served(answer, model, arrays)
     assert all(status >= 400 and code != "OK" for status, code in outcomes)
     assert http_client.is_server_live() and http_client.is_server_ready() and grpc_client.is_server_ready()
     for model in zoo.names():

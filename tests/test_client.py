@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import server_config
-from serving import assert_close, eager
+from serving import assert_close, assert_served
 
 from client import bench, perf
 from client.__main__ import main as client_main
@@ -394,7 +394,7 @@ def test_bad_ids_on_the_gpu_are_refused_per_request_while_others_succeed(gpu_ser
         if k % 3 == 0:
             assert isinstance(result, ClientError) and "position 8" in str(result), result
         else:
-            assert_close(result, eager(model, [arrays["dense"], arrays["sparse"]]))
+            assert_served(result, model, [arrays["dense"], arrays["sparse"]])
     with Client(gpu_server.grpc_url) as client:
         assert client.model_ready(model)
     assert cuda_leftovers(gpu_server, os.getpid()) == []

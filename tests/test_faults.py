@@ -25,7 +25,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from conftest import server_config
-from serving import assert_close, eager, example, infer
+from serving import assert_served, example, infer
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from opara_core.serving.launcher import REPO_ROOT, TritonServer, shm_prefix, supervise
@@ -129,7 +129,7 @@ def test_a_killed_backend_process_fails_fast_then_the_server_restarts(supervised
         assert time.monotonic() - start < 10, "a request hung during the outage"
         time.sleep(0.2)
     assert answered is not None, errors[-5:]
-    assert_close(answered, eager("deepfm", arrays))
+    assert_served(answered, "deepfm", arrays)
     new = server.stubs()["deepfm_0_0"]
     # the new server may answer before the supervisor's readiness poll has seen it ready
     wait_for(supervised.serving.is_set, 30, "the supervisor to mark the restarted server serving", server)
@@ -144,7 +144,7 @@ def test_a_killed_backend_process_fails_fast_then_the_server_restarts(supervised
     ), caplog.text
     with grpcclient.InferenceServerClient(server.grpc_url) as grpc_client:
         x = example("googlenet", 1, seed=4)[0]
-        assert_close(infer(grpc_client, "googlenet", [x]), eager("googlenet", [x]))
+        assert_served(infer(grpc_client, "googlenet", [x]), "googlenet", [x])
 
 
 def test_sigterm_lets_in_flight_requests_finish(supervised):
@@ -179,7 +179,7 @@ def test_sigterm_lets_in_flight_requests_finish(supervised):
         supervised.sigterm()
         answers = [f.result(timeout=300) for f in futures]
     for x, answer in zip(batches, answers):
-        assert_close(answer, eager("googlenet", [x]))
+        assert_served(answer, "googlenet", [x])
     supervised.thread.join(120)
     assert supervised.result == [0] and server.returncode is not None
     with socket.socket() as late:
@@ -240,7 +240,7 @@ def test_a_model_that_fails_to_initialize_is_unavailable_while_the_others_serve(
                 client.infer("deepfm_broken", inputs)
             assert_clear(refused.value.message(), "deepfm_broken")
             x = example("googlenet", 2, seed=2)[0]
-            assert_close(infer(client, "googlenet", [x]), eager("googlenet", [x]))
+            assert_served(infer(client, "googlenet", [x]), "googlenet", [x])
     finally:
         http_client.close()
         grpc_client.close()
@@ -256,7 +256,7 @@ def test_a_full_shared_memory_pool_gives_an_error_not_a_hang(degraded):
         assert time.monotonic() - start < 10
         assert_clear(full.value.message(), "Failed to increase the shared memory pool size")
         x = example("googlenet", 1, seed=6)[0]
-        assert_close(infer(client, "googlenet", [x]), eager("googlenet", [x]))
+        assert_served(infer(client, "googlenet", [x]), "googlenet", [x])
         assert client.is_model_ready("googlenet")
         client.close()
 
@@ -312,7 +312,7 @@ def test_a_forced_capture_failure_falls_back_with_the_reason_in_log_and_metric(t
     with TritonServer(server_config(repository), tmp_path / "server.log") as server:
         with grpcclient.InferenceServerClient(server.grpc_url) as client:
             x = example("googlenet", 3, seed=8)[0]
-            assert_close(infer(client, "googlenet", [x]), eager("googlenet", [x]))
+            assert_served(infer(client, "googlenet", [x]), "googlenet", [x])
         with urllib.request.urlopen(server.metrics_url, timeout=30) as response:
             metrics = response.read().decode()
     assert re.search(r'^opara_fallbacks_total\{model="googlenet",stage="multi-stream graph"\} 1$', metrics, re.M), [

@@ -57,7 +57,9 @@ def server(tmp_path_factory, admin_key):
     """gpt2 with iteration-level scheduling, and gpt2_request with the
     request-level baseline; both 4 slots of 128 positions and a queue of 6."""
     root = tmp_path_factory.mktemp("generation")
-    parameters = {"config_overrides": SMALL, "max_active": "4", "max_context": "128", "max_queue": "6"}
+    # fp32 whatever the shipped config says: the oracle is transformers' fp32 greedy generate, and a
+    # half-precision decoder may pick another token where two are nearly tied (its own tests are below)
+    parameters = {"config_overrides": SMALL, "max_active": "4", "max_context": "128", "max_queue": "6", "precision": "fp32"}
     repository = make_repository(root / "models", {"gpt2": "gpt2", "gpt2_request": "gpt2"}, parameters)
     with open(repository / "gpt2_request" / "config.pbtxt", "a") as config:
         config.write('parameters { key: "scheduling" value: { string_value: "request" } }\n')

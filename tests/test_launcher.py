@@ -21,7 +21,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from conftest import server_config
-from serving import assert_close, eager, example, infer
+from serving import assert_close, assert_served, eager, example, infer, served_tolerance
 from tritonclient.utils import InferenceServerException
 
 from opara_core.serving import launcher
@@ -96,8 +96,8 @@ def test_http_and_grpc_match_eager(http_client, grpc_client):
     over_http = infer_http(http_client, x)
     over_grpc = infer_grpc(grpc_client, x)
     assert over_http.shape == (1, 1000) and over_http.dtype == np.float32
-    assert_close(over_http, expected)
-    assert_close(over_grpc, expected)
+    assert_close(over_http, expected, served_tolerance(MODEL))
+    assert_close(over_grpc, expected, served_tolerance(MODEL))
     np.testing.assert_array_equal(over_http, over_grpc)
 
 
@@ -112,8 +112,8 @@ def test_a_batch_equals_its_rows_sent_alone(http_client, grpc_client):
     x = images(4, seed=4)
     batched = infer_grpc(grpc_client, x)
     singles = np.concatenate([infer_http(http_client, x[i : i + 1]) for i in range(4)])
-    assert_close(batched, singles)
-    assert_close(batched, eager(MODEL, [x]))
+    assert_close(batched, singles, served_tolerance(MODEL))
+    assert_served(batched, MODEL, [x])
 
 
 def test_wrong_shape_is_a_clear_client_error(http_client, grpc_client):
@@ -247,7 +247,7 @@ def test_make_serve_runs_in_the_foreground_comes_back_after_sigkill_and_stops_on
         wait_ready()
         wait_ready_line(1)
         x = images(1, seed=5)
-        assert_close(infer_http(client, x), eager(MODEL, [x]))
+        assert_served(infer_http(client, x), MODEL, [x])
         first = find_server(ports["HTTP_PORT"])
         assert first is not None and find_server(ports["GRPC_PORT"]) == first
         arguments = Path(f"/proc/{first}/cmdline").read_bytes().split(b"\0")
@@ -256,7 +256,7 @@ def test_make_serve_runs_in_the_foreground_comes_back_after_sigkill_and_stops_on
         wait_ready()
         second = find_server(ports["HTTP_PORT"])
         assert second not in (None, first)
-        assert_close(infer_http(client, x), eager(MODEL, [x]))
+        assert_served(infer_http(client, x), MODEL, [x])
         with urllib.request.urlopen(f"http://127.0.0.1:{ports['HTTP_PORT']}/metrics", timeout=30) as response:
             metrics = response.read().decode()
         assert 'opara_server_restarts_total{reason="server exited"} 1' in metrics, metrics

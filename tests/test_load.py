@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from serving import served_precision
 
 from opara_core.serving.launcher import REPO_ROOT
 
@@ -31,6 +32,7 @@ def test_a_concurrency_sweep_loses_nothing_and_memory_stays_flat(server, tmp_pat
         [sys.executable, str(SCRIPT), "--url", url, "--protocol", protocol, "--model", "deepfm",
          "--duration", "4", "--concurrency", "1,8,64", "--warmup", "6", "--server-pid", str(server.process.pid),
          "--stall-ratio", "5",  # a shared 2-core CI machine: only a gross stall, the GPU runs hold 1.5
+         "--precision", served_precision("deepfm"),
          "--json", str(out)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_script, server_config
-from serving import example
+from serving import assert_served, eager, example
 from test_triton_backend import config_of
 
 from client.api import Client, ClientError, result_arrays
@@ -114,16 +114,15 @@ def test_the_floor_answers_zeros_of_the_models_output_shapes(floor_server, model
 
 @pytest.mark.server
 def test_the_peer_answers_as_the_eager_module_does(floor_server):
-    """Over gRPC and HTTP: the zoo's module (its seeded weights) is the oracle."""
+    """Over gRPC and HTTP: the zoo's module (its seeded weights, in the precision the model is served in) is the oracle."""
     model = "deepfm"
     entry = zoo.get(model)
     inputs = example(model, batch=3, seed=5)
-    want = entry.build().eval()(*(torch.from_numpy(x) for x in inputs)).detach().numpy()
     for url, protocol in ((floor_server.grpc_url, "grpc"), (floor_server.http_url, "http")):
         with Client(url, protocol=protocol) as client:
             request = client.request(f"{model}_peer", dict(zip((s.name for s in entry.inputs), inputs)))
             got = result_arrays(request, client.infer(request), [entry.outputs[0].name])[entry.outputs[0].name]
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        assert_served(got, model, inputs)
 
 
 @pytest.mark.server
@@ -131,13 +130,12 @@ def test_a_variable_length_peer_answers_at_the_requests_lengths_as_the_eager_mod
     entry = zoo.get("t5")
     sized = entry.at((9, 4))
     inputs = [t.numpy() for t in sized.example_inputs(2, seed=3)]
-    want = entry.build().eval()(*(torch.from_numpy(x) for x in inputs)).detach().numpy()
-    assert want.shape == (2, 4, 512)
+    assert eager("t5", inputs).shape == (2, 4, 512)
     # lengths the peer has no graph for yet: on a GPU it compiles and captures one in this request (tens of seconds)
     with Client(floor_server.grpc_url, timeout_s=300) as client:
         request = client.request("t5_peer", dict(zip((s.name for s in entry.inputs), inputs)))
         got = result_arrays(request, client.infer(request), ["last_hidden_state"])["last_hidden_state"]
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert_served(got, "t5", inputs)
 
 
 @pytest.mark.server
@@ -202,7 +200,7 @@ def test_precision_reaches_every_served_config_and_a_bad_one_is_refused(tmp_path
         assert re.findall(PRECISION_ENTRY, (repository / name / "config.pbtxt").read_text()) == ["bf16"]
     assert parse(BATCH, strings(config_of("googlenet", repository)))["precision"] == "bf16"
     plain = serving_bench.make_repository(["googlenet"], tmp_path / "plain", parameters=serving_bench.served_parameters(parser.parse_args([])))
-    assert 'key: "precision"' not in (plain / "googlenet" / "config.pbtxt").read_text()
+    assert (plain / "googlenet" / "config.pbtxt").read_text() == (DEFAULT_MODEL_REPOSITORY / "googlenet" / "config.pbtxt").read_text()
     with pytest.raises(SystemExit, match="give one"):
         serving_bench.served_parameters(parser.parse_args(["--precision", "bf16", "--parameter", "precision=fp16"]))
     with pytest.raises(SystemExit):
