@@ -7,6 +7,11 @@
 #              H200); $TESTS narrows it (pytest arguments, e.g. "tests/test_capture.py tests/test_runtime.py"
 #              on one GPU, the rest on another); test_deploy.py and test_dockerfile.py are left out: they
 #              hold no GPU test and import CI-only packages the GPU machine lacks
+#   gputests   every test marked gpu in five shards side by side on the one GPU (capture; fused lanes; builds,
+#              choices, profiles, segments, Inductor's cache; the server's and varlen's; every other file),
+#              each its own OPARA_CACHE_DIR: all 125 in about 540 s on an H200 (2026-12-06), where `tests`
+#              needs several calls; $out/gputests_<shard>.log (-v, tracebacks) and .xml (JUnit); a shard that
+#              reaches the limit is stopped with SIGINT, so its log still ends with the summary
 #   servertests tests/test_models.py and tests/test_faults.py with the server on the GPU (every
 #              model over HTTP and gRPC against the eager oracle, faults); ~400 s on an H100
 #   launcher   the launcher on a GPU host: GPU metrics on (nv_gpu_* on /metrics), the device-node
@@ -202,7 +207,35 @@ transportexp() {
     return $rc
 }
 
-export -f servestart soak instances twogpu warmbuild transportexp
+GPU_SHARDS=(
+    "capture:tests/test_capture.py"
+    "fused:tests/test_fused_lanes.py"
+    "builds:tests/test_build.py tests/test_choices.py tests/test_profile.py tests/test_segment_compiler.py tests/test_inductor_cache.py"
+    "server:tests/test_client.py tests/test_triton_backend.py tests/test_faults.py tests/test_varlen.py tests/test_gpt2.py tests/test_generation.py"
+)
+
+gputests() {
+    local limit=$1 spec name files pids=() rc=0 pid ignore=(--ignore=tests/test_deploy.py --ignore=tests/test_dockerfile.py)
+    shard() {  # name, then pytest's paths and options
+        local name=$1
+        shift
+        OPARA_CACHE_DIR=$(mktemp -d) timeout -s INT $((limit - 15)) python3 -m pytest -p no:cacheprovider -m gpu -v -rfE \
+            --tb=short --durations=10 --junitxml="$out/gputests_$name.xml" "$@" >"$out/gputests_$name.log" 2>&1
+    }
+    for spec in "${GPU_SHARDS[@]}"; do
+        name=${spec%%:*} files=${spec#*:}
+        shard "$name" $files &
+        pids+=($!)
+        for file in $files; do ignore+=(--ignore="$file"); done
+    done
+    shard other tests "${ignore[@]}" &
+    pids+=($!)
+    for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+    grep -h -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|skipped)" "$out"/gputests_*.log
+    return $rc
+}
+
+export -f servestart soak instances twogpu warmbuild transportexp gputests
 export out
 
 for spec in "$@"; do
@@ -212,6 +245,7 @@ for spec in "$@"; do
     case $name in
     tests) step tests "$limit" python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --durations=10 \
         --ignore=tests/test_deploy.py --ignore=tests/test_dockerfile.py ${TESTS:-tests} ;;
+    gputests) step gputests "$limit" bash -c "$(declare -p GPU_SHARDS); gputests $limit" ;;
     servertests) step servertests "$limit" python3 -m pytest -p no:cacheprovider -m "gpu or server" -q -rfE --durations=10 \
         tests/test_models.py tests/test_faults.py ;;
     launcher) step launcher "$limit" python3 -m pytest -p no:cacheprovider -q -rfE --durations=5 tests/test_launcher.py \
@@ -246,6 +280,6 @@ for spec in "$@"; do
     varlen) step varlen "$limit" python3 scripts/varlen_bench.py --models "${VARLEN_MODELS:-bert}" --concurrency 1,16,64 \
         --json "$out/varlen_bench.json" --log "$out/varlen_server.log" ${PRECISION:+--precision "$PRECISION"} ${VARLEN_ARGS:-} ;;
     guardcost) step guardcost "$limit" bash scripts/guard_cost.sh "${GUARD_MODEL:-googlenet}" "${GUARD_ROUNDS:-2}" "${GUARD_SECONDS:-15}" "$out/guard_cost" ;;
-    *) echo "unknown step $name (tests, fusedtests, bench, servertests, launcher, servestart, csan, racecheck, transporttests, transport, transportexp, serving, instances, twogpu, soak, warmbuild, generation, varlen, varlentests, guardcost)" >&2; exit 2 ;;
+    *) echo "unknown step $name (tests, gputests, fusedtests, bench, servertests, launcher, servestart, csan, racecheck, transporttests, transport, transportexp, serving, instances, twogpu, soak, warmbuild, generation, varlen, varlentests, guardcost)" >&2; exit 2 ;;
     esac
 done
