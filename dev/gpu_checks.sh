@@ -9,8 +9,8 @@
 #              hold no GPU test and import CI-only packages the GPU machine lacks
 #   gputests   every test marked gpu in five shards side by side on the one GPU (capture; fused lanes; builds,
 #              choices, profiles, segments, Inductor's cache; the server's and varlen's; every other file),
-#              each its own OPARA_CACHE_DIR: all 125 in about 540 s on an H200 (2026-12-06), where `tests`
-#              needs several calls; $out/gputests_<shard>.log (-v, tracebacks) and .xml (JUnit); a shard that
+#              each its own OPARA_CACHE_DIR (2026-12-06, H200: four such shards finished three in 370-490 s; the
+#              fourth, fused lanes with the builds, needed a call of its own, hence five; `tests` needs several); $out/gputests_<shard>.log (-v, tracebacks) and .xml (JUnit); a shard that
 #              reaches the limit is stopped with SIGINT, so its log still ends with the summary
 #   servertests tests/test_models.py and tests/test_faults.py with the server on the GPU (every
 #              model over HTTP and gRPC against the eager oracle, faults); ~400 s on an H100
