@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from opara_core.engine.precision import EAGER_FACTOR, HALF
 from opara_core.models.deepfm import CRITEO_VOCAB_SIZES, NUM_DENSE
 from opara_core.spec import BATCH, GENERATE, LengthAxis, ModelSpec, TensorSpec
 
@@ -242,8 +243,6 @@ def oracle_tolerance(precision: str = "fp32", eager_error: float = 0.0) -> float
     module as the build's guard allows: EAGER_FACTOR times `eager_error`, the
     module's own error in that precision. So the bound adds that and the
     oracle's own error to the fp32 one."""
-    from opara_core.engine.precision import EAGER_FACTOR, HALF
-
     fp32 = 5e-2 if torch.cuda.is_available() else 1e-4
     return fp32 + (EAGER_FACTOR + 1) * eager_error if precision in HALF else fp32
 
