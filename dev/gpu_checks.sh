@@ -115,7 +115,7 @@ for _ in range(150):
         time.sleep(2)
 else:
     raise SystemExit('server not ready after 300 s')
-" && python3 scripts/soak.py --url 127.0.0.1:18001 --protocol grpc --model googlenet --duration "${SOAK_SECONDS:-30}" \
+" && python3 scripts/soak.py --url 127.0.0.1:18001 --protocol grpc --model googlenet --precision bf16 --duration "${SOAK_SECONDS:-30}" \
         --concurrency 1,8,64 --warmup "${SOAK_SECONDS:-30}" --json "$out/soak.json"
     local rc=$?
     kill -TERM $server
