@@ -6,8 +6,9 @@
 # that the HTTP guard refuses: a JSON shape far larger than its data (fixed in
 # 2.59) and JSON nested about a million levels deep (fixed in 2.69; 25.10,
 # Triton 2.62, still parses it recursively). No upstream fix was found for a
-# chunk size beyond 64 bits, so the guard still runs here; docs/deployment.md
-# has the table. Not 26.06-26.08: they parse Inference-Header-Content-Length
+# chunk size beyond 64 bits, so a guard still runs here: nginx, which refuses it
+# (the Python guard in `make serve` checks 2.51's JSON classes too);
+# docs/deployment.md has the table. Not 26.06-26.08: they parse Inference-Header-Content-Length
 # with std::stoi and end on a value above 2^31-1 (fixed after 26.08 branched,
 # server PR #8925).
 # The pins need Python >= 3.11 (networkx 3.6.1, transformers 5.23.0): 24.10
@@ -45,6 +46,12 @@ COPY opara_core ./opara_core
 COPY client ./client
 RUN python3 -m pip install --no-deps .
 COPY model_repository /models
+
+# nginx in front of tritonserver's HTTP port (the launcher's `container` guard):
+# it refuses the one request class 2.69 has no fix for, a chunk size beyond 64
+# bits, at a fraction of the Python guard's cost (docs/reliability.md).
+RUN apt-get update && apt-get install -y --no-install-recommends nginx \
+    && rm -rf /var/lib/apt/lists/*
 
 # Not root: the server needs no privilege (its ports are above 1024).
 RUN useradd --system --create-home --uid 10001 --user-group opara

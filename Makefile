@@ -39,8 +39,10 @@ warm: setup
 # in the same one (tests/conftest.py); TEST_WORKERS=0 runs it in this process.
 # Each worker and the servers it starts get their share of the cores as torch's
 # threads (OMP_NUM_THREADS, unless set): more threads than cores spin-wait.
+# nginx (Debian's package) for the tests of the container's HTTP guard.
 TEST_WORKERS ?= $(shell n=$$(nproc); [ $$n -gt 4 ] && n=4; echo $$n)
 test: setup
+	@command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq nginx; }
 	$(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$$(( ($$(nproc) + $(TEST_WORKERS) - 1) / $(TEST_WORKERS) ))}) \
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)
 

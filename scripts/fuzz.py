@@ -1,7 +1,7 @@
 """Fuzz the server with malformed requests over HTTP and gRPC, seeded and bounded.
 
     python scripts/fuzz.py --seed 1 --count 3000 --json out/fuzz.json            # guarded, as `make serve` runs
-    python scripts/fuzz.py --seed 1 --count 3000 --no-guard --json out/fuzz.json # tritonserver's own HTTP port
+    python scripts/fuzz.py --seed 1 --count 3000 --guard none --json out/fuzz.json # tritonserver's own HTTP port
 
 The script starts its own server (deepfm copied into a temporary repository,
 the launcher's TritonServer on free loopback ports) and sends `--count`
@@ -673,25 +673,25 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from opara_core.serving.launcher import GUARDS, REPO_ROOT, ServerConfig, TritonServer, describe_exit, free_port
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--count", type=int, default=2000)
     parser.add_argument("--budget", type=float, default=3600.0, help="seconds at most")
     parser.add_argument("--model", default="deepfm", help="a model of model_repository/ to serve and fuzz")
-    parser.add_argument("--no-guard", action="store_true", help="fuzz tritonserver's own HTTP port (no guard)")
+    parser.add_argument("--guard", choices=GUARDS, default="python", help="what serves the HTTP port in front of tritonserver (none: fuzz its own)")
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from opara_core.serving.launcher import REPO_ROOT, ServerConfig, TritonServer, describe_exit, free_port
-
     with tempfile.TemporaryDirectory(prefix="opara-fuzz-") as tmp:
         repository = Path(tmp) / "models"
         source = REPO_ROOT / "model_repository" / args.model
         (repository / args.model / "1").mkdir(parents=True)
         (repository / args.model / "config.pbtxt").write_text((source / "config.pbtxt").read_text())
         (repository / args.model / "1" / "model.py").write_text((source / "1" / "model.py").read_text())
-        config = ServerConfig(repository, free_port(), free_port(), free_port(), exit_timeout_s=5, guard=not args.no_guard)
+        config = ServerConfig(repository, free_port(), free_port(), free_port(), exit_timeout_s=5, guard=args.guard)
         server = TritonServer(config, Path(tmp) / "server.log")
         server.start()
         server.wait_ready()
@@ -713,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
                 fuzzer.close()
         finally:
             server.stop()
-    result = {"seed": args.seed, "count": args.count, "model": args.model, "guard": not args.no_guard, **report.to_json()}
+    result = {"seed": args.seed, "count": args.count, "model": args.model, "guard": args.guard, **report.to_json()}
     print(json.dumps({k: result[k] for k in ("total", "seconds", "crash_classes", "sent")}, indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

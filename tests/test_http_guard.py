@@ -26,7 +26,7 @@ from opara_core.serving.http_guard import (
     _decode,
     _model_of,
     check_inference,
-    metrics_text,
+    guard_metrics_text,
 )
 from opara_core.serving.launcher import free_ports
 
@@ -151,7 +151,7 @@ def test_metrics_report_refusals_and_the_launchers_restarts(tmp_path):
     state.refused.add("invalid")
     state.refused.add("invalid")
     (tmp_path / "status.json").write_text(json.dumps({"restarts": {"server exited": 3}}))
-    text = metrics_text(state)
+    text = guard_metrics_text(state)
     assert 'opara_guard_refused_total{reason="invalid"} 2' in text
     assert 'opara_server_restarts_total{reason="server exited"} 3' in text
 

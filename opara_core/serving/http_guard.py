@@ -49,6 +49,7 @@ from aiohttp import web
 from yarl import URL
 
 from opara_core.cpus import usable_cpus
+from opara_core.serving.guard_metrics import metrics_text
 from opara_core.serving.launcher import MAX_GUARD_WORKERS, die_with_parent
 
 log = logging.getLogger(__name__)
@@ -339,7 +340,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
 async def _handle(request: web.Request, state: GuardState) -> web.StreamResponse:
     try:
         if request.method == "GET" and request.path == "/metrics":
-            return web.Response(text=metrics_text(state), content_type="text/plain", charset="utf-8")
+            return web.Response(text=guard_metrics_text(state), content_type="text/plain", charset="utf-8")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         if request.method == "POST" and ("infer" in request.raw_path.lower() or "infer" in request.path.lower()):
             target = _model_of(request.path)
@@ -409,23 +410,15 @@ async def _forward(request: web.Request, state: GuardState, headers: dict, body:
         return response
 
 
-def metrics_text(state: GuardState) -> str:
-    """Prometheus text: refusals by reason, and the launcher's restarts."""
+def guard_metrics_text(state: GuardState) -> str:
+    """Prometheus text: refusals by reason, and the launcher's restarts (its status file)."""
     status = {}
     if state.status_file is not None:
         try:
             status = json.loads(state.status_file.read_text())
         except (OSError, ValueError):
             status = {}
-    lines = [
-        "# HELP opara_guard_refused_total Requests the HTTP guard answered itself, by reason.",
-        "# TYPE opara_guard_refused_total counter",
-        *(f'opara_guard_refused_total{{reason="{r}"}} {n}' for r, n in sorted(state.refused.items())),
-        "# HELP opara_server_restarts_total Restarts of tritonserver by the launcher, by reason.",
-        "# TYPE opara_server_restarts_total counter",
-        *(f'opara_server_restarts_total{{reason="{r}"}} {n}' for r, n in sorted(status.get("restarts", {}).items())),
-    ]
-    return "\n".join(lines) + "\n"
+    return metrics_text(dict(state.refused.items()), status.get("restarts", {}))
 
 
 def make_app(upstream: str, status_file: Path | None = None, refused: Refusals | None = None) -> web.Application:

@@ -15,10 +15,11 @@ container without it: a random key nobody knows, so those APIs are closed).
 
 The public HTTP port is served by the HTTP guard (`http_guard`), which checks
 inference requests before they reach tritonserver's own HTTP port on a free
-loopback port: Triton 2.51 crashes on some single requests.
+loopback port: Triton 2.51 crashes on some single requests. The container's
+tritonserver (2.69) needs only nginx in front (`nginx_guard`), the faster guard.
 
 CLI: `python -m opara_core.serving.launcher prepare` lays out the backend directory;
-`python -m opara_core.serving.launcher serve [--model-repository DIR] [--no-guard]`
+`python -m opara_core.serving.launcher serve [--model-repository DIR] [--guard python|nginx|none]`
 runs the server and the guard in the foreground (ports from HTTP_PORT, GRPC_PORT,
 METRICS_PORT) and restarts the server if it, the guard or a model's backend
 process dies; `container` does the same with the image's own tritonserver.
@@ -55,6 +56,8 @@ from pathlib import Path
 import psutil
 
 from opara_core.serving.admin_key import ADMIN_KEY_ENV, remove_admin_key, write_admin_key
+from opara_core.serving.guard_metrics import metrics_text
+from opara_core.serving.nginx_guard import NginxGuard
 from opara_core.serving.startup import StartupHandler, StartupLog
 
 log = logging.getLogger(__name__)
@@ -78,6 +81,7 @@ _ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]{16,}")
 START_STALL_ENV = "OPARA_START_STALL_S"
 GUARD_WORKERS_ENV = "OPARA_GUARD_WORKERS"
 MAX_GUARD_WORKERS = 64  # the HTTP guard's worker processes, at most
+GUARDS = ("python", "nginx", "none")  # ServerConfig.guard
 DEFAULT_START_STALL_S = 300.0
 PROGRESS_CPU_S = 1.0  # CPU time below this over a wait is the stubs' idle housekeeping, not work
 WAITING_NOTE_S = 30.0  # how often a start that is still loading says what each model does
@@ -181,9 +185,10 @@ class ServerConfig:
     server_id: str = field(default_factory=lambda: f"opara-{uuid.uuid4().hex[:12]}")
     log_verbose: int = 0
     exit_timeout_s: int = 30
-    # the HTTP guard (opara_core.serving.http_guard) on http_port, tritonserver's
-    # own HTTP port on a free loopback port behind it; False: tritonserver on http_port
-    guard: bool = True
+    # what serves http_port in front of tritonserver's own HTTP port (then on a free loopback port):
+    # "python", the HTTP guard (opara_core.serving.http_guard); "nginx" (opara_core.serving.nginx_guard,
+    # for a tritonserver that parses JSON safely: the container's); "none": tritonserver on http_port
+    guard: str = "python"
     # the guard's worker processes (GUARD_WORKERS_ENV); None: its own default (one per four CPUs, at most 4)
     guard_workers: int | None = None
     # more tritonserver flags (TRITON_ARGS, or `serve -- FLAGS`); see passthrough_flags
@@ -204,8 +209,14 @@ class ServerConfig:
             )
         if not self.start_stall_s > 0:
             raise ValueError(f"{START_STALL_ENV} must be a positive number of seconds, got {self.start_stall_s}")
+        if self.guard not in GUARDS:
+            raise ValueError(f"the HTTP guard must be one of {', '.join(GUARDS)}, got {self.guard!r}")
         if self.guard_workers is not None and not 1 <= self.guard_workers <= MAX_GUARD_WORKERS:
             raise ValueError(f"{GUARD_WORKERS_ENV} must be 1 to {MAX_GUARD_WORKERS} worker processes, got {self.guard_workers}")
+
+    @property
+    def guarded(self) -> bool:
+        return self.guard != "none"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "ServerConfig":
@@ -464,7 +475,11 @@ class TritonServer:
         self.guard: subprocess.Popen | None = None
         # tritonserver's own HTTP port: behind the guard, loopback only, the same across restarts
         public = (config.http_port, config.grpc_port, config.metrics_port)
-        self.upstream = (LOOPBACK, free_port(avoid=public)) if config.guard else (config.address, config.http_port)
+        self.upstream = (LOOPBACK, free_port(avoid=public)) if config.guarded else (config.address, config.http_port)
+        self.nginx = None
+        if config.guard == "nginx":
+            directory = Path(tempfile.gettempdir()) / f"{config.server_id}-nginx"  # beside the status file: writable in the container
+            self.nginx = NginxGuard(directory, (config.address, config.http_port), self.upstream, config.guard_workers or 1)
         self.status_file = Path(tempfile.gettempdir()) / f"{config.server_id}-status.json"
         self.restarts: dict[str, int] = {}
         self._signalled: set[int] = set()  # pids sent SIGTERM or SIGINT already
@@ -490,18 +505,25 @@ class TritonServer:
             command = container_command(self.config, self.upstream)
         else:
             command = [*self.wrapper, *server_command(self.config, prepare_backends(self.workdir), self.upstream)]
-        if self.config.guard and (self.guard is None or self.guard.poll() is not None):
+        if self.config.guarded and (self.guard is None or self.guard.poll() is not None):
+            if self.nginx is not None:
+                self.nginx.write()
             self.record_restart(None)
-            guard = [sys.executable, "-m", "opara_core.serving.http_guard", f"--listen={self.http_url}",
-                     f"--upstream={self.upstream[0]}:{self.upstream[1]}", f"--status-file={self.status_file}"]  # fmt: skip
-            if self.config.guard_workers is not None:
-                guard.append(f"--workers={self.config.guard_workers}")
+            if self.nginx is not None:
+                guard = self.nginx.command()
+                if not self.image:
+                    log.warning("nginx guards the HTTP port: tritonserver 2.51's JSON crash classes (a huge JSON shape, deep nesting) stay open; docs/deployment.md")
+            else:
+                guard = [sys.executable, "-m", "opara_core.serving.http_guard", f"--listen={self.http_url}",
+                         f"--upstream={self.upstream[0]}:{self.upstream[1]}", f"--status-file={self.status_file}"]  # fmt: skip
+                if self.config.guard_workers is not None:
+                    guard.append(f"--workers={self.config.guard_workers}")
             if self.log_path is None and self.startup is not None:
                 self.guard = self._spawn(guard, subprocess.PIPE)
                 threading.Thread(target=self._read_output, args=(self.guard.stdout, False), daemon=True).start()
             else:
                 self.guard = self._spawn(guard)
-            log.info("started the HTTP guard pid %d on %s", self.guard.pid, self.http_url)
+            log.info("started the HTTP guard (%s) pid %d on %s", self.config.guard, self.guard.pid, self.http_url)
         self._log_start = self.log_path.stat().st_size if self.log_path is not None and self.log_path.exists() else 0
         if self.log_path is None and self.startup is not None:
             self.startup.restart()
@@ -521,7 +543,7 @@ class TritonServer:
 
     def announce_ready(self) -> None:
         """One line for a server that now answers: how long it took, its models, its URLs."""
-        guarded = " (HTTP guard in front)" if self.config.guard else ""
+        guarded = {"python": " (HTTP guard in front)", "nginx": " (HTTP guard: nginx in front)"}.get(self.config.guard, "")
         urls = f"HTTP http://{self.http_url}{guarded}, gRPC {self.grpc_url}, metrics {self.metrics_url}"
         if self.startup is not None:
             self.startup.announce_ready(urls)
@@ -545,6 +567,10 @@ class TritonServer:
         partial = self.status_file.with_suffix(".partial")
         partial.write_text(json.dumps({"restarts": self.restarts}))
         partial.replace(self.status_file)
+        if self.nginx is not None:  # what nginx serves at /metrics
+            partial = self.nginx.metrics_path.with_suffix(".partial")
+            partial.write_text(metrics_text({}, self.restarts))
+            partial.replace(self.nginx.metrics_path)
 
     def failure(self, watched: dict[str, int]) -> tuple[str, str] | None:
         """(reason, what happened) if the server, the guard or a watched stub died.
@@ -556,7 +582,7 @@ class TritonServer:
         if self.returncode is not None:
             return "server exited", f"tritonserver {describe_exit(self.returncode)}{self.last_words()}"
         if self.guard is not None and self.guard.poll() is not None:
-            return "guard exited", f"the HTTP guard {describe_exit(self.guard.returncode)}"
+            return "guard exited", f"the HTTP guard {describe_exit(self.guard.returncode)}" + (f": {self._guard_words()}" if self.nginx else "")
         alive = self.stubs()
         if model_control_mode(self.config) in ("explicit", "poll"):
             for name in [name for name in watched if name not in alive and not self._model_ready(instance_model(name))]:
@@ -622,7 +648,7 @@ class TritonServer:
             if self.process is None or self.process.poll() is not None:
                 raise ServerError(f"tritonserver exited early (code {self.returncode}):\n{self.log_tail()}")
             if self.guard is not None and self.guard.poll() is not None:
-                raise ServerError(f"the HTTP guard exited early (code {self.guard.returncode}):\n{self.log_tail()}")
+                raise ServerError(f"the HTTP guard exited early (code {self.guard.returncode}):\n{self._guard_words() or self.log_tail()}")
             if self._answers_as_self():
                 self.stubs()  # remembered, so that `stop` can end any a killed server leaves behind
                 return
@@ -681,8 +707,22 @@ class TritonServer:
         tritonserver). `stop` does the rest."""
         front = self.guard if self.guard is not None and self.guard.poll() is None else self.process
         if front is not None and front.poll() is None:
-            front.send_signal(signum)
+            front.send_signal(self._stop_signal(front, signum))
             self._signalled.add(front.pid)
+
+    def _guard_words(self, lines: int = 5) -> str:
+        """The end of nginx's error log (the Python guard writes into the server's output)."""
+        if self.nginx is None:
+            return ""
+        try:
+            return "\n".join(self.nginx.error_log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def _stop_signal(self, process: subprocess.Popen, signum: int = signal.SIGTERM) -> int:
+        """nginx ends at once on SIGTERM and SIGINT, dropping its requests in
+        flight; SIGQUIT is its graceful stop."""
+        return signal.SIGQUIT if self.nginx is not None and process is self.guard else signum
 
     def stop(self, timeout_s: float | None = None, keep_guard: bool = False) -> int | None:
         """SIGTERM to the guard, which closes its port at once and waits for its
@@ -696,7 +736,7 @@ class TritonServer:
             if process is None:
                 continue
             if process.poll() is None and process.pid not in self._signalled:  # once: a second one may cut a drain short
-                process.send_signal(signal.SIGTERM)
+                process.send_signal(self._stop_signal(process))
             try:
                 process.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -705,6 +745,8 @@ class TritonServer:
                 process.wait()
         if not keep_guard:
             self.status_file.unlink(missing_ok=True)
+            if self.nginx is not None:
+                shutil.rmtree(self.nginx.directory, ignore_errors=True)
         # a stub outliving its server: a SIGKILLed server's stub exits within a
         # second by itself, but one was seen hung for minutes in a futex wait
         # (a lock the dead server held), holding its model's memory
@@ -960,7 +1002,7 @@ def serve(config: ServerConfig, workdir: Path = DEFAULT_WORKDIR, image: bool = F
     full_log = None if verbose or image else open_server_log(workdir, config)
     startup = StartupLog(sys.stdout, models, hide_no_gpu_noise=not verbose and not gpu_present(), full_log=full_log)
     server = TritonServer(config, log_path=None, workdir=workdir, image=image, startup=startup)
-    behind = f" (guarded; tritonserver's own HTTP on {server.upstream[0]}:{server.upstream[1]})" if config.guard else ""
+    behind = f" (guarded by {config.guard}; tritonserver's own HTTP on {server.upstream[0]}:{server.upstream[1]})" if config.guarded else ""
     loading = f"{len(models)} model{'s' * (len(models) != 1)} ({', '.join(models)})" if models is not None else "models"
     print(
         f"tritonserver: HTTP {config.address}:{config.http_port}{behind}, gRPC {config.address}:{config.grpc_port}, "
@@ -1048,7 +1090,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     run.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     run.add_argument("--log-verbose", type=int, default=0)
-    run.add_argument("--no-guard", action="store_true", help="tritonserver's own HTTP port on HTTP_PORT, no guard")
+    run.add_argument("--guard", choices=GUARDS, default="python", help="what serves HTTP_PORT in front of tritonserver: "
+                     "the Python HTTP guard (default: it refuses every request class known to end tritonserver 2.51), nginx "
+                     "(faster; for a tritonserver that parses JSON safely, 2.69 and later), or none (tritonserver's own port)")
     warming = sub.add_parser("warm", help="load every model once and stop: fills the build caches (e.g. for a container image)")
     warming.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     warming.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
@@ -1059,6 +1103,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     container.add_argument("--model-repository", type=Path, default=Path("/models"))
     container.add_argument("--log-verbose", type=int, default=0)
+    container.add_argument("--guard", choices=GUARDS, default="nginx", help="what serves HTTP_PORT in front of the image's "
+                           "tritonserver 2.69 (default nginx; python: the Python HTTP guard; none)")
     for command in (run, container):
         command.epilog = (
             f"Extra tritonserver flags: after `--`, or in {TRITON_ARGS_ENV} (split as a shell would; "
@@ -1077,18 +1123,19 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"model repository {args.model_repository} is not a directory")
         if args.command == "warm":  # free ports: a running server is no obstacle
             ports = dict(zip(("HTTP_PORT", "GRPC_PORT", "METRICS_PORT"), map(str, free_ports(3))))
-            config = ServerConfig.from_env({**os.environ, **ports}, model_repository=args.model_repository, guard=False)
+            config = ServerConfig.from_env({**os.environ, **ports}, model_repository=args.model_repository, guard="none")
             return warm(config, args.workdir)
         if args.command == "container":
             config = ServerConfig.from_env(
-                model_repository=args.model_repository, log_verbose=args.log_verbose, address="0.0.0.0", extra_args=extra
+                model_repository=args.model_repository, log_verbose=args.log_verbose, address="0.0.0.0", extra_args=extra,
+                guard=args.guard,
             )
             _refuse_busy_ports(config)
             if not config.admin_key:
                 print(f"note: {ADMIN_KEY_ENV} is unset: the {', '.join(RESTRICTED_APIS)} APIs are closed to everyone", flush=True)
             return serve(config, image=True)
         config = ServerConfig.from_env(
-            model_repository=args.model_repository, log_verbose=args.log_verbose, guard=not args.no_guard, extra_args=extra
+            model_repository=args.model_repository, log_verbose=args.log_verbose, guard=args.guard, extra_args=extra
         )
         _refuse_busy_ports(config)
         config, where = with_admin_key(config)
