@@ -143,6 +143,14 @@ def test_the_containers_server_has_the_safe_flags(monkeypatch, tmp_path):
     assert not any(f.startswith("--backend-directory") for f in command), "the image's own backends are used"
 
 
+def test_the_image_installs_nginx_for_the_containers_guard():
+    """`launcher container` puts nginx in front of the image's tritonserver by default."""
+    order = [(c.cmd.upper(), " ".join(c.value)) for c in commands()]
+    installs = [i for i, (cmd, v) in enumerate(order) if cmd == "RUN" and re.search(r"apt-get install [^&]*\bnginx\b", v)]
+    user = next(i for i, (cmd, _) in enumerate(order) if cmd == "USER")
+    assert installs and installs[0] < user, order
+
+
 # --- the installs resolve (pip's resolver, no download of the wheels themselves) ---------
 
 NETWORK_TROUBLE = ("NewConnectionError", "Max retries exceeded", "Temporary failure in name resolution", "ConnectTimeout", "Network is unreachable")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import signal
+import subprocess
 
 import pytest
 import tritonclient.http as httpclient
@@ -16,7 +17,7 @@ from test_faults import make_repository
 from test_fuzz import _deepfm, _json, fuzz, survives
 
 from opara_core.serving.launcher import ServerConfig, TritonServer
-from opara_core.serving.nginx_guard import find_nginx
+from opara_core.serving.nginx_guard import NginxGuard, find_nginx
 
 pytestmark = pytest.mark.server
 
@@ -91,3 +92,10 @@ def test_an_unknown_guard_is_refused_naming_the_choices(tmp_path):
     with pytest.raises(ValueError, match="python, nginx, none"):
         ServerConfig(tmp_path, guard="apache")
 
+
+
+def test_the_written_config_passes_nginxs_own_check(tmp_path):
+    guard = NginxGuard(tmp_path / "nginx", ("0.0.0.0", 8000), ("127.0.0.1", 18999), workers=2)
+    guard.write()
+    done = subprocess.run([*guard.command(), "-t"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and "syntax is ok" in done.stderr, done.stderr
