@@ -35,7 +35,7 @@ def find_nginx() -> str:
         path = shutil.which(candidate)
         if path:
             return path
-    raise RuntimeError("the nginx guard needs nginx on PATH or in /usr/sbin (Debian and Ubuntu: apt-get install nginx-light)")
+    raise RuntimeError("the nginx guard needs nginx on PATH or in /usr/sbin (Debian and Ubuntu: apt-get install nginx)")
 
 
 @dataclass(frozen=True)
