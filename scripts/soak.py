@@ -48,7 +48,7 @@ import torch
 from client import bench
 from client.api import Client, describe, result_arrays
 from opara_core.cli_helpers import positive_int_list
-from opara_core import zoo
+from opara_core import parameters, zoo
 from opara_core.engine import precision
 from opara_core.engine.compare import max_relative_error
 from opara_core.serving.launcher import find_server, stub_processes
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=positive_int_list, default=(1, 2, 4, 8, 16, 32, 64), help="levels, e.g. 1,8,64")
     parser.add_argument("--warmup", type=float, default=30.0, help="seconds at the highest level before the baseline (default 30)")
     parser.add_argument("--memory-tolerance", type=float, default=0.02, help="largest growth allowed (default 0.02)")
-    parser.add_argument("--precision", choices=(precision.FP32, precision.TF32, precision.BF16, precision.FP16), default=precision.FP32,
+    parser.add_argument("--precision", choices=parameters.get("precision").choices, default=precision.FP32,
                         help="the precision the model is served in, which the oracle runs in (its config's `precision`, fp32 where a CPU lacks it; default fp32)")
     parser.add_argument("--tolerance", type=float, default=None,
                         help="answer error allowed, relative to the largest output (default: 5e-2 with a GPU (TF32 convolutions), else 1e-4; "

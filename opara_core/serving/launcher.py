@@ -507,9 +507,7 @@ class TritonServer:
             command = [*self.wrapper, *server_command(self.config, prepare_backends(self.workdir), self.upstream)]
         if self.config.guarded and (self.guard is None or self.guard.poll() is not None):
             if self.nginx is not None:
-                self.nginx.write()
-            self.record_restart(None)
-            if self.nginx is not None:
+                self.nginx.write()  # before record_restart, which writes the metrics file nginx serves
                 guard = self.nginx.command()
                 if not self.image:
                     log.warning("nginx guards the HTTP port: tritonserver 2.51's JSON crash classes (a huge JSON shape, deep nesting) stay open; docs/deployment.md")
@@ -518,6 +516,7 @@ class TritonServer:
                          f"--upstream={self.upstream[0]}:{self.upstream[1]}", f"--status-file={self.status_file}"]  # fmt: skip
                 if self.config.guard_workers is not None:
                     guard.append(f"--workers={self.config.guard_workers}")
+            self.record_restart(None)
             if self.log_path is None and self.startup is not None:
                 self.guard = self._spawn(guard, subprocess.PIPE)
                 threading.Thread(target=self._read_output, args=(self.guard.stdout, False), daemon=True).start()
