@@ -219,6 +219,65 @@ def test_inductor_code_is_used_only_if_it_computes_what_the_segment_does(tmp_pat
         assert all(torch.equal(a, b) for a, b in zip(got, want)), name
 
 
+class _Functional(torch.nn.Module):
+    """A segment as fused lanes make one: functional operators on its inputs and weights."""
+
+    def __init__(self, weight: torch.Tensor, forward):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self._forward = forward
+
+    def forward(self, x):
+        return (self._forward(x, self.weight),)
+
+
+def _half_segment(forward, weight: torch.Tensor) -> CompiledSegment:
+    return CompiledSegment(torch.fx.symbolic_trace(_Functional(weight, forward)))
+
+
+def test_half_precision_code_that_rounds_otherwise_than_aten_passes_where_it_is_as_close_to_fp32(tmp_path):
+    # (x * w + 1) - x * w: in bf16 the 1 is lost next to x * w of about 1000, so ATen's bf16 kernels are far
+    # from fp32's 1, and code that computes it right is far from ATen's
+    segment = _half_segment(lambda x, w: (x * w + 1.0) - x * w, torch.full((16,), 1000.0, dtype=torch.bfloat16))
+    sample = (torch.linspace(0.5, 1.5, 64, dtype=torch.bfloat16).reshape(4, 16),)
+    with torch.inference_mode():
+        aten = segment.code(*sample, *segment.weights)
+    exact = (torch.ones(4, 16, dtype=torch.bfloat16),)
+    assert segment_compiler.max_relative_error(exact, tuple(aten)) > segment_compiler.CHECK_TOLERANCE  # the case at hand
+
+    def right(*args):
+        return exact
+
+    assert segment_compiler._checked(segment, right, sample, tmp_path, "right") is right
+    assert (tmp_path / "right.passed").exists()
+
+
+def test_half_precision_code_beyond_twice_atens_own_error_runs_the_aten_operators(tmp_path):
+    torch.manual_seed(5)
+    segment = _half_segment(lambda x, w: torch.nn.functional.linear(x, w), torch.randn(16, 16, dtype=torch.bfloat16))
+    sample = (torch.randn(4, 16, dtype=torch.bfloat16),)
+
+    def wrong(*args):  # 10% off: beyond CHECK_TOLERANCE's 5%, and far beyond bf16's rounding
+        return tuple(t * 1.1 for t in segment.code(*args))
+
+    assert segment_compiler._checked(segment, wrong, sample, tmp_path, "wrong") is segment.code
+    problem = (tmp_path / "wrong.wrong").read_text()
+    assert "against the segment's ATen operators; against them in fp32" in problem, problem
+
+
+def test_only_a_half_precision_segment_that_takes_fp32_is_checked_against_fp32():
+    weight = torch.randn(16, 16)
+    fp32 = _half_segment(lambda x, w: torch.nn.functional.linear(x, w), weight)
+    assert segment_compiler._in_fp32(fp32, (torch.randn(4, 16),)) is None  # nothing in half precision: ATen alone
+    # a segment that casts to bf16 itself refuses fp32 weights beside its own cast: ATen alone
+    casting = _half_segment(lambda x, w: torch.nn.functional.linear(x.to(torch.bfloat16), w), weight.bfloat16())
+    assert segment_compiler._in_fp32(casting, (torch.randn(4, 16),)) is None
+    half = _half_segment(lambda x, w: torch.nn.functional.linear(x, w), weight.bfloat16())
+    sample = (torch.randn(4, 16, dtype=torch.bfloat16),)
+    (got,) = segment_compiler._in_fp32(half, sample)
+    assert got.dtype == torch.float32 and torch.allclose(got, torch.nn.functional.linear(sample[0].float(), weight.bfloat16().float()))
+
+
 def test_segments_an_earlier_build_found_wrong_run_their_aten_operators_with_their_own_weights(tmp_path, monkeypatch):
     torch.manual_seed(4)
     module = Twins().eval()
