@@ -158,7 +158,7 @@ class CompileCount:
     compiled: int = 0  # compiled anew (then saved)
     unsaved: int = 0  # of those, not saved (Inductor's cache bypassed them): compiled again by every build
     record_s: float = 0.0  # running each module once to find its segments' inputs
-    compile_s: float = 0.0  # the compile workers (and compiling unsaved segments here)
+    compile_s: float = 0.0  # waiting for the compile workers once the runs recorded (they start during them), compiling here
     load_s: float = 0.0  # load_saved
     check_s: float = 0.0  # each new code's check against its ATen operators
     records_read: int = 0  # runs whose segments' inputs came from the cache directory, not a run
@@ -191,8 +191,9 @@ def prepare(
     """Make every CompiledSegment of each fused-lanes module ready for its
     inputs' shapes, for every (module, inputs) of `runs` at once: run each
     module once (segments not compiled for these shapes run eagerly) to find
-    each segment's inputs, then load what the cache directory holds and
-    compile the rest, all of it in one pool of workers. What a run found is
+    each segment's inputs, load what the cache directory holds and compile
+    the rest, in one pool of workers that takes a run's segments while later
+    runs still record (`_Workers`). What a run found is
     kept in the cache directory too, and a later build reads it instead of
     running the module where every segment's code is saved and has passed its
     check. (NASNet's warm recording runs took 31.3 of its 52.3 s, run 19, but
@@ -208,46 +209,60 @@ def _prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_d
     wanted: dict[str, list[tuple[CompiledSegment, tuple]]] = {}
     jobs: dict[str, tuple[GraphModule, list[TensorMeta]]] = {}
     samples: dict[str, tuple] = {}  # one call's inputs per key
-    calls = read = 0
-    seconds = dict.fromkeys(("record", "compile", "load", "check"), 0.0)
-    start = time.perf_counter()
-    for top, inputs in runs:
-        record = _record_path(cache_dir, top, inputs)
-        found = _read_record(record, top, cache_dir)
-        read += found is not None
-        if found is None:
-            found = _record(top, inputs)
-            _write_record(record, found)
-        for target, arg_metas, args in found:
-            segment = top.get_submodule(target)
-            shapes = tuple(m.layout for m in arg_metas)
-            if shapes in segment.compiled:
-                continue
-            calls += 1
-            metas = [*arg_metas, *map(TensorMeta.of, segment.weights)]
-            key = segment_key(segment.code.code, metas)
-            wanted.setdefault(key, []).append((segment, shapes))
-            jobs[key] = (segment.code, metas)
-            if args is not None:
-                samples.setdefault(key, args)
-    seconds["record"] = time.perf_counter() - start
     # code in memory counts only for the directory it came from, so that each
     # cache directory ends up holding all of its builds' segments
     loaded = _loaded.setdefault(str(cache_dir), {})
-    wrong = {key for key in wanted if key not in loaded and _wrong_marker(cache_dir, key).exists()}
-    missing = [key for key in wanted if key not in loaded and key not in wrong and not _path(cache_dir, key).exists()]
-    on_disk = [key for key in wanted if key not in loaded and key not in wrong and key not in missing]
-    # segments an earlier build could not save compile here at once, not twice
-    unsaved = {key for key in missing if _unsaved_marker(cache_dir, key).exists()}
-    to_compile = [(key, *jobs[key]) for key in missing if key not in unsaved]
+    wrong: set[str] = set()  # an earlier build found their code wrong (the marker says how)
+    on_disk: list[str] = []
+    missing: list[str] = []
+    unsaved: set[str] = set()  # segments an earlier build could not save: compiled here at once, not twice
+    calls = read = 0
+    seconds = dict.fromkeys(("record", "compile", "load", "check"), 0.0)
     start = time.perf_counter()
-    if to_compile:
-        with gpu_turn.aside(f"fused lanes: compiling {len(to_compile)} segments"):
-            unsaved_now = compile_all(to_compile, cache_dir, workers)
-        for key in unsaved_now:
-            _unsaved_marker(cache_dir, key).touch()
-            unsaved.add(key)
-    seconds["compile"] = time.perf_counter() - start
+    with _Workers(cache_dir, workers) as compiler:
+        for top, inputs in runs:
+            record = _record_path(cache_dir, top, inputs)
+            found = _read_record(record, top, cache_dir)
+            read += found is not None
+            if found is None:
+                found = _record(top, inputs)
+                _write_record(record, found)
+            for target, arg_metas, args in found:
+                segment = top.get_submodule(target)
+                shapes = tuple(m.layout for m in arg_metas)
+                if shapes in segment.compiled:
+                    continue
+                calls += 1
+                metas = [*arg_metas, *map(TensorMeta.of, segment.weights)]
+                key = segment_key(segment.code.code, metas)
+                if args is not None:
+                    samples.setdefault(key, args)
+                if key in wanted:
+                    wanted[key].append((segment, shapes))
+                    continue
+                wanted[key] = [(segment, shapes)]
+                jobs[key] = (segment.code, metas)
+                if key in loaded:
+                    pass
+                elif _wrong_marker(cache_dir, key).exists():
+                    wrong.add(key)
+                elif _path(cache_dir, key).exists():
+                    on_disk.append(key)
+                else:
+                    missing.append(key)
+                    if _unsaved_marker(cache_dir, key).exists():
+                        unsaved.add(key)
+                    else:  # the workers compile it while the next runs record
+                        compiler.submit(key, *jobs[key])
+        seconds["record"] = time.perf_counter() - start
+        start = time.perf_counter()
+        if compiler.submitted:
+            with gpu_turn.aside(f"fused lanes: compiling {compiler.submitted} segments"):
+                unsaved_now = compiler.wait()
+            for key in unsaved_now:
+                _unsaved_marker(cache_dir, key).touch()
+                unsaved.add(key)
+        seconds["compile"] = time.perf_counter() - start
     # loading and checking compile what they still need here, one kernel at a time, as the
     # workers do (_worker_setup): see in_this_process
     with in_this_process():
@@ -536,28 +551,78 @@ class _BypassReasons(logging.Handler):
 
 
 def compile_all(jobs: Sequence[tuple[str, GraphModule, Sequence[TensorMeta]]], cache_dir: Path, workers: int | None = None) -> set[str]:
-    """Compile and save every job: in parallel worker processes when there are
-    several (spawned, so they start clean of this process's CUDA state), else here.
-    A worker pool that cannot start or breaks leaves the rest to this process;
-    a segment Inductor cannot compile raises its error. Returns the keys that
-    compiled but could not be saved."""
-    workers = min(len(jobs), MAX_WORKERS, usable_cpus() // 2) if workers is None else min(workers, len(jobs))
-    done: dict[str, str | None] = {}
-    if workers > 1:
+    """Compile and save every job (`_Workers`). Returns the keys that compiled
+    but could not be saved."""
+    with _Workers(cache_dir, workers) as compiler:
+        for job in jobs:
+            compiler.submit(*job)
+        return compiler.wait()
+
+
+class _Workers:
+    """Compile workers that take segments as the recording runs find them, so
+    that they compile while the building process records the next runs (each
+    run's first calls plan its convolutions with cuDNN: MobileNet-V3-large's
+    cold build spent 35.6 s recording six buckets and then 41.3 s compiling, on
+    one H200). Spawned processes (clean of this process's CUDA state), at most
+    `workers` (default MAX_WORKERS, at most half the usable CPUs) and no more
+    than segments: the pool starts with the second segment, so a lone segment
+    compiles here, as with one worker. A pool that cannot start or breaks
+    leaves the rest to this process; a segment Inductor cannot compile raises
+    its error from `wait`."""
+
+    def __init__(self, cache_dir: Path, workers: int | None = None):
+        self.cache_dir = cache_dir
+        self.workers = min(MAX_WORKERS, usable_cpus() // 2) if workers is None else min(workers, MAX_WORKERS)
+        self.jobs: dict[str, tuple[GraphModule, Sequence[TensorMeta]]] = {}
+        self.futures: dict[str, concurrent.futures.Future] = {}
+        self.pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self.broken = self.workers <= 1
+
+    @property
+    def submitted(self) -> int:
+        return len(self.jobs)
+
+    def submit(self, key: str, code: GraphModule, metas: Sequence[TensorMeta]) -> None:
+        self.jobs[key] = (code, metas)
+        if self.broken or len(self.jobs) < 2:
+            return
         try:
-            context = multiprocessing.get_context("spawn")
-            context.set_executable(python_interpreter())
-            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_setup) as pool:
-                futures = [pool.submit(_compile_portable, key, PortableGraph.of(code), metas, cache_dir) for key, code, metas in jobs]
-                for future in concurrent.futures.as_completed(futures):
-                    key, reason = future.result()
-                    done[key] = reason
+            if self.pool is None:  # ProcessPoolExecutor spawns a worker per job while none is idle, up to its max
+                context = multiprocessing.get_context("spawn")
+                context.set_executable(python_interpreter())
+                self.pool = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=context, initializer=_worker_setup)
+            for queued in [k for k in self.jobs if k not in self.futures]:
+                code, metas = self.jobs[queued]
+                self.futures[queued] = self.pool.submit(_compile_portable, queued, PortableGraph.of(code), metas, self.cache_dir)
+        except (concurrent.futures.process.BrokenProcessPool, OSError, RuntimeError) as error:
+            self._give_up(error)
+
+    def wait(self) -> set[str]:
+        """Every submitted segment compiled and saved: the keys that could not be saved."""
+        done: dict[str, str | None] = {}
+        try:
+            for future in concurrent.futures.as_completed(self.futures.values()):
+                key, reason = future.result()
+                done[key] = reason
         except (concurrent.futures.process.BrokenProcessPool, OSError) as error:
+            self._give_up(error)
+        for key, (code, metas) in self.jobs.items():
+            if key not in done:
+                done[key] = compile_one(key, code, metas, self.cache_dir)[1]
+        return {key for key, reason in done.items() if reason is not None}
+
+    def _give_up(self, error: BaseException) -> None:
+        if not self.broken:
             log.warning("parallel compilation failed (%s: %s); compiling the rest here", type(error).__name__, error)
-    for key, code, metas in jobs:
-        if key not in done:
-            done[key] = compile_one(key, code, metas, cache_dir)[1]
-    return {key for key, reason in done.items() if reason is not None}
+        self.broken = True
+
+    def __enter__(self) -> _Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass(frozen=True)
