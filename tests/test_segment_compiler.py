@@ -297,17 +297,23 @@ def test_half_precision_code_beyond_twice_atens_own_error_runs_the_aten_operator
     assert "against the segment's ATen operators; against them in fp32" in problem, problem
 
 
-def test_only_a_half_precision_segment_that_takes_fp32_is_checked_against_fp32():
+def test_only_a_half_precision_segment_is_checked_against_fp32_and_its_own_casts_become_fp32():
     weight = torch.randn(16, 16)
     fp32 = _half_segment(lambda x, w: torch.nn.functional.linear(x, w), weight)
     assert segment_compiler._in_fp32(fp32, (torch.randn(4, 16),)) is None  # nothing in half precision: ATen alone
-    # a segment that casts to bf16 itself refuses fp32 weights beside its own cast: ATen alone
-    casting = _half_segment(lambda x, w: torch.nn.functional.linear(x.to(torch.bfloat16), w), weight.bfloat16())
-    assert segment_compiler._in_fp32(casting, (torch.randn(4, 16),)) is None
     half = _half_segment(lambda x, w: torch.nn.functional.linear(x, w), weight.bfloat16())
     sample = (torch.randn(4, 16, dtype=torch.bfloat16),)
     (got,) = segment_compiler._in_fp32(half, sample)
     assert got.dtype == torch.float32 and torch.allclose(got, torch.nn.functional.linear(sample[0].float(), weight.bfloat16().float()))
+    # a segment that casts its fp32 input to bf16 itself (a model's first segment) runs without the cast
+    casting = _half_segment(lambda x, w: torch.nn.functional.linear(x.to(torch.bfloat16), w), weight.bfloat16())
+    x = torch.randn(4, 16) * 1000 + 1  # bf16 would round away the 1
+    (got,) = segment_compiler._in_fp32(casting, (x,))
+    assert got.dtype == torch.float32 and torch.allclose(got, torch.nn.functional.linear(x, weight.bfloat16().float()))
+    # and one that casts with no half-precision tensor in sight is still half precision
+    alone = CompiledSegment(torch.fx.symbolic_trace(lambda x: (x.to(torch.bfloat16) * 3,)))
+    (got,) = segment_compiler._in_fp32(alone, (x,))
+    assert got.dtype == torch.float32 and torch.equal(got, x * 3)
 
 
 def test_segments_an_earlier_build_found_wrong_run_their_aten_operators_with_their_own_weights(tmp_path, monkeypatch):

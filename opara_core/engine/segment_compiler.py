@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
 import dataclasses
 import logging
 import multiprocessing
@@ -41,6 +42,7 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Interpreter, Node
+from torch.fx.node import map_aggregate
 
 from opara_core.cpus import usable_cpus
 from opara_core.engine import cache, custom_ops, gpu_turn
@@ -375,8 +377,8 @@ def _checked(
         problem = f"relative error {error:.2g} against the segment's ATen operators"
         if error > CHECK_TOLERANCE and (exact := _in_fp32(segment, sample)) is not None:
             own, aten = max_relative_error(tuple(got), exact), max_relative_error(tuple(want), exact)
-            if own <= EAGER_FACTOR * aten:
-                error = own
+            if own <= EAGER_FACTOR * aten:  # as right as half precision allows
+                error = 0.0
             problem += f"; against them in fp32 {own:.2g}, theirs {aten:.2g}"
         if error <= CHECK_TOLERANCE:
             if saved:
@@ -393,9 +395,10 @@ def _checked(
 
 
 def _in_fp32(segment: CompiledSegment, sample: tuple) -> tuple | None:
-    """The segment's ATen operators on `sample` and its weights cast up to
-    fp32, where it computes in bf16 or fp16; else None (also where its
-    operators refuse fp32, e.g. behind a cast to half precision inside it).
+    """The segment's ATen operators in fp32 where it computes in bf16 or fp16:
+    `sample` and its weights cast up, and every half-precision dtype its
+    operators name (a cast to bf16 inside it, a tensor it creates) made fp32;
+    else None (also where an operator refuses fp32).
 
     Two right half-precision codes differ by their roundings: on one H100
     (2026-12-06) six of NASNet's bf16 segments and six of ResNet-50's differed
@@ -405,17 +408,26 @@ def _in_fp32(segment: CompiledSegment, sample: tuple) -> tuple | None:
     where it is within EAGER_FACTOR times the ATen operators' own error
     against fp32, the bound the model's guard uses (engine.precision)."""
     half = set(HALF.values())
-    if not any(t.dtype in half for t in (*sample, *segment.weights) if isinstance(t, torch.Tensor)):
+    named: list[torch.dtype] = []  # the half-precision dtypes the operators name
+
+    def up(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.float() if value.dtype in half else value
+        if isinstance(value, torch.dtype) and value in half:
+            named.append(value)
+            return torch.float32
+        return value
+
+    graph = copy.deepcopy(segment.code.graph)
+    for node in graph.nodes:
+        node.args, node.kwargs = map_aggregate(node.args, up), map_aggregate(node.kwargs, up)
+    if not named and not any(t.dtype in half for t in (*sample, *segment.weights) if isinstance(t, torch.Tensor)):
         return None
-
-    def up(t: Any) -> Any:
-        return t.float() if isinstance(t, torch.Tensor) and t.dtype in half else t
-
     try:
         with torch.inference_mode():
-            return tuple(segment.code(*[up(x.clone()) for x in sample], *map(up, segment.weights)))
-    except (RuntimeError, TypeError) as error:  # mixed dtypes where the segment casts to half itself
-        log.debug("a segment refused fp32 inputs (%s: %s); it is checked against its ATen operators alone", type(error).__name__, error)
+            return tuple(GraphModule(segment.code, graph)(*map(up, sample), *map(up, segment.weights)))
+    except (RuntimeError, TypeError) as error:  # an operator without fp32
+        log.info("a half-precision segment refused fp32 (%s: %s); it is checked against its ATen operators alone", type(error).__name__, error)
         return None
 
 
