@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from opara_core import zoo
-from opara_core.engine.build import BuildReport, EngineSettings, channels_last_graph, traced_graphs
+from opara_core.engine.build import AUTO_DROP, AUTO_KEEP, BuildReport, Candidate, EngineSettings, channels_last_graph, next_candidates, traced_graphs
 from opara_core.engine.trace import trace_model
 from opara_core.engine.fusion import CONV
 
@@ -148,3 +148,24 @@ def test_the_cudnn_fused_lanes_graph_is_the_inductor_graph_with_the_cudnn_passes
             want = module(*inputs)
             for name, graph in graphs.items():
                 assert max_relative_error(graph.module(*inputs), want) <= 1e-4, (name, batch)
+
+
+def test_a_graph_whose_candidates_all_lost_by_more_than_auto_drop_is_not_timed_at_larger_buckets():
+    fused, fused_seq = Candidate("inductor", "opara", 8), Candidate("inductor", "sequential", 1)
+    nhwc, nhwc_seq = Candidate("nhwc", "asap", 8), Candidate("nhwc", "sequential", 1)
+    nchw, nchw_seq = Candidate("nchw", "opara", 8), Candidate("nchw", "sequential", 1)
+    sequential = [fused_seq, nhwc_seq, nchw_seq]
+    # nhwc's best within AUTO_DROP of the fastest keeps its sequential graph too, though that is slower
+    timings = {fused: 1.0, fused_seq: 2.6, nhwc: 0.99 * AUTO_DROP, nhwc_seq: 2.5, nchw: 1.01 * AUTO_DROP, nchw_seq: 3.0}
+    kept_sequential, shortlist = next_candidates(timings, sequential)
+    assert kept_sequential == [fused_seq, nhwc_seq]
+    assert shortlist == [fused, nhwc]
+    # a sequential graph the bucket could not capture is tried again where its graph stays
+    kept_sequential, _ = next_candidates({fused: 1.0, nhwc: 1.2}, sequential)
+    assert kept_sequential == [fused_seq, nhwc_seq]
+
+
+def test_the_shortlist_keeps_the_auto_keep_fastest_multi_stream_candidates():
+    many = {Candidate("inductor", "opara", k): 1.0 + k / 100 for k in range(1, 8)}
+    _, shortlist = next_candidates(many, [])
+    assert shortlist == sorted(many, key=many.get)[:AUTO_KEEP]

@@ -49,6 +49,15 @@ AUTO_CANDIDATES: tuple[tuple[str, int], ...] = (
     ("wavefront", 8),
 )
 AUTO_KEEP = 3
+# A traced graph (a layout's ATen graph, or a fused-lanes graph) none of whose
+# candidates came within this factor of a bucket's fastest is not captured at the
+# larger buckets. Its lead does not turn between two batch sizes: on a GPU with fused
+# lanes the ATen graphs lost by 1.4-2.2x at batch 1 and were picked at no batch (the
+# shipped repository in bf16 on an H100, 2026-12-06: NASNet's NHWC graph 1.43x at 1 and
+# 1.52-1.89x at 2-32, its NCHW graph 1.95x, then 3.4-3.5x; every pick in the tables of
+# docs/benchmarks.md is fused), and each capture costs a cold build about a second
+# (NASNet's larger buckets captured six candidates in 6.0-6.4 s each).
+AUTO_DROP = 1.5
 # Fused lanes: the plans auto tries with Inductor-compiled segments (sequential
 # is one segment, i.e. torch.compile of the whole graph). On an H100 the
 # policies were within 2% of each other with Inductor (docs/benchmarks.md).
@@ -490,10 +499,10 @@ def capture_fastest(
     fit in the blocks its intermediates freed.
 
     Buckets go smallest first (batch 1 is where latency matters most): the
-    smallest times every candidate, each larger bucket re-times the sequential
-    graphs and the AUTO_KEEP fastest multi-stream candidates of the bucket
-    before it. The sequential graph of the same traced graph is always timed,
-    so a bucket's choice is never slower than it (within timing noise).
+    smallest times every candidate, each larger bucket what `next_candidates`
+    keeps of the bucket before it. The sequential graph of a traced graph is
+    timed wherever its multi-stream candidates are, so a bucket's choice is
+    never slower than it (within timing noise).
     Candidates are timed in pools of their own, dropped with them, and the
     chosen ones captured again at the end: the runner's pool holds only the
     graphs it replays, not the leftovers of the candidates it dropped.
@@ -535,7 +544,7 @@ def capture_fastest(
                 raise CaptureError(f"no candidate could be captured at bucket {bucket}: {'; '.join(failures)[:1000]}")
             ranked = sorted(timings, key=timings.get)
             report.choices[bucket], report.timings_ms[bucket] = ranked[0], timings
-            shortlist = [c for c in ranked if not c.sequential][:AUTO_KEEP]
+            sequential, shortlist = next_candidates(timings, sequential)
             for stage, spent in seconds.items():
                 report.seconds[f"{stage} b{bucket}"] = spent
             log.info("auto: bucket %d -> %s (%s)", bucket, ranked[0], ", ".join(f"{c} {timings[c]:.3f} ms" for c in ranked))
@@ -544,6 +553,16 @@ def capture_fastest(
         chosen = {b: captures[report.choices[b]](static_inputs(model, b, device), pool) for b in sorted(set(buckets), reverse=True)}
         report.seconds["capture chosen"] = time.perf_counter() - start
     return chosen
+
+
+def next_candidates(timings: Mapping[Candidate, float], sequential: Sequence[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
+    """What the next bucket times after one that timed `timings`: of the
+    traced graphs with a candidate within AUTO_DROP times the fastest, the
+    sequential graphs and the AUTO_KEEP fastest multi-stream candidates."""
+    fastest = min(timings.values())
+    kept = {c.graph for c, ms in timings.items() if ms <= AUTO_DROP * fastest}
+    ranked = sorted(timings, key=timings.get)
+    return [c for c in sequential if c.graph in kept], [c for c in ranked if not c.sequential and c.graph in kept][:AUTO_KEEP]
 
 
 def trace_for_build(module, model: ModelSpec, device: torch.device, report: BuildReport) -> OpGraph | None:
