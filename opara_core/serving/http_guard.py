@@ -51,6 +51,7 @@ from yarl import URL
 from opara_core.cpus import usable_cpus
 from opara_core.serving.guard_metrics import metrics_text
 from opara_core.serving.launcher import MAX_GUARD_WORKERS, die_with_parent
+from opara_core.serving.nginx_guard import BODY_LIMIT
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ ELEMENT_BYTES = {
 HEADER_LIMIT = 1 << 20  # bytes of JSON beside the tensors (names, shapes, parameters)
 JSON_BYTES_PER_VALUE = 32  # the longest JSON text of one number, separator and spaces included
 OTHER_BODY_LIMIT = 1 << 20  # bytes: bodies of every request that is not an inference
-OPEN_BODY_LIMIT = 1 << 30  # bytes: an inference whose model sets no bound (an open dim, BYTES, unknown)
+OPEN_BODY_LIMIT = BODY_LIMIT  # bytes: an inference whose model sets no bound (an open dim, BYTES, unknown); nginx's too
 MAX_INPUTS = 256
 HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 NGINX_CANDIDATES = ("nginx", "/usr/sbin/nginx")
-BODY_LIMIT = 1 << 30  # bytes: the Python guard's limit for an inference whose model sets no bound
+BODY_LIMIT = 1 << 30  # bytes: either guard's limit for an inference whose model sets no bound (http_guard's OPEN_BODY_LIMIT)
 UNAVAILABLE = '{"error":"the inference server is unavailable (restarting)"}'
 
 
