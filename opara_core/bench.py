@@ -265,8 +265,8 @@ def bench_model(
             variants.append(("sequential nhwc", graphs["nhwc"], "sequential", None))
         if "inductor" in graphs:  # fused lanes: one segment (torch.compile's kernels), and the opara plan's segments
             variants += [("fused sequential", graphs["inductor"], "sequential", None), ("fused opara", graphs["inductor"], "opara", max_streams)]
-        if "inductor-cudnn" in graphs:  # the same with cuDNN's conv + ReLU: one segment, the opara plan's segments
-            variants += [("fused sequential cudnn", graphs["inductor-cudnn"], "sequential", None), ("fused opara cudnn", graphs["inductor-cudnn"], "opara", max_streams)]
+        if "inductor-cudnn" in graphs:  # the opara plan's segments with cuDNN's conv + ReLU
+            variants.append(("fused opara cudnn", graphs["inductor-cudnn"], "opara", max_streams))
         with torch.inference_mode():
             for label, g, policy, lanes in (v for v in variants if v[0] in wanted):
                 plan = plan_graph(g, policy, lanes)
@@ -511,7 +511,7 @@ def _breakdown(report: dict[str, Any]) -> str:
 
 # ---- report ------------------------------------------------------------------------
 
-COLUMNS = ("eager", "compile", "compile max-autotune", "sequential (unfused)", "sequential", *POLICIES, "sequential nhwc", "fused sequential", "fused opara", "fused sequential cudnn", "fused opara cudnn", "auto", "served")
+COLUMNS = ("eager", "compile", "compile max-autotune", "sequential (unfused)", "sequential", *POLICIES, "sequential nhwc", "fused sequential", "fused opara", "fused opara cudnn", "auto", "served")
 
 
 def table(rows: Sequence[Row]) -> str:
