@@ -116,6 +116,15 @@ def test_the_runs_that_call_segments_first_pick_convolution_algorithms_as_asked(
     assert torch.backends.cudnn.benchmark is (not autotune)  # the process's own setting back
 
 
+def _compile_all(jobs, cache_dir, workers):
+    """Every job through one set of compile workers (segment_compiler._Workers), as a build's runs submit
+    them: the keys that compiled but could not be saved."""
+    with segment_compiler._Workers(cache_dir, workers) as compiler:
+        for job in jobs:
+            compiler.submit(*job)
+        return compiler.wait()
+
+
 def test_segments_go_to_the_compile_workers_while_later_runs_still_record(tmp_path, monkeypatch):
     # recording a run plans its convolutions with cuDNN (MobileNet-V3-large: 35.6 s of six buckets before
     # 41.3 s of compiling, H200): the workers start on a run's segments before the next run records
@@ -442,7 +451,7 @@ def test_code_a_worker_compiled_runs_where_it_is_loaded_even_with_input_free_ten
     # two jobs of each: compiled in two worker processes (one pool for both: each pool's
     # workers import torch, which costs more than the compiling)
     jobs = [("a", segment.code, metas), ("b", segment.code, metas), ("c", free[0].code, free_metas), ("d", free[0].code, free_metas)]
-    assert segment_compiler.compile_all(jobs, tmp_path, workers=2) == set()
+    assert _compile_all(jobs, tmp_path, workers=2) == set()
     with torch.inference_mode():
         want = segment.eager(x)
         for key in ("a", "b"):
@@ -459,7 +468,7 @@ def test_a_saved_segment_is_looked_up_in_inductors_cache_and_loaded_whole_where_
     segment = _segment_with_weights()
     x = torch.randn(4, 16)
     metas = [TensorMeta.of(x), *map(TensorMeta.of, segment.weights)]
-    assert segment_compiler.compile_all([("a", segment.code, metas)], tmp_path, workers=1) == set()
+    assert _compile_all([("a", segment.code, metas)], tmp_path, workers=1) == set()
     real = torch.compiler.load_cache_artifacts
     writes = []
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda *a, **k: writes.append(1) or real(*a, **k))
@@ -559,7 +568,7 @@ def test_segments_calling_the_projects_ops_compile_in_the_worker_processes(tmp_p
         jobs.append((key, code, [TensorMeta.of(t) for t in inputs]))
         checks[key] = (inputs, expected)
     with caplog.at_level(logging.WARNING, logger=segment_compiler.__name__):
-        unsaved = segment_compiler.compile_all(jobs, tmp_path, workers=2)
+        unsaved = _compile_all(jobs, tmp_path, workers=2)
     assert not [r.message for r in caplog.records if r.name == segment_compiler.__name__], "the worker pool should compile them"
     assert unsaved == set()
     for key, (inputs, expected) in checks.items():

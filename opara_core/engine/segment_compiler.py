@@ -562,15 +562,6 @@ class _BypassReasons(logging.Handler):
         self.logger.setLevel(self.level_before)
 
 
-def compile_all(jobs: Sequence[tuple[str, GraphModule, Sequence[TensorMeta]]], cache_dir: Path, workers: int | None = None) -> set[str]:
-    """Compile and save every job (`_Workers`). Returns the keys that compiled
-    but could not be saved."""
-    with _Workers(cache_dir, workers) as compiler:
-        for job in jobs:
-            compiler.submit(*job)
-        return compiler.wait()
-
-
 class _Workers:
     """Compile workers that take segments as the recording runs find them, so
     that they compile while the building process records the next runs (each
