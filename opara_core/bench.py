@@ -185,8 +185,9 @@ def bench_model(
     engine's `autotune` setting off, torch.compile with the flag off);
     `compile_here`: time the torch.compile columns in this process (the
     process `compiled_elsewhere` starts), not in a process of their own;
-    `fused_lanes_autotune`: the engine setting of that name in the fused-lanes
-    columns, `auto` and the build (their convolutions' algorithms timed too);
+    `fused_lanes_autotune`: the fused-lanes columns time their convolutions'
+    algorithms; `auto` and the build take the engine setting of that name
+    (each fused-lanes candidate both ways);
     `numerics`: the precision every column computes in (engine.precision):
     eager and torch.compile run the module cast to it, the engine's columns
     build from that module, the build and `served` with the engine setting.
@@ -225,7 +226,7 @@ def bench_model(
     report = BuildReport()
     graphs, floors = {}, []
     if wanted - {"eager", "compile", "compile max-autotune"}:
-        settings = EngineSettings(fusion=fusion, layout=layout, fused_lanes=True, precision=numerics)
+        settings = EngineSettings(fusion=fusion, layout=layout, fused_lanes=True, fused_lanes_autotune=fused_lanes_autotune, precision=numerics)
         tolerance = fusion_tolerance(settings, entry, module, reference, device)
         graphs = traced_graphs(module, entry, device, settings, report, tolerance=tolerance)
         profiled = not any(f.startswith("profile") for f in report.fallbacks)
@@ -286,7 +287,7 @@ def bench_model(
             if "auto" in wanted:  # exactly as the serving build chooses, for this one bucket
                 auto_report = BuildReport()
                 settings = EngineSettings(max_streams=max_streams, fused_lanes=True, layout=layout, autotune=cudnn_benchmark, fused_lanes_autotune=fused_lanes_autotune, precision=numerics)
-                captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool, autotune=fused_lanes_autotune) for c, plan in candidates(graphs, settings).items()}
+                captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool) for c, plan in candidates(graphs, settings).items()}
                 captured = capture_fastest(captures, entry, device, [batch], auto_report)[batch]
                 row.timings["auto"] = time_calls(graph_call(captured, inputs))
                 chosen = auto_report.choices[batch]

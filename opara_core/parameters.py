@@ -239,8 +239,9 @@ SCHEMA: tuple[Parameter, ...] = (
     P("fused_lanes", "boolean", True, "on a GPU, `auto` also tries plans whose one-lane segments Inductor compiles, run on their lanes in one CUDA graph (`opara_core/engine/fused_lanes.py`): the fastest replays (docs/benchmarks.md); a cold build compiles every segment at every bucket (minutes, the GPU left to other models meanwhile), a warm one loads them; `false` keeps to ATen kernels",
       SERVED, ENGINE),
     # ResNet-50's fused lanes at batch 8 0.918 -> 0.795 ms in one call, 0.817 with this on in another;
-    # its warm build 3.2 -> 8.1 s (H200, docs/benchmarks.md run 39)
-    P("fused_lanes_autotune", "boolean", False, "with `fused_lanes`: the fused lanes' convolutions pick cuDNN's algorithms by timing each, not by its heuristics (faster replays, slower warm builds)",
+    # its warm build 3.2 -> 8.1 s (H200, docs/benchmarks.md run 39); neither way wins everywhere
+    # (bf16, H200: Inception-v3 at batch 8 0.930 ms timed against 1.129, ResNet-50 at 1 0.419 against 0.389)
+    P("fused_lanes_autotune", "boolean", False, "with `fused_lanes`: `auto` also tries each fused-lanes candidate with its convolutions' cuDNN algorithms picked by timing each, beside cuDNN's heuristic picks, and keeps the faster per bucket (slower builds: every convolution shape timed)",
       SERVED, ENGINE, requires="autotune"),
     # engine.choices
     P("remember_choices", "boolean", True, "keep `auto`'s choice per bucket under `$OPARA_CACHE_DIR/choices`: a later build of the same graphs on the same GPU and software captures only the remembered candidates; `false` times every candidate again",

@@ -123,6 +123,36 @@ def test_the_cudnn_fused_lanes_graph_is_offered_with_the_fused_policies_only():
         assert Candidate.parse(str(candidate)) == candidate
 
 
+@pytest.mark.parametrize("model, autotune, fused", [
+    ("googlenet", False, ["inductor", "inductor-cudnn"]),
+    ("googlenet", True, ["inductor", "inductor-cudnn", "inductor-timed", "inductor-cudnn-timed"]),
+    ("deepfm", True, ["inductor"]),  # no convolution to time
+])  # fmt: skip
+def test_fused_lanes_autotune_adds_the_timed_graphs_of_models_with_convolutions(model, autotune, fused):
+    from opara_core.engine.build import graph_names
+
+    module = zoo.get(model).build().eval()
+    names = graph_names(module, EngineSettings(fused_lanes=True, fused_lanes_autotune=autotune), torch.device("cuda"))
+    assert [n for n in names if n not in ("nchw", "nhwc")] == fused
+    assert not [n for n in graph_names(module, EngineSettings(fused_lanes=True, fused_lanes_autotune=autotune), CPU) if n.startswith("inductor")]
+
+
+def test_a_timed_graph_is_offered_as_its_base_graph_is():
+    from opara_core.engine.build import candidates
+
+    entry, module, _ = googlenet()
+    graph = traced_graphs(module, entry, CPU, EngineSettings(fusion=False, layout="nchw"), BuildReport())["nchw"]
+    names = ("inductor", "inductor-cudnn", "inductor-timed", "inductor-cudnn-timed")
+    found = candidates(dict.fromkeys(names, graph), EngineSettings())
+    offered = {name: {(c.policy, c.lanes) for c in found if c.graph == name} for name in names}
+    assert offered["inductor-timed"] == offered["inductor"] and offered["inductor-cudnn-timed"] == offered["inductor-cudnn"]
+    assert ("sequential", 1) not in offered["inductor-cudnn-timed"]
+    for candidate in found:
+        assert candidate.fused and candidate.timed == candidate.graph.endswith("-timed")
+        assert Candidate.parse(str(candidate)) == candidate
+    assert not Candidate("nchw", "opara", 4).timed
+
+
 @pytest.mark.gpu
 def test_the_cudnn_fused_lanes_graph_is_the_inductor_graph_with_the_cudnn_passes(strict_fp32, tmp_path, monkeypatch):
     # made from the `inductor` graph (NASNet's warm build fused the traced graph twice

@@ -21,7 +21,7 @@ from opara_core import zoo
 from opara_core.engine.build import BuildReport, Candidate, EngineSettings, build_runner, static_inputs, traced_graphs
 from opara_core.engine.capture import LanePool, PlanCapture, time_replays
 from opara_core.engine.compare import max_relative_error
-from opara_core.engine import segment_compiler
+from opara_core.engine import build, segment_compiler
 from opara_core.engine.fused_lanes import InductorCapture, fused_lanes, on_planning_thread, prepare_captures
 from opara_core.engine.interpreter import plan_graph, run_plan
 from opara_core.engine.segment_compiler import CompiledSegment, prepare
@@ -127,6 +127,16 @@ def test_the_planning_thread_is_one_thread_apart_from_the_callers():
     assert on_planning_thread(lambda: 7, cpu) == 7  # the thread lives on after a failure
 
 
+def test_timed_convolutions_have_a_planning_thread_of_their_own():
+    # one build captures fused lanes both ways (fused_lanes_autotune): each mode's first calls on its own thread
+    cpu = torch.device("cpu")
+    heuristic = on_planning_thread(lambda: threading.current_thread().name, cpu)
+    timed = {on_planning_thread(lambda: threading.current_thread().name, cpu, timed=True) for _ in range(2)}
+    assert len(timed) == 1 and heuristic not in timed and threading.current_thread().name not in timed | {heuristic}
+    across = on_planning_thread(lambda: on_planning_thread(lambda: threading.current_thread().name, cpu, timed=True), cpu)
+    assert {across} == timed  # one thread's work may ask the other's: no deadlock
+
+
 INTERRUPTED = """
 import signal, time, torch
 from opara_core.engine.fused_lanes import on_planning_thread
@@ -172,6 +182,27 @@ def test_fused_lanes_record_their_convolutions_on_the_planning_thread(tmp_path, 
         fused, _ = fused_lanes(graph, plan)
         prepare_captures([(SimpleNamespace(module=fused.module, cache_dir=tmp_path / directory, prepared=set(), autotune=False), [x])])
     assert len(threads) >= 2 and len(set(threads)) == 1 and threads[0] is not threading.current_thread()
+
+
+def test_captures_that_time_their_convolutions_prepare_on_their_thread_and_load_the_others_code(tmp_path, monkeypatch):
+    threads = []
+    real = segment_compiler._record
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(segment_compiler, "_record", spy)
+    module = Branches().eval()
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    graph = trace(module, (x,))
+    plan = plan_graph(graph, "opara", 4)
+    both = [SimpleNamespace(module=fused_lanes(graph, plan)[0].module, cache_dir=tmp_path, prepared=set(), autotune=timed) for timed in (True, False)]
+    count = prepare_captures([(capture, [x]) for capture in both])
+    alone = prepare_captures([(SimpleNamespace(module=fused_lanes(graph, plan)[0].module, cache_dir=tmp_path / "alone", prepared=set(), autotune=False), [x])])
+    assert count.segments == 2 * alone.segments and count.compiled == alone.compiled > 0  # the same code, compiled once
+    assert threads and set(threads) <= {"fused-lanes-planning", "fused-lanes-planning-timed"}
+    assert all(capture.prepared for capture in both)
 
 
 # ---- on the GPU -------------------------------------------------------------------------
@@ -271,6 +302,32 @@ def test_auto_offers_fused_lanes_and_is_never_slower_than_the_aten_sequential_gr
     for bucket in (1, 8):
         assert chosen[bucket] <= 1.03 * alone[bucket], (bucket, report.choices[bucket], chosen, alone)
         assert isinstance(report.choices[bucket], Candidate)
+
+
+@pytest.mark.gpu
+def test_fused_lanes_autotune_times_each_fused_candidate_both_ways_and_the_timed_ones_answer_as_eager(strict_fp32, tmp_path, monkeypatch):
+    monkeypatch.setenv("OPARA_CACHE_DIR", str(tmp_path))
+    device = torch.device("cuda")
+    entry = zoo.get("resnet50")
+    module = entry.build().to(device).eval()
+    settings = EngineSettings(buckets=(1, 8), layout="nchw", fused_lanes=True, fused_lanes_autotune=True, remember_choices=False)
+    runner, report = build_runner(module, entry, device, 8, settings)
+    assert report.runner == "multi-stream graph", report.summary()
+    first = report.timings_ms[1]
+    pairs = [c for c in first if c.timed and Candidate(c.graph.removesuffix("-timed"), c.policy, c.lanes) in first]
+    assert {c.graph for c in pairs} == {"inductor-timed", "inductor-cudnn-timed"}, report.summary()
+    del runner
+    graphs = traced_graphs(module, entry, device, settings, BuildReport(), only={"inductor-cudnn-timed"})
+    assert list(graphs) == ["inductor-cudnn-timed"]
+    capture = build.plan_capture(Candidate("inductor-cudnn-timed", "opara", 8), graphs["inductor-cudnn-timed"], plan_graph(graphs["inductor-cudnn-timed"], "opara", 8), LanePool(device))
+    assert capture.autotune
+    pool = torch.cuda.graph_pool_handle()
+    for batch in (1, 8):
+        captured = capture(static_inputs(entry, batch, device), pool)
+        inputs = [t.to(device) for t in entry.example_inputs(batch, seed=batch)]
+        with torch.inference_mode():
+            expected = _as_list(module(*inputs))
+        assert max_relative_error(_replay(captured, inputs), expected) < 1e-3, batch
 
 
 def _replay(captured, inputs):

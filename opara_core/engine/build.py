@@ -85,7 +85,18 @@ INDUCTOR_PASSES = ("drop_identities", "cse", "fold_batchnorm", "merge_linears", 
 INDUCTOR_CUDNN_PASSES = (*INDUCTOR_PASSES, "conv_add_relu", "conv_relu")
 FUSION_TOLERANCE = 1e-4  # a rewrite against the graph it rewrites, in fp32 (engine.fusion.fuse_graph)
 ATEN_GRAPHS = ("nchw", "nhwc")  # graphs of ATen kernels, one per layout
-FUSED_GRAPHS = ("inductor", "inductor-cudnn")  # graphs whose candidates are fused lanes
+FUSED_BASES = ("inductor", "inductor-cudnn")  # the graphs fused lanes compile
+# `fused_lanes_autotune`: each also as `<name>-timed`, the same graph whose fused
+# lanes' convolutions take cuDNN's timed algorithms instead of its heuristics'
+# (neither wins everywhere: timed, Inception-v3 bf16 at batch 8 0.930 ms against
+# 1.129, ResNet-50 bf16 at batch 1 0.419 against 0.389; H200, 2026-12-03)
+TIMED = "-timed"
+FUSED_GRAPHS = (*FUSED_BASES, *(name + TIMED for name in FUSED_BASES))  # graphs whose candidates are fused lanes
+
+
+def base_graph(name: str) -> str:
+    """The graph a `-timed` graph is (itself for the others)."""
+    return name.removesuffix(TIMED)
 
 
 def fusion_checks_dir() -> Path:
@@ -151,6 +162,11 @@ class Candidate:
     def fused(self) -> bool:
         """Fused lanes: segments compiled by Inductor."""
         return self.graph in FUSED_GRAPHS
+
+    @property
+    def timed(self) -> bool:
+        """Fused lanes whose convolutions take cuDNN's timed algorithms."""
+        return self.fused and self.graph.endswith(TIMED)
 
 
 @dataclass
@@ -392,7 +408,7 @@ def capture_multi_stream(build: Build, attempt: Attempt) -> tuple[dict[int, Capt
         report.remembered = True
     start = time.perf_counter()
     segment_cache = Path(build.inductor_dir) / "segments" if build.inductor_dir else None
-    captures = {c: plan_capture(c, graphs[c.graph], plan, build.lane_pool, segment_cache, settings.fused_lanes_autotune) for c, plan in needed(plans, known, settings.buckets).items()}
+    captures = {c: plan_capture(c, graphs[c.graph], plan, build.lane_pool, segment_cache) for c, plan in needed(plans, known, settings.buckets).items()}
     report.seconds["captures made"] = time.perf_counter() - start
     start = time.perf_counter()
     compiled = _prepare_fused(captures, build.model, build.device, settings.buckets, known)
@@ -471,11 +487,13 @@ def _has_convs(module: torch.nn.Module) -> bool:
 
 def graph_names(module: torch.nn.Module, settings: EngineSettings, device: torch.device) -> tuple[str, ...]:
     """The graphs `traced_graphs` makes for `module` (inductor-cudnn only where
-    some convolution fuses with cuDNN; it may then be absent)."""
+    some convolution fuses with cuDNN; it may then be absent; the `-timed`
+    ones with `fused_lanes_autotune` where there are convolutions to time)."""
     has_convs = _has_convs(module)
     names = {"auto": ("nchw", "nhwc") if has_convs else ("nchw",), "nchw": ("nchw",), "nhwc": ("nhwc",)}[settings.layout]
     if settings.fused_lanes and torch.device(device).type == "cuda":
-        names += FUSED_GRAPHS if has_convs else FUSED_GRAPHS[:1]
+        fused = FUSED_BASES if has_convs else FUSED_BASES[:1]
+        names += fused + (tuple(name + TIMED for name in fused) if has_convs and settings.fused_lanes_autotune else ())
     return names
 
 
@@ -635,12 +653,15 @@ def traced_graphs(
         except ValueError as error:  # the ATen candidates still serve
             report.fallbacks.append(f"fused lanes: {error}")
             return graphs
-        for name, inductor in _fused_lanes_graphs(traced, device, settings, report, checks, has_convs, only, tolerance).items():
+        bases = None if only is None else {base_graph(name) for name in only}
+        wanted = set(graph_names(module, settings, device)) if only is None else set(only)
+        for name, inductor in _fused_lanes_graphs(traced, device, settings, report, checks, has_convs, bases, tolerance).items():
             if settings.profile:
                 inductor = profiled(inductor, profile_inputs, device, report)
             # segments take their weights as inputs, and Inductor converts a
             # convolution weight to channels-last at every call unless it already is
-            graphs[name] = channels_last_graph(inductor) if has_convs else inductor
+            made = channels_last_graph(inductor) if has_convs else inductor
+            graphs.update({variant: made for variant in (name, name + TIMED) if variant in wanted})
     return graphs
 
 
@@ -679,7 +700,7 @@ def _fused_lanes_graphs(
     traced graph twice from scratch spent ~1.3 s per graph of NASNet's warm
     build (docs/benchmarks.md run 35). `only`: the graphs a build needs (the
     first is made anyway where the second is wanted)."""
-    wanted_names = [name for name in FUSED_GRAPHS if only is None or name in only]
+    wanted_names = [name for name in FUSED_BASES if only is None or name in only]
     if not settings.fusion or not wanted_names:
         return {"inductor": traced} if "inductor" in wanted_names else {}
     start = time.perf_counter()
@@ -715,7 +736,7 @@ def candidates(graphs: dict[str, OpGraph], settings: EngineSettings) -> dict[Can
     found: dict[Candidate, Plan] = {}
     for name, graph in graphs.items():
         wanted = (FUSED_CANDIDATES if name in FUSED_GRAPHS else AUTO_CANDIDATES) if settings.policy == "auto" else ((settings.policy, settings.max_streams),)
-        for policy, lanes in ((("sequential", 1),) if name != "inductor-cudnn" else ()) + tuple(wanted):
+        for policy, lanes in ((("sequential", 1),) if base_graph(name) != "inductor-cudnn" else ()) + tuple(wanted):
             plan = plan_graph(graph, policy, min(lanes, settings.max_streams))
             found.setdefault(Candidate(name, policy, plan.num_streams), plan)
     return found
@@ -727,9 +748,10 @@ def plan_capture(
     """The capture of one candidate: fused lanes compile their segments with
     Inductor, keeping the code in `segment_cache` (default: under Inductor's
     cache directory, engine.inductor_cache), and time their convolutions'
-    algorithms with `autotune` (EngineSettings.fused_lanes_autotune)."""
+    algorithms where the candidate is `timed` or with `autotune` (the bench's
+    fused-lanes columns)."""
     if candidate.fused:
-        return InductorCapture(graph, plan, lane_pool, segment_cache or use_inductor_cache() / "segments", autotune=autotune)
+        return InductorCapture(graph, plan, lane_pool, segment_cache or use_inductor_cache() / "segments", autotune=autotune or candidate.timed)
     return PlanCapture(graph, plan, lane_pool)
 
 

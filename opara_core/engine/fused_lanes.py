@@ -51,9 +51,9 @@ class _PlanningThread:
     """One daemon thread that runs the work handed to it, in order: a build
     interrupted in the middle of compiling need not wait for it at exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
         self.jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._serve, name="fused-lanes-planning", daemon=True)
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
@@ -70,33 +70,35 @@ class _PlanningThread:
         return future.result()
 
 
-_planner: _PlanningThread | None = None
+_planners: dict[bool, _PlanningThread] = {}  # timed -> its thread
 _planner_lock = threading.Lock()
 
 
-def on_planning_thread(work: Callable[[], T], device: torch.device) -> T:
-    """`work()` on the one thread where fused lanes run every convolution
-    first. PyTorch keeps one cuDNN plan per convolution's parameters per
-    thread, the first it made, whichever the mode: on the build's own thread
-    an ATen candidate, the trace, the profile or the bench's eager column that
-    ran the same convolution under cuDNN's benchmark decided the fused lanes'
-    algorithm too. A build that timed every candidate then replayed other
-    plans than a warm build that captured only its remembered choice
-    (GoogLeNet at batch 8: 0.488 ms in the bench's auto column, 0.545 ms from
-    a warm serving build, H200, docs/benchmarks.md run 41). On this thread the
-    plans follow the fused lanes' own `autotune` only, in every process."""
-    global _planner
+def on_planning_thread(work: Callable[[], T], device: torch.device, timed: bool = False) -> T:
+    """`work()` on the thread where fused lanes run every convolution first:
+    one for cuDNN's heuristic algorithms, one for the timed ones (`timed`,
+    the captures of `autotune`). PyTorch keeps one cuDNN plan per
+    convolution's parameters per thread, the first it made, whichever the
+    mode: on the build's own thread an ATen candidate, the trace, the profile
+    or the bench's eager column that ran the same convolution under cuDNN's
+    benchmark decided the fused lanes' algorithm too. A build that timed every
+    candidate then replayed other plans than a warm build that captured only
+    its remembered choice (GoogLeNet at batch 8: 0.488 ms in the bench's auto
+    column, 0.545 ms from a warm serving build, H200, docs/benchmarks.md run
+    41). On these threads the plans follow the mode of the thread only, in
+    every process, so one build can capture the same segments both ways."""
     with _planner_lock:
-        if _planner is None:
-            _planner = _PlanningThread()
-    if threading.current_thread() is _planner.thread:
+        planner = _planners.get(timed)
+        if planner is None:
+            planner = _planners[timed] = _PlanningThread("fused-lanes-planning" + ("-timed" if timed else ""))
+    if threading.current_thread() is planner.thread:
         return work()
 
     def run() -> T:  # the current device is per thread: the caller's
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             return work()
 
-    return _planner.run(run)
+    return planner.run(run)
 
 
 def split_into_segments(graph: OpGraph, segmentation: Segmentation) -> GraphModule:
@@ -224,12 +226,13 @@ class InductorCapture(PlanCapture):
     batch size, its segments are loaded from `cache_dir` or compiled there
     (`prepare_captures` does that for several captures and batch sizes at once).
 
-    Its convolutions take cuDNN's heuristic algorithms unless `autotune`
-    (the build's `fused_lanes_autotune`): PyTorch plans a convolution at its
-    first call in a thread and keeps that plan for every later call with the
-    same parameters, so the first run decides: their recording runs and
-    captures all run on one thread of their own (`on_planning_thread`), where
-    nothing else runs a convolution first. Benchmarking them cost a warm
+    Its convolutions take cuDNN's heuristic algorithms unless `autotune` (the
+    candidates of a `-timed` graph, which the build's `fused_lanes_autotune`
+    adds): PyTorch plans a convolution at its first call in a thread and keeps
+    that plan for every later call with the same parameters, so the first run
+    decides: their recording runs and captures all run on a thread of their
+    own per mode (`on_planning_thread`), where nothing else runs a convolution
+    first. Benchmarking them cost a warm
     build 6.5 (ResNet-50) to 51 s (NASNet) across six buckets, heuristics 0.4
     and 28 s (eager channels-last modules, H200, docs/benchmarks.md run 20).
     But the heuristics ran several of ResNet-50's 1x1 convolutions fused with
@@ -252,7 +255,7 @@ class InductorCapture(PlanCapture):
     def __call__(self, static_in: Any, pool: Any) -> CapturedGraph:
         what = f"fused lanes ({self.plan.policy}, {self.segments} segments)"
         try:
-            captured = on_planning_thread(lambda: self._capture(static_in, pool), static_in[0].device)
+            captured = on_planning_thread(lambda: self._capture(static_in, pool), static_in[0].device, timed=self.autotune)
         except CaptureError:
             raise
         except Exception as error:  # noqa: BLE001 - an Inductor failure only drops this candidate
@@ -271,18 +274,19 @@ class InductorCapture(PlanCapture):
 def prepare_captures(runs: Sequence[tuple[InductorCapture, Sequence[torch.Tensor]]]) -> CompileCount:
     """Load or compile the segments of each capture for its inputs' shapes, all
     in one go (one pool of compile workers for everything that is missing).
-    Captures of one build share their cache directory and their `autotune`."""
+    Captures of one build share their cache directory. Those that time their
+    convolutions (`autotune`) record on their own planning thread, after the
+    others: the same segments' code, compiled for the first group, loads."""
     todo = [(capture, inputs) for capture, inputs in runs if segment_layout(inputs) not in capture.prepared]
-    if not todo:
-        return CompileCount()
-    if len({capture.autotune for capture, _ in todo}) > 1:
-        raise ValueError("captures prepared together must agree on autotune: their convolutions' first calls decide the algorithms of all")
+    count = CompileCount()
+    for timed in sorted({capture.autotune for capture, _ in todo}):
+        group = [(capture, inputs) for capture, inputs in todo if capture.autotune == timed]
 
-    def load_or_compile() -> CompileCount:  # the recording runs call the convolutions first
-        with torch.inference_mode():
-            return prepare([(capture.module, inputs) for capture, inputs in todo], todo[0][0].cache_dir, autotune=todo[0][0].autotune)
+        def load_or_compile(group=group, timed=timed) -> CompileCount:  # the recording runs call the convolutions first
+            with torch.inference_mode():
+                return prepare([(capture.module, inputs) for capture, inputs in group], group[0][0].cache_dir, autotune=timed)
 
-    count = on_planning_thread(load_or_compile, todo[0][1][0].device)
-    for capture, inputs in todo:
-        capture.prepared.add(segment_layout(inputs))
+        count += on_planning_thread(load_or_compile, group[0][1][0].device, timed=timed)
+        for capture, inputs in group:
+            capture.prepared.add(segment_layout(inputs))
     return count
