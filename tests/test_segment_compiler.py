@@ -157,17 +157,6 @@ def test_a_lone_segment_compiles_in_this_process_without_starting_workers(tmp_pa
         assert workers.pool is None and (tmp_path / "a.bin").exists()
 
 
-def test_captures_prepared_together_must_agree_on_autotune(tmp_path):
-    from types import SimpleNamespace
-
-    from opara_core.engine.fused_lanes import prepare_captures
-
-    x = torch.randn(4, 16)
-    captures = [SimpleNamespace(module=None, cache_dir=tmp_path, prepared=set(), autotune=on) for on in (True, False)]
-    with pytest.raises(ValueError, match="autotune"):
-        prepare_captures([(c, [x]) for c in captures])
-
-
 # A later build, in a fresh process: the same module's segments from the same cache directory.
 WORKER = """
 import json, sys, torch
