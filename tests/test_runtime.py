@@ -78,18 +78,19 @@ def gpu_graphs(entry):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])
-@pytest.mark.parametrize("where", ["host", "gpu"])
+@pytest.mark.parametrize("where", ["host", "pinned", "gpu"])
 @pytest.mark.parametrize("outputs_on_device", [False, True])
 def test_graph_runner_equals_eager_on_every_bucket_and_chunks(entry, gpu_graphs, rows, where, outputs_on_device, strict_fp32):
     """11 rows with buckets up to 8 runs as a chunk of 8 and a chunk of 3;
-    inputs from the host or already on the GPU (copied device to device), in
+    inputs from the host (through the pinned staging, or straight up from
+    page-locked memory) or already on the GPU (copied device to device), in
     two request blocks."""
     device = torch.device("cuda")
     gpu_module, graphs = gpu_graphs
     runner = runtime.GraphRunner(graphs, entry.inputs, entry.outputs, device, max_batch=16)
     assert runner.bucket_for(3) == 4 and runner.bucket_for(11) == 8
     (x,) = entry.example_inputs(rows, seed=rows)
-    x = x if where == "host" else x.to(device)
+    x = {"host": x, "pinned": x.pin_memory(), "gpu": x.to(device)}[where]
     (out,) = runner.run([[x[: rows // 2], x[rows // 2 :]]], outputs_on_device=outputs_on_device)
     assert out.device.type == ("cuda" if outputs_on_device and rows <= 8 else "cpu")
     with torch.inference_mode():

@@ -4,8 +4,8 @@ Every runner follows the `Runner` protocol, built for a serving hot path with
 no per-request allocation and torch tensors end to end: `run(inputs)` takes,
 per model input, the row blocks of one batch (one block per request, on the
 host or already on the GPU), copies them once into place (host blocks into
-pinned staging, then to the GPU; GPU blocks device to device into the graph's
-static inputs), runs the batch and returns each output's rows, as views that
+pinned staging, then to the GPU, or straight to the GPU where their own memory
+is page-locked; GPU blocks device to device into the graph's static inputs), runs the batch and returns each output's rows, as views that
 stay valid until the next `run`. The runtime only replays: graphs come from
 `build`, captured by `capture`.
 """
@@ -171,15 +171,19 @@ class GraphRunner:
             if n <= self.buckets[-1]:
                 captured = self._graph_for(n)
                 self._wait_inputs_read()
-                staged = captured.inputs if on_gpu else self._host_in
+                # host blocks in page-locked memory (serving.pinned_host) go straight to the graph's inputs
+                direct = on_gpu or (not self._inputs_on_host and all(t.is_pinned() for blocks in inputs for t in _blocks(blocks)))
+                staged = captured.inputs if direct else self._host_in
                 for blocks, buffer, static in zip(inputs, staged, captured.inputs):
                     gather(blocks, buffer)
-                    if not on_gpu:
+                    if not direct:
                         static[:n].copy_(buffer[:n], non_blocking=True)
                 if not on_gpu:
                     self._host_in_read.record()
                 captured.replay()
                 if outputs_on_device:
+                    if direct and not on_gpu:  # the caller may reuse the blocks' memory once this returns
+                        self._host_in_read.synchronize()
                     return [out[:n] for out in captured.outputs]
                 for host, out in zip(self._host_out, captured.outputs):
                     host[:n].copy_(out[:n], non_blocking=True)

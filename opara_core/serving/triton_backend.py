@@ -37,6 +37,7 @@ from opara_core.engine import gpu_turn
 from opara_core.engine.build import EngineSettings, build_runner
 from opara_core.parameters import BATCH, ENGINE, Values, parse, show, strings, value
 from opara_core.serving import weights
+from opara_core.serving.pinned_host import SharedMemoryPinner
 from opara_core.serving.startup import model_log_format, ready_line
 
 log = logging.getLogger(__name__)
@@ -299,6 +300,7 @@ class OparaModel:
         if threads is not None:  # after the build, which may use every core (tracing, CPU fallbacks)
             torch.set_num_threads(threads)
         self.range_check = RangeCheck(self.entry.inputs, self.device, self.max_batch)
+        self.pinner = SharedMemoryPinner(self.device)
         self.name, self.gpu_path_seen = args["model_name"], False
         self.metrics = ServingMetrics(pb_utils, args["model_name"], self.runner, self.report)
         report = self.report
@@ -347,6 +349,7 @@ class OparaModel:
 
     def finalize(self) -> None:
         self.metrics.close()
+        self.pinner.close()
 
     # Hooks for subclasses that serve differently (serving.varlen: variable lengths)
     PARAMETER_KIND = BATCH  # which parameters the config may set (opara_core.parameters)
@@ -384,7 +387,9 @@ class OparaModel:
         """Put the whole batch on one device, in place; True when that is the
         instance's GPU. A GPU instance takes the GPU path as soon as one request
         came on a GPU (the host requests of a mixed batch are copied up, a block
-        on another GPU copied over); a CPU instance takes everything to the host."""
+        on another GPU copied over); a CPU instance takes everything to the host.
+        A GPU instance page-locks the shared memory its host blocks are in
+        (serving.pinned_host), so that the runner copies them up in one go."""
         gpu = self.device.type == "cuda"
         on_device = gpu and any(t.is_cuda for _, tensors in good for t in tensors)
         target = self.device if on_device else torch.device("cpu")
@@ -392,6 +397,8 @@ class OparaModel:
             for k, tensor in enumerate(tensors):
                 if tensor.device != target:
                     tensors[k] = tensor.to(target, non_blocking=on_device)
+                elif gpu:
+                    self.pinner.pin(tensor)
         return on_device
 
     def _run(self, good: list[tuple[int, list[torch.Tensor]]], on_device: bool = False) -> list:
