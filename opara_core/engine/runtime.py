@@ -5,8 +5,9 @@ no per-request allocation and torch tensors end to end: `run(inputs)` takes,
 per model input, the row blocks of one batch (one block per request, on the
 host or already on the GPU), copies them once into place (host blocks into
 pinned staging, then to the GPU, or straight to the GPU where their own memory
-is page-locked; GPU blocks device to device into the graph's static inputs), runs the batch and returns each output's rows, as views that
-stay valid until the next `run`. The runtime only replays: graphs come from
+is page-locked; GPU blocks device to device into the graph's static inputs),
+runs the batch and returns each output's rows, as views that stay valid until
+the next `run`. The runtime only replays: graphs come from
 `build`, captured by `capture`.
 """
 
