@@ -264,8 +264,11 @@ def test_tritons_top_classes_are_the_largest_scores(server, protocol):
     assert entries.shape == (2, 3)
     for row, scores in zip(entries, logits):
         indices = [int(e.decode().split(":")[1]) for e in row]
-        assert indices == list(np.argsort(scores)[::-1][:3])
-        np.testing.assert_allclose([float(e.decode().split(":")[0]) for e in row], scores[indices], rtol=1e-5)
+        values = [float(e.decode().split(":")[0]) for e in row]
+        # by value, not by index: in bf16 (a CPU with AMX) two classes can tie exactly
+        assert len(set(indices)) == 3
+        np.testing.assert_allclose(values, np.sort(scores)[::-1][:3], rtol=1e-5)
+        np.testing.assert_allclose(values, scores[indices], rtol=1e-5)
 
 
 # --- system shared memory ------------------------------------------------------------------
