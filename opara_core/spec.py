@@ -10,6 +10,7 @@ sequence axes (`LengthAxis`); its specs then hold one example length, and
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,16 +52,13 @@ class TensorSpec:
                 raise ValueError(f"{self.name}: an upper bound is <= the lowest valid id {low}")
 
     def limits(self) -> tuple[int, np.ndarray] | None:
-        """(low, high) of valid ids; high broadcasts against a per-sample array.
+        """(low, high) of valid ids; high broadcasts against a per-sample array
+        (computed once per range and shared, as the serving path checks every
+        request's ids against it: never written to).
 
         None for inputs without a range (floats, or integers that any value suits).
         """
-        if self.value_range is None and self.upper_bounds is None:
-            return None
-        low, high = self.value_range or (0, np.iinfo(np.int64).max)
-        if self.upper_bounds is None:
-            return low, np.asarray(high, dtype=np.int64)
-        return low, np.minimum(np.asarray(self.upper_bounds, dtype=np.int64), high)
+        return _limits(self.value_range, self.upper_bounds)
 
     def random(self, batch: int, generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
         """A random batch that satisfies this spec, drawn on `device` (a
@@ -113,6 +111,15 @@ class TensorSpec:
             f"input {self.name!r}: value {values[first]} at batch item {sample}, position {where} "
             f"is outside [{low}, {bound})" + (f" ({more} more bad values)" if more else "")
         )
+
+
+@functools.lru_cache(maxsize=None)
+def _limits(value_range: tuple[int, int] | None, upper_bounds: tuple[int, ...] | None) -> tuple[int, np.ndarray] | None:
+    if value_range is None and upper_bounds is None:
+        return None
+    low, high = value_range or (0, np.iinfo(np.int64).max)
+    bounds = np.asarray(high, dtype=np.int64) if upper_bounds is None else np.minimum(np.asarray(upper_bounds, dtype=np.int64), high)
+    return low, bounds
 
 
 @dataclass(frozen=True)

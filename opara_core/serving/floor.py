@@ -11,7 +11,7 @@ shapes (a variable-length output at the request's length, as the zoo model
 it stands in for has it), placed as the adapter places real outputs under the config's
 `output_memory` ("host", the default; "auto": GPU tensors when the request's
 inputs came on the instance's GPU, host tensors otherwise; "gpu"), both handed over
-through DLPack: GPU outputs cost the Python backend a synchronisation per
+as the model hands them (`triton_backend.output_tensor`): GPU outputs cost the Python backend a synchronisation per
 tensor and a second round trip to the stub, so the floor must pay what the
 model pays.
 """
@@ -25,7 +25,7 @@ import math
 import torch
 
 from opara_core import zoo
-from opara_core.serving.triton_backend import TRITON_DTYPES, freeze_heap, output_memory, select_device
+from opara_core.serving.triton_backend import TRITON_DTYPES, freeze_heap, output_memory, output_tensor, select_device
 from opara_core.zoo import LengthAxis
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,6 @@ class FloorModel:
             tensors = []
             for name, zero in zeros.items():
                 shape = self.shape(name, rows, request)
-                tensors.append(pb_utils.Tensor.from_dlpack(name, zero[: math.prod(shape)].view(shape)))
+                tensors.append(output_tensor(pb_utils, name, zero[: math.prod(shape)].view(shape)))
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses

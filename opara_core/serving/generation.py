@@ -50,7 +50,7 @@ from opara_core.models.gpt2 import GPT2Logits, SlotDecoder
 from opara_core.planning.iteration import Limits, Rejected, Scheduler, Sequence
 from opara_core.serving import weights
 from opara_core.serving.startup import model_log_format, ready_line
-from opara_core.serving.triton_backend import StageClock, input_tensor, select_device
+from opara_core.serving.triton_backend import StageClock, input_tensor, output_tensor, select_device
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +380,7 @@ class Responder:
             return
         # through DLPack, never Tensor(name, ndarray): the stub's numpy bridge
         # sends zero bytes for numpy 2 arrays (see triton_backend.input_tensor)
-        tensor = self._pb.Tensor.from_dlpack(OUTPUT, torch.tensor(tokens, dtype=torch.int64))
+        tensor = output_tensor(self._pb, OUTPUT, torch.tensor(tokens, dtype=torch.int64))
         try:
             streams[key].sender.send(self._pb.InferenceResponse(output_tensors=[tensor]))
         except Exception as error:  # noqa: BLE001 - the client is gone: retire it
