@@ -604,7 +604,10 @@ def _pad_into(batch: list[torch.Tensor], members: list[tuple[int, int]], request
 def request_scheduler(request, default: str) -> str:
     """The scheduler a request asks for with its parameter `scheduler`, else the default."""
     try:
-        asked = json.loads(request.parameters() or "{}").get("scheduler", default)
+        parameters = request.parameters()
+        if parameters in ("", "{}"):  # most requests: no json.loads on a request's time
+            return default
+        asked = json.loads(parameters).get("scheduler", default)
     except (AttributeError, ValueError):
         return default
     if asked not in batching.SCHEDULERS:
@@ -616,6 +619,8 @@ def on_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A request's inputs on the host: those on a GPU all queued first, then one
     wait for the lot (`.cpu()` on each waits once per input)."""
     devices = [tensor.device for tensor in tensors.values() if tensor.is_cuda]
+    if not devices:
+        return tensors
     copies = {name: tensor.to("cpu", non_blocking=True) for name, tensor in tensors.items()}
     for device in dict.fromkeys(devices):
         torch.cuda.current_stream(device).synchronize()
