@@ -196,8 +196,8 @@ class BuildReport:
         lines += ["choices: remembered from an earlier build"] if self.remembered else []
         for bucket, choice in sorted(self.choices.items()):
             times = ", ".join(f"{k} {v:.3f}" for k, v in sorted(self.timings_ms.get(bucket, {}).items(), key=lambda kv: kv[1]))
-            served = f"; served {self.served_ms[bucket]:.3f} ms" if bucket in self.served_ms else ""
-            lines.append(f"bucket {bucket}: {choice}" + (f" (median ms: {times})" if times else "") + served)
+            served = f" served {self.served_ms[bucket]:.3f} ms" if bucket in self.served_ms else ""
+            lines.append(f"bucket {bucket}: {choice}{served}" + (f" (median ms: {times})" if times else ""))
         lines += [f"fallback: {reason}" for reason in self.fallbacks]
         lines.append("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items()))
         return "\n".join(lines)
