@@ -20,7 +20,6 @@ import dataclasses
 import json
 import logging
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from opara_core.engine import cache, precision
 from opara_core.engine.build import (
     FUSED_GRAPHS, BuildReport, Candidate, EngineSettings, build_runner, candidates, capture_fastest, fusion_tolerance, plan_capture, traced_graphs,
 )  # fmt: skip
-from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, capture_module, pool_mb
+from opara_core.engine.capture import CapturedGraph, CaptureError, LanePool, PlanCapture, Timing, capture_module, pool_mb, served_call, time_calls
 from opara_core.engine.inductor_cache import INDUCTOR_ENV, TRITON_ENV
 from opara_core.engine.interpreter import plan_graph
 from opara_core.engine.trace import trace_model
@@ -48,7 +47,6 @@ from opara_core.engine.trace import trace_model
 log = logging.getLogger("opara_core.bench")
 
 POLICIES = ("opara", "nimble", "asap", "wavefront")
-TARGET_SECONDS = 0.2  # of timed calls per variant and repetition
 
 
 @dataclass(frozen=True)
@@ -81,13 +79,6 @@ def ref_of(entry: ModelSpec) -> str:
     return entry.directory if isinstance(entry, DirectoryModel) else entry.name
 
 
-@dataclass(frozen=True)
-class Timing:
-    median_ms: float
-    p99_ms: float
-    calls: int
-
-
 @dataclass
 class Row:
     """One model at one batch size."""
@@ -107,43 +98,8 @@ class Row:
     notes: list[str] = field(default_factory=list)
 
 
-def time_calls(call: Callable[[int], Any], calls: int | None = None, repeats: int = 5, warmup: int = 5) -> Timing:
-    """Median and p99 of single calls timed with CUDA events; `call(i)` runs call i."""
-    stream = torch.cuda.current_stream()
-    for i in range(warmup):
-        call(i)
-    torch.cuda.synchronize()
-    if calls is None:
-        start = time.perf_counter()
-        for i in range(3):
-            call(i)
-        torch.cuda.synchronize()
-        per_call = (time.perf_counter() - start) / 3
-        calls = int(min(max(TARGET_SECONDS / max(per_call, 1e-6), 20), 500))
-    samples = []
-    for _ in range(repeats):
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
-        for i, (begin, end) in enumerate(events):
-            begin.record(stream)
-            call(i)
-            end.record(stream)
-        torch.cuda.synchronize()
-        samples += [begin.elapsed_time(end) for begin, end in events]
-    samples.sort()
-    return Timing(statistics.median(samples), samples[min(len(samples) - 1, int(0.99 * len(samples)))], len(samples))
-
-
 def rotating_inputs(entry: ModelSpec, batch: int, device: torch.device, count: int = 4) -> list[tuple[torch.Tensor, ...]]:
     return [tuple(t.to(device) for t in entry.example_inputs(batch, seed=100 + k)) for k in range(count)]
-
-
-def graph_call(captured: CapturedGraph, inputs) -> Callable[[int], None]:
-    def call(i: int) -> None:
-        for static, x in zip(captured.inputs, inputs[i % len(inputs)]):
-            static.copy_(x, non_blocking=True)
-        captured.replay()
-
-    return call
 
 
 def capture_measured(capture: PlanCapture, static_in) -> tuple[CapturedGraph, float]:
@@ -279,7 +235,7 @@ def bench_model(
                     row.notes.append(f"{label}: {error}")
                     progress.update()
                     continue
-                row.timings[label] = time_calls(graph_call(captured, inputs))
+                row.timings[label] = time_calls(served_call(captured, inputs))
                 row.streams[label] = plan.num_streams
                 row.peak_mb[label] = peak
                 del captured
@@ -289,7 +245,7 @@ def bench_model(
                 settings = EngineSettings(max_streams=max_streams, fused_lanes=True, layout=layout, autotune=cudnn_benchmark, fused_lanes_autotune=fused_lanes_autotune, precision=numerics)
                 captures = {c: plan_capture(c, graphs[c.graph], plan, lane_pool) for c, plan in candidates(graphs, settings).items()}
                 captured = capture_fastest(captures, entry, device, [batch], auto_report)[batch]
-                row.timings["auto"] = time_calls(graph_call(captured, inputs))
+                row.timings["auto"] = time_calls(served_call(captured, inputs))
                 chosen = auto_report.choices[batch]
                 row.auto_choice = str(chosen)
                 del captured
@@ -354,7 +310,7 @@ def _time_compiled(module: torch.nn.Module, inputs, row: Row, mode: str) -> Timi
     try:
         captured = compiled_graph(module, inputs, mode, row.notes)
         with torch.inference_mode():  # its static inputs are inference tensors
-            return time_calls(graph_call(captured, inputs))
+            return time_calls(served_call(captured, inputs))
     except Exception as error:  # noqa: BLE001 - a failing baseline is reported, not fatal
         row.notes.append(f"{_compile_label(mode)} failed: {type(error).__name__}: {str(error)[:200]}")
         return None
@@ -496,7 +452,7 @@ def _build_report(
     served = {}
     with torch.inference_mode():
         for batch in (b for b in served_batches if b in graphs):
-            served[str(batch)] = asdict(time_calls(graph_call(graphs[batch], rotating_inputs(entry, batch, device))))
+            served[str(batch)] = asdict(time_calls(served_call(graphs[batch], rotating_inputs(entry, batch, device))))
     accuracy = {str(b): asdict(a) for b, a in sorted(report.precision_error.items())}
     return {"seconds": report.seconds, "inductor": report.inductor, "remembered": report.remembered, "runner": report.runner, "choices": chosen, "served": served,
             "precision": report.precision, "precision_error": accuracy, "fallbacks": report.fallbacks}  # fmt: skip

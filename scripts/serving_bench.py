@@ -227,7 +227,7 @@ def replay_medians(log: str) -> dict[str, float]:
     (one line each, opara_core.serving.startup.ready_line)."""
     medians = {}
     for model, line in re.findall(r"model (\w+) ready on cuda\S* in [\d.]+ s: ([^\n]*)", log):
-        found = re.search(r"bucket 1: ([\w:/-]+) \(median ms: (.*?)\)", line)  # graph names hold '-' (inductor-cudnn)
+        found = re.search(r"bucket 1: ([\w:/-]+)(?: served [\d.]+ ms)? \(median ms: (.*?)\)", line)  # graph names hold '-' (inductor-cudnn)
         if found:
             times = dict(re.findall(r"([\w:/-]+) ([\d.]+)", found.group(2)))
             medians[model] = float(times.get(found.group(1), "nan"))

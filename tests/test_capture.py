@@ -83,6 +83,8 @@ def test_auto_is_never_slower_than_sequential_and_passes_the_guard():
     assert report.runner == "multi-stream graph", report.summary()
     assert not report.fallbacks and all(isinstance(c, Candidate) for c in report.choices.values())
     chosen = {b: min(time_replays(runner.graphs[b], seconds=0.05) for _ in range(3)) for b in (1, 8)}
+    # what the ready line reports: a request's replay, its input copy and start included, so not below the replay
+    assert set(report.served_ms) == {1, 8} and all(report.served_ms[b] >= 0.9 * chosen[b] for b in (1, 8)), (report.served_ms, chosen)
     del runner
     sequential, baseline_report = build_runner(module, entry, device, 8, dataclasses.replace(settings, policy="sequential"))
     assert baseline_report.runner == "sequential graph"

@@ -111,6 +111,8 @@ def test_a_second_build_captures_only_the_remembered_choices(tmp_path, monkeypat
     second_runner, second = build_runner(entry.build(), entry, device, 4, settings)
     assert second.remembered and second.choices == first.choices, second.summary()
     assert not any(k.startswith("timing") for k in second.seconds), second.seconds
+    # no candidate timed, yet the ready line says what each bucket's graph costs a request
+    assert set(second.served_ms) == {1, 4} and " served " in second.summary(), second.summary()
     # the second build made only the graphs its choices use (engine.choices' recipe)
     used = {c.graph for c in first.choices.values()}
     graphs = choices.load(recipe_key(trace_for_build(entry.build().to(device).eval(), entry, device, BuildReport()), settings, device)).graphs

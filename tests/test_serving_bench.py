@@ -235,7 +235,9 @@ def test_the_bucket_1_replay_is_read_from_the_ready_line_whatever_the_graph(grap
     """The line as triton_backend logs it, from the build's own report (every
     row of the H200's bf16 run of 2026-12-03 read '-': inductor-cudnn has a '-')."""
     chosen, other = Candidate(graph, "opara", 4), Candidate("inductor", "sequential", 1)
-    report = BuildReport(runner="multi-stream graph", choices={1: chosen, 2: other}, timings_ms={1: {chosen: 0.202, other: 0.33}, 2: {other: 0.36}})
+    report = BuildReport(
+        runner="multi-stream graph", choices={1: chosen, 2: other}, timings_ms={1: {chosen: 0.202, other: 0.33}, 2: {other: 0.36}}, served_ms={1: 0.25, 2: 0.4}
+    )
     details = [line for line in report.summary().splitlines()[1:]]
     log = "INFO [googlenet] opara_core.serving.triton_backend: " + ready_line("googlenet", "cuda:0", 108.9, "multi-stream graph, 2 buckets", details)
     assert serving_bench.replay_medians(log + "\n") == {"googlenet": 0.202}

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -265,6 +266,64 @@ def _reset_peak() -> int:
     """Start counting the allocator's peak afresh; the bytes allocated now."""
     torch.cuda.reset_peak_memory_stats()
     return torch.cuda.memory_allocated()
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median and p99 milliseconds of single calls, and how many were timed."""
+
+    median_ms: float
+    p99_ms: float
+    calls: int
+
+
+def time_calls(call: Callable[[int], Any], calls: int | None = None, repeats: int = 5, warmup: int = 5, seconds: float = 0.2) -> Timing:
+    """Median and p99 of single calls, each between its own CUDA events;
+    `call(i)` runs call i. Without `calls`, as many as fill about `seconds`
+    per repetition (20 to 500)."""
+    stream = torch.cuda.current_stream()
+    for i in range(warmup):
+        call(i)
+    torch.cuda.synchronize()
+    if calls is None:
+        start = time.perf_counter()
+        for i in range(3):
+            call(i)
+        torch.cuda.synchronize()
+        per_call = (time.perf_counter() - start) / 3
+        calls = int(min(max(seconds / max(per_call, 1e-6), 20), 500))
+    samples = []
+    for _ in range(repeats):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+        for i, (begin, end) in enumerate(events):
+            begin.record(stream)
+            call(i)
+            end.record(stream)
+        torch.cuda.synchronize()
+        samples += [begin.elapsed_time(end) for begin, end in events]
+    samples.sort()
+    return Timing(statistics.median(samples), samples[min(len(samples) - 1, int(0.99 * len(samples)))], len(samples))
+
+
+def served_call(captured: CapturedGraph, inputs: Sequence[Sequence[torch.Tensor]]) -> Callable[[int], None]:
+    """Call i as a request runs the graph: `inputs[i % len(inputs)]` copied
+    into its static inputs, then the replay."""
+
+    def call(i: int) -> None:
+        for static, x in zip(captured.inputs, inputs[i % len(inputs)]):
+            static.copy_(x, non_blocking=True)
+        captured.replay()
+
+    return call
+
+
+def time_served(captured: CapturedGraph, seconds: float = 0.02) -> Timing:
+    """What a request's replay costs, timed as the bench's `served` column
+    times it (`served_call`, one event pair per call), with the graph's
+    current inputs as the data. Unlike `time_replays` (back to back, for
+    ranking candidates) it counts the input copy and each call's own start."""
+    with torch.inference_mode():  # the static inputs are inference tensors
+        return time_calls(served_call(captured, [tuple(t.clone() for t in captured.inputs)]), seconds=seconds, warmup=3)
 
 
 def time_replays(captured: CapturedGraph, seconds: float = 0.02, repeats: int = 5, warmup: int = 3, least: int = 3) -> float:
