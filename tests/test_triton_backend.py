@@ -192,6 +192,31 @@ def test_the_batch_range_check_names_the_same_problems_as_a_check_per_request(de
     assert "position 7" in problems[1] and "attention_mask" in problems[4]
 
 
+@pytest.mark.parametrize("model", ["deepfm", "bert"])
+def test_the_host_batch_check_names_what_a_check_per_request_names(model):
+    """RangeCheck.on_host, execute's one check of a host batch's ids, against
+    TensorSpec.check request by request: bad ids in two requests of six, then none."""
+    entry = zoo.get(model)
+    requests = [entry.example_inputs(1 + k % 3, seed=k) for k in range(6)]
+    check = RangeCheck(entry.inputs, torch.device("cpu"))
+    assert check.on_host(requests) == [None] * 6
+    ranged = [k for k, spec in enumerate(entry.inputs) if spec.limits() is not None]
+    requests[1][ranged[0]][0, 3] = 10**6
+    requests[4][ranged[-1]][1, 2] = -1
+    per_request = [next(filter(None, (s.check(t) for s, t in zip(entry.inputs, r))), None) for r in requests]
+    assert check.on_host(requests) == per_request
+    assert [p is not None for p in per_request] == [False, True, False, False, True, False]
+    assert check.on_host(requests[:1]) == [None] and check.on_host(requests[1:2]) == per_request[1:2]
+
+
+def test_request_tensors_leaves_host_ids_to_the_batch_check_when_asked():
+    tensors = good_bert()
+    tensors["input_ids"][1, 7] = 30522
+    assert request_tensors(zoo.get("bert"), tensors, check_ids=False)[0] is tensors["input_ids"]
+    with pytest.raises(RequestError, match="position 7"):
+        request_tensors(zoo.get("bert"), tensors)
+
+
 def test_the_batch_range_check_names_a_bad_id_at_a_length_other_than_the_specs():
     """BERT's spec says 128 tokens; a variable-length request of 40 with a bad id
     is described by its id, not refused for its length."""
