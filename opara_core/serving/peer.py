@@ -23,11 +23,10 @@ import json
 import logging
 
 import torch
-from torch.utils.dlpack import to_dlpack
 
 from opara_core import parameters, zoo
 from opara_core.engine.precision import HALF
-from opara_core.serving.triton_backend import RangeCheck, select_device
+from opara_core.serving.triton_backend import RangeCheck, output_tensor, select_device
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +137,9 @@ class PeerModel:
             return [pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(error).__name__}: {error}")) for _ in requests]
         start = 0
         for (i, _), rows, length in zip(good, sizes, lengths):
-            # through DLPack, as Triton's examples do: the stub's numpy bridge sends zero bytes for numpy 2 arrays
-            # (see triton_backend.input_tensor)
+            # through DLPack (triton_backend.output_tensor): the stub's numpy bridge sends zero bytes for numpy 2 arrays
             tensors = [
-                pb_utils.Tensor.from_dlpack(name, to_dlpack((out[start : start + rows, : length[name]] if name in length else out[start : start + rows]).contiguous()))
+                output_tensor(pb_utils, name, (out[start : start + rows, : length[name]] if name in length else out[start : start + rows]).contiguous())
                 for name, out in zip(self.outputs, outputs)
             ]  # fmt: skip
             responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
