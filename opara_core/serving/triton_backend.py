@@ -37,7 +37,7 @@ from opara_core.spec import ModelSpec, TensorSpec
 from opara_core.engine import gpu_turn
 from opara_core.engine.build import EngineSettings, build_runner
 from opara_core.parameters import BATCH, ENGINE, Values, parse, show, strings, value
-from opara_core.serving import weights
+from opara_core.serving import id_guard, weights
 from opara_core.serving.pinned_host import SharedMemoryPinner
 from opara_core.serving.startup import model_log_format, ready_line
 
@@ -206,7 +206,7 @@ class RangeCheck:
             bad_rows.append(((ids < low) | (ids >= high)).flatten(1).any(1))
         return torch.stack(bad_rows).any(0)
 
-    def _describe(self, tensors: list[torch.Tensor]) -> str | None:
+    def describe(self, tensors: list[torch.Tensor]) -> str | None:
         return next(filter(None, (_sized(spec, tensors[k]).check(tensors[k]) for k, spec, _, _ in self._ranged)), None)
 
     def problems(self, batch: list[list[torch.Tensor]]) -> list[str | None]:
@@ -214,7 +214,7 @@ class RangeCheck:
         bad id described, or None."""
         if not self._ranged or not batch:
             return [None] * len(batch)
-        return _per_request(batch, self._bad_rows(batch).tolist(), self._describe)  # the batch's one synchronisation
+        return _per_request(batch, self._bad_rows(batch).tolist(), self.describe)  # the batch's one synchronisation
 
     def on_host(self, batch: list[list[torch.Tensor]]) -> list[str | None]:
         """Per request, as `problems`, for a batch on the host: one numpy check
@@ -224,7 +224,7 @@ class RangeCheck:
         for k, spec, _, _ in self._ranged:
             blocks = [tensors[k] for tensors in batch]
             if spec.check(blocks[0] if len(blocks) == 1 else torch.cat(blocks)):
-                return [self._describe(tensors) for tensors in batch]
+                return [self.describe(tensors) for tensors in batch]
         return [None] * len(batch)
 
     def clamp(self, batch: list[list[torch.Tensor]]) -> PendingCheck | None:
@@ -252,7 +252,7 @@ class RangeCheck:
         bad.copy_(bad_rows[0] if len(bad_rows) == 1 else torch.stack(bad_rows).any(0), non_blocking=True)
         if self._done is not None:
             self._done.record()
-        return PendingCheck(originals, bad, self._done, self._describe)
+        return PendingCheck(originals, bad, self._done, self.describe)
 
 
 class PendingCheck:
@@ -313,6 +313,7 @@ class OparaModel:
         if threads is not None:  # after the build, which may use every core (tracing, CPU fallbacks)
             torch.set_num_threads(threads)
         self.range_check = RangeCheck(self.entry.inputs, self.device, self.max_batch)
+        self.ids_checked_in_graph = id_guard.guarded(self.graph_entry)
         self.pinner = SharedMemoryPinner(self.device)
         self.name, self.gpu_path_seen = args["model_name"], False
         self.metrics = ServingMetrics(pb_utils, args["model_name"], self.runner, self.report)
@@ -337,7 +338,9 @@ class OparaModel:
                 responses[i] = _error(pb_utils, str(error), pb_utils.TritonError.INVALID_ARG)
         on_device = self._place(good)
         pending = None
-        if on_device:
+        if self.ids_checked_in_graph:
+            pass  # the graph clamps them and says which rows it clamped (`_run`)
+        elif on_device:
             if not self.gpu_path_seen:  # once: where a test or an operator sees that CUDA shared memory arrived as such
                 self.gpu_path_seen = True
                 log.info("model %s: a batch arrived on %s: the GPU path (inputs device to device)", self.name, self.device)
@@ -381,7 +384,13 @@ class OparaModel:
         self.entry = self._describe(config, values, version_dir)
         self._check_config(config, values)
         check_ranges(self.entry, values)
-        return values, self._module(values, version_dir)
+        module, self.graph_entry = self._in_graph(self._module(values, version_dir))
+        return values, module
+
+    def _in_graph(self, module: torch.nn.Module) -> tuple[torch.nn.Module, ModelSpec]:
+        """The module the engine builds and its description: with its id
+        ranges checked inside the graph (serving.id_guard)."""
+        return id_guard.in_graph(module, self.entry)
 
     def _describe(self, config: dict, values: Values, version_dir: Path) -> ModelSpec:
         """What the model takes and returns (serving.user_models: from the config)."""
@@ -396,7 +405,7 @@ class OparaModel:
         check_config(self.entry, config)
 
     def _build(self, module: torch.nn.Module, settings: EngineSettings, config: dict):
-        return build_runner(module, self.entry, self.device, self.max_batch, settings)
+        return build_runner(module, self.graph_entry, self.device, self.max_batch, settings)
 
     def _request(self, request, tensors: dict[str, torch.Tensor]):
         return request_tensors(self.entry, tensors, check_ids=False)  # host ids: the batch's one check in `execute`
@@ -436,9 +445,14 @@ class OparaModel:
         gpu_outputs = self.device.type == "cuda" and (self.output_memory == "gpu" or (self.output_memory == "auto" and on_device))
         outputs = self.runner.run(batch, outputs_on_device=gpu_outputs)
         self.metrics.clock.lap("run")
+        # which requests' ids the graph clamped (serving.id_guard): those get the bad id named instead
+        clamped = _per_request([tensors for _, tensors in good], outputs[-1].tolist(), self.range_check.describe) if self.ids_checked_in_graph else [None] * len(good)
         results, offset = [], 0
-        for size in sizes:
-            results.append(self._response([out[offset : offset + size] for out in outputs]))
+        for size, problem in zip(sizes, clamped):
+            if problem:
+                results.append(_error(self._pb, problem, self._pb.TritonError.INVALID_ARG))
+            else:
+                results.append(self._response([out[offset : offset + size] for out in outputs]))
             offset += size
         return results
 
