@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from opara_core import zoo
+from opara_core.engine.build import EngineSettings, build_runner
+from opara_core.engine.compare import max_relative_error
 from opara_core.engine.trace import trace_model
 from opara_core.serving import id_guard
 from opara_core.spec import ModelSpec, TensorSpec
@@ -57,3 +60,28 @@ def test_the_engine_traces_the_guarded_module_with_a_dynamic_batch():
     assert id_guard.guarded(graph_entry)
     graph = trace_model(graph_entry, module, "cpu", batch=4)
     assert any("clamp" in str(node.target) for node in graph.module.graph.nodes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["cuda", "cpu"])
+def test_a_served_deepfm_graph_answers_good_rows_and_flags_bad_ones_without_a_device_assert(where):
+    """The build a GPU instance makes (fused lanes among the candidates, bf16 as
+    shipped), run on a batch with ids past their tables, from the GPU (CUDA shared
+    memory) and from the host: the graph reads clamped ids, flags those rows, and
+    the other rows answer as the module does alone."""
+    entry = zoo.get("deepfm")
+    module, graph_entry = id_guard.in_graph(entry.build().eval(), entry)
+    settings = EngineSettings(buckets=(1, 8), precision="bf16", remember_choices=False)
+    runner, report = build_runner(module, graph_entry, torch.device("cuda"), 8, settings)
+    assert report.runner != "eager", report.fallbacks
+    inputs = entry.example_inputs(6, seed=2)
+    ranged = next(k for k, spec in enumerate(entry.inputs) if spec.limits() is not None)
+    inputs[ranged][2, 5] = 10**9
+    inputs[ranged][5, 0] = -7
+    *outputs, clamped = runner.run([t.to(where) for t in inputs])
+    assert clamped.tolist() == [0, 0, 1, 0, 0, 1]
+    good = [0, 1, 3, 4]
+    with torch.inference_mode():
+        expected = entry.build().eval()(*(t[good] for t in inputs))
+    assert max_relative_error(outputs[0][good].cpu(), expected) < 2e-2
+    torch.cuda.synchronize()  # a device-side assert would surface here

@@ -647,9 +647,6 @@ class VarLenModel(OparaModel):
     def _in_graph(self, module: torch.nn.Module) -> tuple[torch.nn.Module, ModelSpec]:
         return module, self.entry  # _request checks each request's ids against its own length
 
-    def _host_problems(self, good: list) -> list[str | None]:
-        return [None] * len(good)  # _request checked each request's ids against its own length
-
     def _place(self, good: list) -> bool:
         return False  # each request was brought to the host by _request; the runners copy it up
 
