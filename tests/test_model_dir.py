@@ -8,7 +8,7 @@ import torch
 from test_user_models import TwoBranches, exported
 
 from opara_core import bench, zoo
-from opara_core.serving import model_dir
+from opara_core.serving import id_guard, model_dir
 from opara_core.serving.add_model import add_model
 from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY
 
@@ -16,10 +16,13 @@ from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY
 def test_a_shipped_zoo_directory_gives_the_zoo_models_description_and_module():
     spec, module = model_dir.load(DEFAULT_MODEL_REPOSITORY / "deepfm")
     entry = zoo.get("deepfm")
-    assert (spec.inputs, spec.outputs) == (entry.inputs, entry.outputs)
+    # what serving builds: DeepFM's ids checked in the graph, whose verdict is one more output
+    assert (spec.inputs, spec.outputs[:-1], spec.outputs[-1].name) == (entry.inputs, entry.outputs, id_guard.OUT_OF_RANGE)
     inputs = entry.example_inputs(4, seed=3)
     with torch.inference_mode():
-        torch.testing.assert_close(module(*inputs), entry.build()(*inputs))
+        logits, clamped = module(*inputs)
+        torch.testing.assert_close(logits, entry.build()(*inputs))
+    assert clamped.tolist() == [0, 0, 0, 0]
 
 
 def test_a_users_directories_give_what_add_model_read_from_the_program_and_the_module(tmp_path):

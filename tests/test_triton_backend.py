@@ -192,24 +192,7 @@ def test_the_batch_range_check_names_the_same_problems_as_a_check_per_request(de
     assert "position 7" in problems[1] and "attention_mask" in problems[4]
 
 
-@pytest.mark.parametrize("model", ["deepfm", "bert"])
-def test_the_host_batch_check_names_what_a_check_per_request_names(model):
-    """RangeCheck.on_host, execute's one check of a host batch's ids, against
-    TensorSpec.check request by request: bad ids in two requests of six, then none."""
-    entry = zoo.get(model)
-    requests = [entry.example_inputs(1 + k % 3, seed=k) for k in range(6)]
-    check = RangeCheck(entry.inputs, torch.device("cpu"))
-    assert check.on_host(requests) == [None] * 6
-    ranged = [k for k, spec in enumerate(entry.inputs) if spec.limits() is not None]
-    requests[1][ranged[0]][0, 3] = 10**6
-    requests[4][ranged[-1]][1, 2] = -1
-    per_request = [next(filter(None, (s.check(t) for s, t in zip(entry.inputs, r))), None) for r in requests]
-    assert check.on_host(requests) == per_request
-    assert [p is not None for p in per_request] == [False, True, False, False, True, False]
-    assert check.on_host(requests[:1]) == [None] and check.on_host(requests[1:2]) == per_request[1:2]
-
-
-def test_request_tensors_leaves_host_ids_to_the_batch_check_when_asked():
+def test_request_tensors_leaves_host_ids_to_the_graph_when_asked():
     tensors = good_bert()
     tensors["input_ids"][1, 7] = 30522
     assert request_tensors(zoo.get("bert"), tensors, check_ids=False)[0] is tensors["input_ids"]
@@ -252,47 +235,3 @@ def test_a_batch_on_the_gpu_is_checked_with_one_synchronisation():
         torch.cuda.set_sync_debug_mode("default")
     synchronising = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(synchronising) == 1, [str(w.message) for w in caught]
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_the_waitless_check_names_the_same_problems_and_clamps_what_the_graph_reads(device):
-    """RangeCheck.clamp gives each request the verdict `problems` gives, after the
-    fact, and hands the runner ids that all lie in their tables (DeepFM: per-position
-    bounds; BERT: one range)."""
-    for model, poison in (("deepfm", {(1, 1, 0, 2): 10**9, (3, 1, 0, 25): -5}), ("bert", {(1, 0, 0, 7): 30522, (4, 1, 1, 3): -1})):
-        entry = zoo.get(model)
-        requests = [[t.to(device) for t in entry.example_inputs(1 + k % 3, seed=k)] for k in range(6)]
-        for (request, k, row, position), value in poison.items():
-            requests[request][k][row, position] = value
-        expected = RangeCheck(entry.inputs, torch.device(device)).problems(requests)
-        batch = [list(tensors) for tensors in requests]
-        pending = RangeCheck(entry.inputs, torch.device(device), max_batch=4).clamp(batch)
-        assert pending.problems() == expected
-        assert sum(p is not None for p in expected) == 2
-        for spec, k in ((s, k) for k, s in enumerate(entry.inputs) if s.limits() is not None):
-            for tensors, original in zip(batch, requests):
-                assert spec.check(tensors[k]) is None and tensors[k].dtype == original[k].dtype
-                kept = (original[k] >= 0) & (original[k] < torch.as_tensor(spec.limits()[1], device=device))
-                assert torch.equal(tensors[k][kept], original[k][kept])
-
-
-def test_the_waitless_check_leaves_unranged_models_alone():
-    assert RangeCheck(zoo.get("googlenet").inputs, torch.device("cpu")).clamp([[torch.zeros(1, 3, 224, 224)]]) is None
-
-
-@pytest.mark.gpu
-def test_a_batch_on_the_gpu_is_clamped_without_a_synchronisation():
-    """execute's check on the GPU path: the verdict is read after the run's own wait."""
-    entry = zoo.get("deepfm")
-    requests = [[t.to("cuda") for t in entry.example_inputs(2, seed=k)] for k in range(8)]
-    check = RangeCheck(entry.inputs, torch.device("cuda"), max_batch=16)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            pending = check.clamp(requests)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert not [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-    assert pending.problems() == [None] * 8

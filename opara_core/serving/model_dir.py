@@ -66,4 +66,4 @@ def load(directory: Path) -> tuple[ModelSpec, torch.nn.Module]:
         raise ModelDirError(f"{version / 'model.py'} defines no TritonPythonModel of opara_core's adapters")
     served = model_class()
     _, network = served.load(config, version)
-    return served.entry, network.eval()
+    return served.graph_entry, network.eval()  # what the engine builds: ids checked in the graph (serving.id_guard)

@@ -6,10 +6,10 @@ hands the good ones to the runner as torch tensors (read through DLPack, on the
 host or, with FORCE_CPU_ONLY_INPUT_TENSORS "no", on the GPU), which copies them
 once into place and runs the batch once, and splits the outputs, which leave
 through DLPack too. Two paths, chosen per batch by where Triton put the inputs:
-host inputs are checked on the host and copied once into pinned staging memory;
-GPU inputs (a client's CUDA shared memory) are checked on the GPU without a
-wait of their own (ids clamped into their tables, the verdict read after the
-run), copied device to device into the graph's static inputs; outputs leave as
+host inputs are copied once to the GPU, GPU inputs (a client's CUDA shared
+memory) device to device into the graph's static inputs. Ids are checked by
+the graph itself (serving.id_guard: clamped into their tables, the clamped
+rows named in one more output), so neither path checks them first; outputs leave as
 host tensors (`output_memory` "host", the default: measured faster than GPU
 outputs, which cost the Python backend a round trip more) or, with "auto", as
 GPU tensors for a batch whose inputs came on the GPU.
@@ -28,7 +28,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.dlpack import to_dlpack
 
@@ -37,7 +36,7 @@ from opara_core.spec import ModelSpec, TensorSpec
 from opara_core.engine import gpu_turn
 from opara_core.engine.build import EngineSettings, build_runner
 from opara_core.parameters import BATCH, ENGINE, Values, parse, show, strings, value
-from opara_core.serving import weights
+from opara_core.serving import id_guard, weights
 from opara_core.serving.pinned_host import SharedMemoryPinner
 from opara_core.serving.startup import model_log_format, ready_line
 
@@ -128,8 +127,8 @@ def request_tensors(entry: ModelSpec, tensors: dict[str, torch.Tensor | None], c
     """Validate one request's inputs against the model; return them in model order.
 
     Ids on the host are range-checked here (numpy, no copy) unless `check_ids`
-    is false (then `RangeCheck.on_host` checks the batch's); ids on a GPU are
-    left to `RangeCheck`, which checks a whole batch on the GPU.
+    is false (a batch model's graph checks them: serving.id_guard); ids on a
+    GPU are left to the caller (`RangeCheck` checks a whole batch on the GPU).
     Raises RequestError with a message that names the input and the problem.
     """
     unknown = sorted(set(tensors) - {s.name for s in entry.inputs})
@@ -166,32 +165,20 @@ def _sized(spec: TensorSpec, values: torch.Tensor) -> TensorSpec:
 
 
 class RangeCheck:
-    """Id ranges of a batch's GPU inputs, checked where the ids are.
+    """Id ranges of a batch's inputs, checked where the ids are: what a careful
+    model.py does before its graph reads them (the peer), and how a request the
+    graph clamped (serving.id_guard) learns which id was wrong.
 
     `problems` waits for the GPU once for the whole batch (a check per request
-    and input would wait once each): what a careful model.py does (the peer).
-    `clamp` does not wait at all: the ids the graph reads are clamped into their
-    tables and the per-request verdict travels to the host behind the batch,
-    read after the run's own synchronisation (`PendingCheck`). Only a request
-    that fails pays for its message."""
+    and input would wait once each)."""
 
-    def __init__(self, specs: tuple[TensorSpec, ...], device: torch.device, max_batch: int = 1):
-        self._ranged, self._bounds = [], []
+    def __init__(self, specs: tuple[TensorSpec, ...], device: torch.device):
+        self._ranged = []
         for k, spec in enumerate(specs):
             limits = spec.limits()
             if limits is not None:
                 low, high = limits
                 self._ranged.append((k, spec, low, torch.as_tensor(high, device=device)))
-                # clamp's bounds in the input's own dtype (an int64 bound would promote int32 ids)
-                info = torch.iinfo(spec.dtype)
-                lowest, highest = max(low, info.min), np.minimum(high - 1, info.max)
-                self._bounds.append((torch.as_tensor(lowest, dtype=spec.dtype, device=device), torch.as_tensor(highest, dtype=spec.dtype, device=device)))
-        self._device = device
-        self._flags = self._host_flags(max_batch)
-        self._done = torch.cuda.Event() if device.type == "cuda" else None  # the verdict's arrival on the host
-
-    def _host_flags(self, rows: int) -> torch.Tensor:
-        return torch.zeros(rows, dtype=torch.bool, pin_memory=self._device.type == "cuda")
 
     @staticmethod
     def _ids(batch: list[list[torch.Tensor]], k: int) -> torch.Tensor:
@@ -206,7 +193,8 @@ class RangeCheck:
             bad_rows.append(((ids < low) | (ids >= high)).flatten(1).any(1))
         return torch.stack(bad_rows).any(0)
 
-    def _describe(self, tensors: list[torch.Tensor]) -> str | None:
+    def describe(self, tensors: list[torch.Tensor]) -> str | None:
+        """A request's first bad id described, or None."""
         return next(filter(None, (_sized(spec, tensors[k]).check(tensors[k]) for k, spec, _, _ in self._ranged)), None)
 
     def problems(self, batch: list[list[torch.Tensor]]) -> list[str | None]:
@@ -214,59 +202,7 @@ class RangeCheck:
         bad id described, or None."""
         if not self._ranged or not batch:
             return [None] * len(batch)
-        return _per_request(batch, self._bad_rows(batch).tolist(), self._describe)  # the batch's one synchronisation
-
-    def on_host(self, batch: list[list[torch.Tensor]]) -> list[str | None]:
-        """Per request, as `problems`, for a batch on the host: one numpy check
-        per ranged input over all the batch's rows. Each check costs a request
-        some 50 us with the cold caches a request meets, whatever its rows, so
-        a batch pays once; only a batch that fails is looked at request by request."""
-        for k, spec, _, _ in self._ranged:
-            blocks = [tensors[k] for tensors in batch]
-            if spec.check(blocks[0] if len(blocks) == 1 else torch.cat(blocks)):
-                return [self._describe(tensors) for tensors in batch]
-        return [None] * len(batch)
-
-    def clamp(self, batch: list[list[torch.Tensor]]) -> PendingCheck | None:
-        """Check without waiting: each request's ranged inputs are replaced, in
-        `batch`, by views of one clamped copy (an id out of its table would be a
-        device-side assert that ends the process's CUDA context; a clamped row's
-        answer is thrown away), and the verdict is queued to the host on the
-        current stream, ahead of the work that follows. None when nothing is ranged."""
-        if not self._ranged or not batch:
-            return None
-        rows = sum(tensors[0].shape[0] for tensors in batch)
-        if rows > self._flags.numel():
-            self._flags = self._host_flags(rows)
-        originals = [list(tensors) for tensors in batch]
-        bad_rows = []
-        for (k, _, _, _), (lowest, highest) in zip(self._ranged, self._bounds):
-            ids = self._ids(batch, k)
-            safe = torch.clamp(ids, lowest, highest)
-            bad_rows.append((safe != ids).flatten(1).any(1))
-            offset = 0
-            for tensors in batch:
-                tensors[k] = safe[offset : offset + tensors[k].shape[0]]
-                offset += tensors[k].shape[0]
-        bad = self._flags[:rows]
-        bad.copy_(bad_rows[0] if len(bad_rows) == 1 else torch.stack(bad_rows).any(0), non_blocking=True)
-        if self._done is not None:
-            self._done.record()
-        return PendingCheck(originals, bad, self._done, self._describe)
-
-
-class PendingCheck:
-    """`RangeCheck.clamp`'s verdict, on its way to the host."""
-
-    def __init__(self, batch: list[list[torch.Tensor]], bad: torch.Tensor, done, describe):
-        self._batch, self._bad, self._done, self._describe = batch, bad, done, describe
-
-    def problems(self) -> list[str | None]:
-        """Per request, as RangeCheck.problems; waits only for the check itself
-        (at once after a run that waited for the GPU)."""
-        if self._done is not None:
-            self._done.synchronize()
-        return _per_request(self._batch, self._bad.tolist(), self._describe)
+        return _per_request(batch, self._bad_rows(batch).tolist(), self.describe)  # the batch's one synchronisation
 
 
 def _per_request(batch: list[list[torch.Tensor]], bad: list[bool], describe) -> list[str | None]:
@@ -312,7 +248,8 @@ class OparaModel:
             self.runner, self.report = self._build(module, settings, config)
         if threads is not None:  # after the build, which may use every core (tracing, CPU fallbacks)
             torch.set_num_threads(threads)
-        self.range_check = RangeCheck(self.entry.inputs, self.device, self.max_batch)
+        self.range_check = RangeCheck(self.entry.inputs, self.device)
+        self.ids_checked_in_graph = id_guard.guarded(self.graph_entry)
         self.pinner = SharedMemoryPinner(self.device)
         self.name, self.gpu_path_seen = args["model_name"], False
         self.metrics = ServingMetrics(pb_utils, args["model_name"], self.runner, self.report)
@@ -336,27 +273,15 @@ class OparaModel:
             except RequestError as error:
                 responses[i] = _error(pb_utils, str(error), pb_utils.TritonError.INVALID_ARG)
         on_device = self._place(good)
-        pending = None
-        if on_device:
-            if not self.gpu_path_seen:  # once: where a test or an operator sees that CUDA shared memory arrived as such
-                self.gpu_path_seen = True
-                log.info("model %s: a batch arrived on %s: the GPU path (inputs device to device)", self.name, self.device)
-            pending = self.range_check.clamp([tensors for _, tensors in good])  # read after the run: no wait here
-        elif good:
-            for (i, _), problem in zip(good, self._host_problems(good)):
-                if problem:
-                    responses[i] = _error(pb_utils, problem, pb_utils.TritonError.INVALID_ARG)
-            good = [(i, tensors) for i, tensors in good if responses[i] is None]
+        if on_device and not self.gpu_path_seen:  # once: where a test or an operator sees that CUDA shared memory arrived as such
+            self.gpu_path_seen = True
+            log.info("model %s: a batch arrived on %s: the GPU path (inputs device to device)", self.name, self.device)
         clock.lap("validate")
         if good:
             try:
                 with torch.inference_mode():
                     for (i, _), response in zip(good, self._run(good, on_device)):
                         responses[i] = response
-                if pending is not None:  # a request with a bad id gets its error, not the clamped row's answer
-                    for (i, _), problem in zip(good, pending.problems()):
-                        if problem:
-                            responses[i] = _error(pb_utils, problem, pb_utils.TritonError.INVALID_ARG)
                 clock.lap("respond")
             except Exception:  # noqa: BLE001 - reported per request, never as a traceback
                 log.exception("inference failed for a batch of %d requests", len(good))
@@ -381,7 +306,13 @@ class OparaModel:
         self.entry = self._describe(config, values, version_dir)
         self._check_config(config, values)
         check_ranges(self.entry, values)
-        return values, self._module(values, version_dir)
+        module, self.graph_entry = self._in_graph(self._module(values, version_dir))
+        return values, module
+
+    def _in_graph(self, module: torch.nn.Module) -> tuple[torch.nn.Module, ModelSpec]:
+        """The module the engine builds and its description: with its id
+        ranges checked inside the graph (serving.id_guard)."""
+        return id_guard.in_graph(module, self.entry)
 
     def _describe(self, config: dict, values: Values, version_dir: Path) -> ModelSpec:
         """What the model takes and returns (serving.user_models: from the config)."""
@@ -396,15 +327,10 @@ class OparaModel:
         check_config(self.entry, config)
 
     def _build(self, module: torch.nn.Module, settings: EngineSettings, config: dict):
-        return build_runner(module, self.entry, self.device, self.max_batch, settings)
+        return build_runner(module, self.graph_entry, self.device, self.max_batch, settings)
 
     def _request(self, request, tensors: dict[str, torch.Tensor]):
-        return request_tensors(self.entry, tensors, check_ids=False)  # host ids: the batch's one check in `execute`
-
-    def _host_problems(self, good: list[tuple[int, list[torch.Tensor]]]) -> list[str | None]:
-        """Per request, what is wrong with its ids on the host, or None: the
-        batch's one check (`_request` checked everything else)."""
-        return self.range_check.on_host([tensors for _, tensors in good])
+        return request_tensors(self.entry, tensors, check_ids=False)  # ids: the graph checks them (serving.id_guard)
 
     def _place(self, good: list[tuple[int, list[torch.Tensor]]]) -> bool:
         """Put the whole batch on one device, in place; True when that is the
@@ -436,9 +362,14 @@ class OparaModel:
         gpu_outputs = self.device.type == "cuda" and (self.output_memory == "gpu" or (self.output_memory == "auto" and on_device))
         outputs = self.runner.run(batch, outputs_on_device=gpu_outputs)
         self.metrics.clock.lap("run")
+        # which requests' ids the graph clamped (serving.id_guard): those get the bad id named instead
+        clamped = _per_request([tensors for _, tensors in good], outputs[-1].tolist(), self.range_check.describe) if self.ids_checked_in_graph else [None] * len(good)
         results, offset = [], 0
-        for size in sizes:
-            results.append(self._response([out[offset : offset + size] for out in outputs]))
+        for size, problem in zip(sizes, clamped):
+            if problem:
+                results.append(_error(self._pb, problem, self._pb.TritonError.INVALID_ARG))
+            else:
+                results.append(self._response([out[offset : offset + size] for out in outputs]))
             offset += size
         return results
 

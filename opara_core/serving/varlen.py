@@ -644,8 +644,8 @@ class VarLenModel(OparaModel):
         # ids from CUDA shared memory come on the GPU; lengths and ranges are checked on the host
         return check_request(self.entry, on_host(tensors), request_scheduler(request, self.varlen.scheduler))
 
-    def _host_problems(self, good: list) -> list[str | None]:
-        return [None] * len(good)  # _request checked each request's ids against its own length
+    def _in_graph(self, module: torch.nn.Module) -> tuple[torch.nn.Module, ModelSpec]:
+        return module, self.entry  # _request checks each request's ids against its own length
 
     def _place(self, good: list) -> bool:
         return False  # each request was brought to the host by _request; the runners copy it up
