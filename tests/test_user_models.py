@@ -195,6 +195,34 @@ def test_module_weights_load_from_safetensors_and_a_mismatch_names_the_file(tmp_
         load_into(target, tmp_path / "junk.safetensors", "two")
 
 
+def test_safetensors_weights_load_into_versioned_and_tied_modules(tmp_path):
+    """add-model writes safetensors, which keeps neither a module's version nor
+    both names of a tied tensor: MNASNet's loader demands the version, and a
+    tied decoder must come back tied to the loaded embedding."""
+    import torchvision
+    from safetensors.torch import save_model
+
+    torch.manual_seed(2)
+    source, target = torchvision.models.mnasnet0_5().eval(), torchvision.models.mnasnet0_5().eval()
+    save_model(source, str(tmp_path / "mnasnet.safetensors"))
+    load_into(target, tmp_path / "mnasnet.safetensors", "mnasnet")
+    image = torch.randn(1, 3, 64, 64)
+    assert torch.equal(source(image), target(image))
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.decode = torch.nn.Linear(4, 10, bias=False)
+            self.decode.weight = self.embed.weight
+
+    tied_source, tied_target = Tied(), Tied()
+    save_model(tied_source, str(tmp_path / "tied.safetensors"))
+    load_into(tied_target, tmp_path / "tied.safetensors", "tied")
+    assert torch.equal(tied_target.decode.weight, tied_source.embed.weight)
+    assert tied_target.decode.weight is tied_target.embed.weight
+
+
 def test_a_factory_file_in_the_version_directory_is_imported_from_there(tmp_path):
     (tmp_path / "net.py").write_text("import torch\n\ndef build():\n    return torch.nn.Linear(3, 2)\n")
     assert isinstance(call_factory("net.py:build", tmp_path), torch.nn.Linear)

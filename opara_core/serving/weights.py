@@ -88,28 +88,45 @@ def load_into(module: torch.nn.Module, path: Path, model: str) -> None:
     safetensors file, or a plain state_dict (`torch.load(weights_only=True)`,
     so a pickle that would run code is refused)."""
     if path.suffix == SAFETENSORS_SUFFIX:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_model
-
+        state = _safetensors_state(module, path)
+    else:
         try:
-            load_model(module, str(path), strict=True, device="cpu")
-        except (SafetensorError, OSError) as error:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise WeightsError(f"refusing {path.name}: it is not a plain state_dict ({str(error).splitlines()[0]})") from None
+        except Exception as error:  # noqa: BLE001
             raise WeightsError(f"cannot read {path.name}: {error}") from None
-        except RuntimeError as error:
-            raise WeightsError(f"{path.name} does not fit {model}: {str(error).splitlines()[0]}") from None
-        return
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        raise WeightsError(f"refusing {path.name}: it is not a plain state_dict ({str(error).splitlines()[0]})") from None
-    except Exception as error:  # noqa: BLE001
-        raise WeightsError(f"cannot read {path.name}: {error}") from None
-    if not isinstance(state, dict):
-        raise WeightsError(f"{path.name} holds a {type(state).__name__}, not a state_dict")
+        if not isinstance(state, dict):
+            raise WeightsError(f"{path.name} holds a {type(state).__name__}, not a state_dict")
     try:
         module.load_state_dict(state, strict=True)
-    except RuntimeError as error:
+    except (RuntimeError, ValueError) as error:
         raise WeightsError(f"{path.name} does not fit {model}: {str(error).splitlines()[0]}") from None
+
+
+def _safetensors_state(module: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    """The file's tensors as a state_dict `module` accepts. A safetensors file
+    keeps one name of tensors the module ties (`save_model`), so the other
+    names take the kept one's tensor; and it has no per-module versions, which
+    some classes' loaders demand (torchvision's MNASNet refuses a state without
+    one), so the state carries the module's own, the code the file came from."""
+    from collections import OrderedDict
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        state = OrderedDict(load_file(str(path), device="cpu"))
+    except (SafetensorError, OSError) as error:
+        raise WeightsError(f"cannot read {path.name}: {error}") from None
+    own = module.state_dict()
+    kept = {(tensor.data_ptr(), tensor.shape): name for name, tensor in own.items() if name in state and tensor.numel()}
+    for name, tensor in own.items():
+        twin = kept.get((tensor.data_ptr(), tensor.shape)) if tensor.numel() else None
+        if name not in state and twin is not None:
+            state[name] = state[twin]
+    state._metadata = getattr(own, "_metadata", None)  # type: ignore[attr-defined]
+    return state
 
 
 def seeded_module(entry: zoo.ZooModel, directory: Path | None = None) -> torch.nn.Module:
