@@ -277,10 +277,12 @@ class Timing:
     calls: int
 
 
-def time_calls(call: Callable[[int], Any], calls: int | None = None, repeats: int = 5, warmup: int = 5, seconds: float = 0.2) -> Timing:
+def time_calls(
+    call: Callable[[int], Any], calls: int | None = None, repeats: int = 5, warmup: int = 5, seconds: float = 0.2, least: int = 20
+) -> Timing:
     """Median and p99 of single calls, each between its own CUDA events;
     `call(i)` runs call i. Without `calls`, as many as fill about `seconds`
-    per repetition (20 to 500)."""
+    per repetition (`least` to 500)."""
     stream = torch.cuda.current_stream()
     for i in range(warmup):
         call(i)
@@ -291,7 +293,7 @@ def time_calls(call: Callable[[int], Any], calls: int | None = None, repeats: in
             call(i)
         torch.cuda.synchronize()
         per_call = (time.perf_counter() - start) / 3
-        calls = int(min(max(seconds / max(per_call, 1e-6), 20), 500))
+        calls = int(min(max(seconds / max(per_call, 1e-6), least), 500))
     samples = []
     for _ in range(repeats):
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
