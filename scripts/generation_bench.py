@@ -39,6 +39,7 @@ from pathlib import Path
 
 from client.generate import LoadConfig, TokenStream, output_lengths, run_load, tokens
 from opara_core.parameters import get as get_parameter
+from opara_core.serving import model_config
 from opara_core.serving.launcher import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
 
 MODELS = {"iteration": "gpt2", "request": "gpt2_request"}
@@ -50,12 +51,12 @@ def make_repository(root: Path, parameters: dict[str, str]) -> Path:
     repository = root / "models"
     for scheduling, name in MODELS.items():
         shutil.copytree(DEFAULT_MODEL_REPOSITORY / "gpt2", repository / name)
-        config = repository / name / "config.pbtxt"
-        text = config.read_text().replace('name: "gpt2"', f'name: "{name}"')
-        # later entries of the parameters map replace earlier ones
+        path = repository / name / "config.pbtxt"
+        config = model_config.read(path)
+        config.name = name
         for key, value in {**parameters, "scheduling": scheduling}.items():
-            text += f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
-        config.write_text(text)
+            config.parameters[key].string_value = value
+        model_config.write(path, config)
     return repository
 
 

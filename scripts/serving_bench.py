@@ -41,11 +41,25 @@ from pathlib import Path
 
 from client.api import Client, ClientError, check_shared_memory
 from client.inputs import ModelInfo
-from client.perf import PerfConfig, output_bytes, perf_analyzer_command, perf_row, read_perf_csv, write_input_data
+from client.perf import (
+    PerfConfig,
+    output_bytes,
+    perf_analyzer_command,
+    perf_row,
+    read_perf_csv,
+    write_input_data,
+)
 from client.perf import run_perf_analyzer as perf_run
 from opara_core import zoo
 from opara_core.parameters import get as get_parameter
-from opara_core.serving.launcher import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
+from opara_core.serving import model_config
+from opara_core.serving.launcher import (
+    ADMIN_KEY_ENV,
+    DEFAULT_MODEL_REPOSITORY,
+    ServerConfig,
+    TritonServer,
+    free_port,
+)
 from opara_core.serving.triton_backend import StageClock
 
 FLOOR_SUFFIX = "_floor"
@@ -86,36 +100,26 @@ def add_companion(repository: Path, model: str, suffix: str, model_py: str) -> s
     the new name (so the same inputs, outputs, instance group, batching and
     parameters) with `model_py` as its model.py. Returns its name."""
     name = model + suffix
-    text, found = re.subn(rf'^name: "{model}"$', f'name: "{name}"', (repository / model / "config.pbtxt").read_text(), flags=re.M)
-    if found != 1:
-        raise SystemExit(f"{model}/config.pbtxt: no single `name: \"{model}\"` line to rename")
+    config = model_config.read(repository / model / "config.pbtxt")
+    config.name = name
     (repository / name / "1").mkdir(parents=True)
-    (repository / name / "config.pbtxt").write_text(text)
+    model_config.write(repository / name / "config.pbtxt", config)
     (repository / name / "1" / "model.py").write_text(model_py.format(model=model))
     return name
 
 
-def set_instances(text: str, instances: int, config: Path) -> str:
-    """config.pbtxt text with `instances` model instances (stub processes, each with its own graphs)."""
-    text, found = re.subn(r"instance_group \[ \{ count: \d+ \} \]", f"instance_group [ {{ count: {instances} }} ]", text)
-    if found != 1:
-        raise SystemExit(f"{config}: no single `instance_group [ {{ count: N }} ]` line to set the instance count in")
-    return text
+def set_instances(config, instances: int, where: Path) -> None:
+    """`instances` model instances (stub processes, each with its own graphs) in the ModelConfig `config`."""
+    if len(config.instance_group) != 1:
+        raise SystemExit(f"{where}: {len(config.instance_group)} instance groups; the benchmarks set the count of one")
+    config.instance_group[0].count = instances
 
 
-def set_parameter(text: str, key: str, value: str) -> str:
-    """config.pbtxt text with the parameter `key` set to `value`: replaced where
-    the config sets it, added as the first entry of its `parameters` otherwise."""
-    if not re.fullmatch(r"[\w.]+", key) or '"' in value or "\\" in value:
-        raise SystemExit(f"error: parameter {key}={value!r}: a key of letters, digits, '_' and '.', a value without quotes")
-    text, found = re.subn(rf'(key: "{re.escape(key)}"\s*value: \{{ string_value: )"[^"]*"', lambda m: f'{m.group(1)}"{value}"', text)
-    if found:
-        return text
-    entry = f'parameters [\n  {{\n    key: "{key}"\n    value: {{ string_value: "{value}" }}\n  }},'
-    text, found = re.subn(r"^parameters \[", lambda _: entry, text, count=1, flags=re.M)
-    if not found:
-        raise SystemExit(f"error: no `parameters [` block to add {key} to")
-    return text
+def set_parameter(config, key: str, value: str) -> None:
+    """The parameter `key` of the ModelConfig `config` set to `value` (replaced or added)."""
+    if not re.fullmatch(r"[\w.]+", key):
+        raise SystemExit(f"error: parameter {key}={value!r}: a key is letters, digits, '_' and '.'")
+    config.parameters[key].string_value = value
 
 
 def make_repository(
@@ -138,19 +142,16 @@ def make_repository(
     repository = root / "models"
     for name in models:
         shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, repository / name)
-        config = repository / name / "config.pbtxt"
-        text = set_instances(config.read_text(), instances, config)
+        path = repository / name / "config.pbtxt"
+        config = model_config.read(path)
+        set_instances(config, instances, path)
         if batching == "greedy":
-            text, found = re.subn(r"\n  preferred_batch_size: \[[\d, ]+\]", "", text)
-            if found != 1:
-                raise SystemExit(f"{config}: no single `preferred_batch_size` line to drop")
+            config.dynamic_batching.ClearField("preferred_batch_size")
         if queue_delay_us is not None:
-            text, found = re.subn(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {queue_delay_us}", text)
-            if found != 1:
-                raise SystemExit(f"{config}: no single `max_queue_delay_microseconds` line to set")
+            config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
         for key, value in (parameters or {}).items():
-            text = set_parameter(text, key, value)
-        config.write_text(text)
+            set_parameter(config, key, value)
+        model_config.write(path, config)
         add_floor_model(repository, name)
         if peers:
             add_peer_model(repository, name)

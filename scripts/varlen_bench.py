@@ -52,6 +52,7 @@ from client.inputs import random_inputs
 from client.lengths import parse as parse_lengths
 from opara_core import zoo
 from opara_core.planning import batching
+from opara_core.serving import model_config
 from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
 from opara_core.serving.triton_backend import ServingMetrics, StageClock
 from serving_bench import PRECISION, batch_counts, execute_counters, precision_title, set_instances, set_parameter
@@ -72,13 +73,14 @@ def make_repository(models: list[str], root: Path, overrides: dict[str, dict[str
     repository = root / "models"
     for name in models:
         shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, repository / name)
-        config = repository / name / "config.pbtxt"
-        text = set_instances(config.read_text(), instances, config)
+        path = repository / name / "config.pbtxt"
+        config = model_config.read(path)
+        set_instances(config, instances, path)
         for key, value in {"capture": "load", **overrides.get(name, {})}.items():
-            text = set_parameter(text, key, value)
+            set_parameter(config, key, value)
         if queue_delay_us is not None:
-            text = re.sub(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {queue_delay_us}", text)
-        config.write_text(text)
+            config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
+        model_config.write(path, config)
     return repository
 
 

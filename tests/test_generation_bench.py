@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,7 @@ from conftest import load_script
 
 from opara_core.parameters import GENERATION, parse
 from opara_core.parameters import get as get_parameter
+from opara_core.serving import model_config
 from opara_core.serving.launcher import REPO_ROOT
 
 generation_bench = load_script("generation_bench")
@@ -35,22 +35,17 @@ def test_an_overloaded_rate_counts_only_without_the_ttft_bound():
 
 
 def precision_of(model_dir: Path) -> str:
-    """The `precision` a generation model's config.pbtxt asks for (the last entry of the key, as Triton reads the map)."""
-    parameters = dict(re.findall(r'key: "([\w.]+)"\s+value: \{ string_value: "([^"]*)" \}', (model_dir / "config.pbtxt").read_text()))
-    return parse(GENERATION, parameters)["precision"]
+    """The `precision` a generation model's config.pbtxt asks for."""
+    return parse(GENERATION, model_config.parameters(model_config.read(model_dir / "config.pbtxt")))["precision"]
 
 
 def test_precision_reaches_both_configs_and_a_bad_one_is_refused(tmp_path, capsys):
-    """--precision bf16 (issue 72) in both copies of gpt2, and the configs still parse
-    (a later entry of the parameters map replaces an earlier one, as Triton reads it);
+    """--precision bf16 (issue 72) in both copies of gpt2, and the configs still parse;
     without --precision they keep their own."""
     parser = generation_bench.argument_parser()
     repository = generation_bench.make_repository(tmp_path / "a", generation_bench.served_parameters(parser.parse_args(["--precision", "bf16"])))
     for name in generation_bench.MODELS.values():
-        text = (repository / name / "config.pbtxt").read_text()
-        assert 'key: "precision"' in text
-        parameters = dict(re.findall(r'key: "([\w.]+)"\s+value: \{ string_value: "([^"]*)" \}', text))
-        assert parse(GENERATION, parameters)["precision"] == "bf16"
+        assert precision_of(repository / name) == "bf16"
     repository = generation_bench.make_repository(tmp_path / "b", generation_bench.served_parameters(parser.parse_args([])))
     assert precision_of(repository / "gpt2") == precision_of(REPO_ROOT / "model_repository" / "gpt2")
     with pytest.raises(SystemExit):

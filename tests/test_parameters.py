@@ -14,6 +14,7 @@ import pytest
 
 from opara_core import parameters
 from opara_core.parameters import BATCH, GENERATION, VARLEN, ParameterError, parse
+from opara_core.serving import model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "configuration.md"
@@ -157,8 +158,7 @@ def test_every_shipped_config_parses_for_its_kind_of_model(model):
 
     source = (ROOT / "model_repository" / model / "1" / "model.py").read_text()
     kind = {"OparaModel": BATCH, "VarLenModel": VARLEN, "GenerationModel": GENERATION}[re.search(r"class TritonPythonModel\((\w+)\)", source).group(1)]
-    text = (ROOT / "model_repository" / model / "config.pbtxt").read_text()
-    params = dict(re.findall(r'key: "([\w.]+)"\s+value: \{ string_value: "([^"]*)" \}', text))
+    params = model_config.parameters(model_config.read(ROOT / "model_repository" / model / "config.pbtxt"))
     values = parse(kind, params, environ={})
     assert values.given == set(params)
     if kind != GENERATION:

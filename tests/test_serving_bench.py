@@ -5,7 +5,6 @@ hand-written peer it serves beside every model (opara_core.serving.floor and
 from __future__ import annotations
 
 import json
-import re
 import sys
 
 import numpy as np
@@ -20,6 +19,7 @@ from opara_core import zoo
 from opara_core.engine.build import BuildReport, Candidate
 from opara_core.parameters import BATCH, parse, strings
 from opara_core.parameters import get as get_parameter
+from opara_core.serving import model_config
 from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer
 from opara_core.serving.startup import ready_line
 
@@ -43,25 +43,31 @@ def repository(tmp_path_factory):
     )  # fmt: skip
 
 
-def without_name(text: str) -> str:
-    return re.sub(r'^name: ".*"$', "", text, flags=re.M)
+def without_name(path) -> object:
+    config = model_config.read(path)
+    config.ClearField("name")
+    return config
 
 
 @pytest.mark.parametrize("model", FLOORED)
 def test_each_model_gets_a_floor_with_its_own_config(repository, model):
     """Same inputs, outputs, instance group, batching and parameters (GPU inputs
     included): only the name and the model.py differ."""
-    config = (repository / model / "config.pbtxt").read_text()
-    floor = (repository / f"{model}_floor" / "config.pbtxt").read_text()
-    assert f'name: "{model}_floor"' in floor
-    assert without_name(floor) == without_name(config)
-    assert "count: 2" in floor and "preferred_batch_size" not in floor and "max_queue_delay_microseconds: 500" in floor
-    parameters = dict(re.findall(r'key: "([\w.]+)"\s+value: \{ string_value: "([^"]*)" \}', floor))
+    config = repository / model / "config.pbtxt"
+    floor = model_config.read(repository / f"{model}_floor" / "config.pbtxt")
+    assert floor.name == f"{model}_floor"
+    assert without_name(repository / f"{model}_floor" / "config.pbtxt") == without_name(config)
+    assert [g.count for g in floor.instance_group] == [2]
+    assert not floor.dynamic_batching.preferred_batch_size and floor.dynamic_batching.max_queue_delay_microseconds == 500
+    parameters = model_config.parameters(floor)
     assert parameters["FORCE_CPU_ONLY_INPUT_TENSORS"] == "yes" and parameters["torch_threads"] == "0"
-    assert floor.count('key: "FORCE_CPU_ONLY_INPUT_TENSORS"') == 1  # replaced, not added twice
+    shipped = model_config.read(DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt")
+    assert {k: v for k, v in parameters.items() if k not in ("FORCE_CPU_ONLY_INPUT_TENSORS", "torch_threads")} == {
+        k: v for k, v in model_config.parameters(shipped).items() if k not in ("FORCE_CPU_ONLY_INPUT_TENSORS", "torch_threads")
+    }
     assert "FloorModel" in (repository / f"{model}_floor" / "1" / "model.py").read_text()
-    peer = (repository / f"{model}_peer" / "config.pbtxt").read_text()
-    assert f'name: "{model}_peer"' in peer and without_name(peer) == without_name(config)
+    assert model_config.read(repository / f"{model}_peer" / "config.pbtxt").name == f"{model}_peer"
+    assert without_name(repository / f"{model}_peer" / "config.pbtxt") == without_name(config)
     assert "PeerModel" in (repository / f"{model}_peer" / "1" / "model.py").read_text()
 
 
@@ -89,8 +95,9 @@ def floor_server(tmp_path_factory):
     for model in FLOORED + VARLEN_FLOORED:
         (root / model).mkdir(parents=True)
         # an added parameter (the floor honours output_memory): tritonserver must parse the edited config
-        text = serving_bench.set_parameter((DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt").read_text(), "output_memory", "host")
-        (root / model / "config.pbtxt").write_text(text)
+        config = model_config.read(DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt")
+        serving_bench.set_parameter(config, "output_memory", "host")
+        model_config.write(root / model / "config.pbtxt", config)
         serving_bench.add_floor_model(root, model)
         if model in PEERED:  # each peer is a stub process of about 0.5 GB more in CI's 24 GiB: one per kind
             serving_bench.add_peer_model(root, model)
@@ -187,7 +194,6 @@ def test_the_table_puts_the_floor_beside_each_row():
     assert cells["peer p50"] == "1.500" and cells["peer infer/s"] == "640" and cells["infer/s / peer"] == "1.25"
 
 
-PRECISION_ENTRY = r'key: "precision"\s+value: \{ string_value: "([^"]*)" \}'
 
 
 def test_precision_reaches_every_served_config_and_a_bad_one_is_refused(tmp_path, capsys):
@@ -197,10 +203,10 @@ def test_precision_reaches_every_served_config_and_a_bad_one_is_refused(tmp_path
     args = parser.parse_args(["--precision", "bf16", "--parameter", "torch_threads=0"])
     repository = serving_bench.make_repository(["googlenet"], tmp_path / "bf16", parameters=serving_bench.served_parameters(args))
     for name in ("googlenet", "googlenet_floor"):
-        assert re.findall(PRECISION_ENTRY, (repository / name / "config.pbtxt").read_text()) == ["bf16"]
+        assert model_config.parameters(model_config.read(repository / name / "config.pbtxt"))["precision"] == "bf16"
     assert parse(BATCH, strings(config_of("googlenet", repository)))["precision"] == "bf16"
     plain = serving_bench.make_repository(["googlenet"], tmp_path / "plain", parameters=serving_bench.served_parameters(parser.parse_args([])))
-    assert (plain / "googlenet" / "config.pbtxt").read_text() == (DEFAULT_MODEL_REPOSITORY / "googlenet" / "config.pbtxt").read_text()
+    assert model_config.read(plain / "googlenet" / "config.pbtxt") == model_config.read(DEFAULT_MODEL_REPOSITORY / "googlenet" / "config.pbtxt")
     with pytest.raises(SystemExit, match="give one"):
         serving_bench.served_parameters(parser.parse_args(["--precision", "bf16", "--parameter", "precision=fp16"]))
     with pytest.raises(SystemExit):

@@ -7,13 +7,14 @@ import re
 import warnings
 from pathlib import Path
 
-import torch
 import pytest
+import torch
 
 from opara_core import zoo
 from opara_core.engine.build import EngineSettings
 from opara_core.parameters import BATCH, VARLEN, parse, strings
 from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY
+from opara_core.serving.model_dir import read_config
 from opara_core.serving.triton_backend import (
     RangeCheck,
     RequestError,
@@ -27,19 +28,8 @@ from opara_core.serving.triton_backend import (
 
 
 def config_of(model: str, repository: Path = DEFAULT_MODEL_REPOSITORY) -> dict:
-    """The parts of a config.pbtxt the adapter reads, as Triton's JSON would give them."""
-    text = (repository / model / "config.pbtxt").read_text()
-    tensors = {}
-    for kind in ("input", "output"):
-        block = re.search(rf"^{kind} \[(.*?)^\]", text, re.S | re.M).group(1)
-        tensors[kind] = [
-            {"name": name, "data_type": dtype, "dims": [int(d) for d in dims.split(",")], **({"allow_ragged_batch": True} if ragged else {})}
-            for name, dtype, dims, ragged in re.findall(
-                r'name: "(\w+)"\s+data_type: (\w+)\s+dims: \[([-\d, ]+)\](\s+allow_ragged_batch: true)?', block
-            )
-        ]
-    params = dict(re.findall(r'key: "([\w.]+)"\s+value: \{ string_value: "([^"]*)" \}', text))
-    return {**tensors, "parameters": {k: {"string_value": v} for k, v in params.items()}}
+    """The model's config.pbtxt as Triton's JSON gives it to `initialize`."""
+    return read_config(repository / model)
 
 
 @pytest.mark.parametrize("model", zoo.names())

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from opara_core.parameters import get as get_parameter
+from opara_core.serving import model_config
 from opara_core.serving.triton_backend import TRITON_DTYPES
 from opara_core.serving.user_models import DYNAMIC_BATCH_HINT, PROGRAM_FILE, ModelFileError, call_factory, load_program, program_signature
 
@@ -126,16 +127,14 @@ def from_module(module: torch.nn.Module, inputs: list[Tensor]) -> list[Tensor]:
 def config_text(name: str, inputs: list[Tensor], outputs: list[Tensor], max_batch: int, parameters: dict[str, str]) -> str:
     """config.pbtxt, through Triton's ModelConfig message and protobuf's text format."""
     try:
-        from google.protobuf import text_format
-        from tritonclient.grpc import model_config_pb2 as pb
-    except ImportError as error:
-        raise ModelFileError(f"add-model writes config.pbtxt with tritonclient's ModelConfig ({error}): pip install '.[client]'") from None
-    config = pb.ModelConfig(name=name, backend="python", max_batch_size=max_batch)
+        config = model_config.new(name=name, backend="python", max_batch_size=max_batch)
+        for tensor in inputs:
+            config.input.add(name=tensor.name, data_type=model_config.data_type(TRITON_DTYPES[tensor.dtype]), dims=list(tensor.shape), allow_ragged_batch=tensor.ragged)
+        for tensor in outputs:
+            config.output.add(name=tensor.name, data_type=model_config.data_type(TRITON_DTYPES[tensor.dtype]), dims=list(tensor.shape))
+    except model_config.ModelConfigError as error:
+        raise ModelFileError(f"add-model writes config.pbtxt: {error}") from None
     ranges = {f"value_range.{t.name}": f"{t.ids[0]},{t.ids[1]}" for t in inputs if t.ids}
-    for tensor in inputs:
-        config.input.add(name=tensor.name, data_type=pb.DataType.Value(TRITON_DTYPES[tensor.dtype]), dims=list(tensor.shape), allow_ragged_batch=tensor.ragged)
-    for tensor in outputs:
-        config.output.add(name=tensor.name, data_type=pb.DataType.Value(TRITON_DTYPES[tensor.dtype]), dims=list(tensor.shape))
     buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
     # preferred sizes above 1: a lone request never waits the queue delay (see model_repository/googlenet)
     config.dynamic_batching.preferred_batch_size.extend(b for b in buckets if b > 1)
@@ -144,7 +143,7 @@ def config_text(name: str, inputs: list[Tensor], outputs: list[Tensor], max_batc
     parameters = {"FORCE_CPU_ONLY_INPUT_TENSORS": "no", "buckets": ",".join(map(str, buckets)), **parameters, **ranges}
     for key, value in parameters.items():
         config.parameters[key].string_value = value
-    return text_format.MessageToString(config)
+    return model_config.text(config)
 
 
 MODEL_PY = '''"""{name}: {what}, served through opara_core (written by `python -m opara_core add-model`)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from opara_core.serving import model_config
 from opara_core.spec import ModelSpec
 
 
@@ -30,15 +31,9 @@ def read_config(directory: Path) -> dict:
     if not path.is_file():
         raise ModelDirError(f"{directory} holds no config.pbtxt: give a model directory (e.g. model_repository/googlenet)")
     try:
-        from google.protobuf import json_format, text_format
-        from tritonclient.grpc import model_config_pb2 as pb
-    except ImportError as error:
-        raise ModelDirError(f"reading config.pbtxt needs tritonclient's ModelConfig ({error}): pip install '.[client]'") from None
-    try:
-        message = text_format.Parse(path.read_text(), pb.ModelConfig())
-    except text_format.ParseError as error:
-        raise ModelDirError(f"{path}: {error}") from None
-    config = json_format.MessageToDict(message, preserving_proto_field_name=True)
+        config = model_config.as_json(model_config.read(path))
+    except model_config.ModelConfigError as error:
+        raise ModelDirError(str(error)) from None
     config.setdefault("name", Path(directory).name)
     return config
 
