@@ -122,6 +122,23 @@ def set_parameter(config, key: str, value: str) -> None:
     config.parameters[key].string_value = value
 
 
+def copy_model(repository: Path, name: str, instances: int, queue_delay_us: int | None, parameters: dict[str, str], greedy: bool = False) -> None:
+    """The shipped model `name` copied into `repository` with `instances`
+    model instances, `parameters` set, and where given its queue delay
+    replaced and (`greedy`) its preferred batch sizes dropped."""
+    shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, repository / name)
+    path = repository / name / "config.pbtxt"
+    config = model_config.read(path)
+    set_instances(config, instances, path)
+    if greedy:
+        config.dynamic_batching.ClearField("preferred_batch_size")
+    if queue_delay_us is not None:
+        config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
+    for key, value in parameters.items():
+        set_parameter(config, key, value)
+    model_config.write(path, config)
+
+
 def make_repository(
     models: list[str],
     root: Path,
@@ -141,17 +158,7 @@ def make_repository(
     `peers`: the hand-written peer beside each model too."""
     repository = root / "models"
     for name in models:
-        shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, repository / name)
-        path = repository / name / "config.pbtxt"
-        config = model_config.read(path)
-        set_instances(config, instances, path)
-        if batching == "greedy":
-            config.dynamic_batching.ClearField("preferred_batch_size")
-        if queue_delay_us is not None:
-            config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
-        for key, value in (parameters or {}).items():
-            set_parameter(config, key, value)
-        model_config.write(path, config)
+        copy_model(repository, name, instances, queue_delay_us, parameters or {}, greedy=batching == "greedy")
         add_floor_model(repository, name)
         if peers:
             add_peer_model(repository, name)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import sys
 import tempfile
 import time
@@ -52,10 +51,9 @@ from client.inputs import random_inputs
 from client.lengths import parse as parse_lengths
 from opara_core import zoo
 from opara_core.planning import batching
-from opara_core.serving import model_config
-from opara_core.serving.launcher import DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
+from opara_core.serving.launcher import ServerConfig, TritonServer, free_port
 from opara_core.serving.triton_backend import ServingMetrics, StageClock
-from serving_bench import PRECISION, batch_counts, execute_counters, precision_title, set_instances, set_parameter
+from serving_bench import PRECISION, batch_counts, copy_model, execute_counters, precision_title
 
 SCHEDULERS = ("padded", "single", "greedy", "dp")
 
@@ -72,15 +70,7 @@ def make_repository(models: list[str], root: Path, overrides: dict[str, dict[str
     greedy's stage 3.3 ms per execute against the DP's 0.8)."""
     repository = root / "models"
     for name in models:
-        shutil.copytree(DEFAULT_MODEL_REPOSITORY / name, repository / name)
-        path = repository / name / "config.pbtxt"
-        config = model_config.read(path)
-        set_instances(config, instances, path)
-        for key, value in {"capture": "load", **overrides.get(name, {})}.items():
-            set_parameter(config, key, value)
-        if queue_delay_us is not None:
-            config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
-        model_config.write(path, config)
+        copy_model(repository, name, instances, queue_delay_us, {"capture": "load", **overrides.get(name, {})})
     return repository
 
 
