@@ -41,25 +41,12 @@ from pathlib import Path
 
 from client.api import Client, ClientError, check_shared_memory
 from client.inputs import ModelInfo
-from client.perf import (
-    PerfConfig,
-    output_bytes,
-    perf_analyzer_command,
-    perf_row,
-    read_perf_csv,
-    write_input_data,
-)
+from client.perf import PerfConfig, output_bytes, perf_analyzer_command, perf_row, read_perf_csv, write_input_data
 from client.perf import run_perf_analyzer as perf_run
 from opara_core import zoo
 from opara_core.parameters import get as get_parameter
 from opara_core.serving import model_config
-from opara_core.serving.launcher import (
-    ADMIN_KEY_ENV,
-    DEFAULT_MODEL_REPOSITORY,
-    ServerConfig,
-    TritonServer,
-    free_port,
-)
+from opara_core.serving.launcher import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_port
 from opara_core.serving.triton_backend import StageClock
 
 FLOOR_SUFFIX = "_floor"
