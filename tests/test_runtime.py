@@ -58,6 +58,14 @@ def test_row_blocks_of_several_requests_run_as_one_batch(entry, module):
     assert runner.batches == {3: 1}
 
 
+def test_small_host_blocks_are_gathered_on_the_host_and_large_ones_sent_as_they_lie():
+    rows = [torch.zeros(1, 13) for _ in range(9)]  # DeepFM's dense input from 9 requests: 52 bytes each
+    image = [torch.zeros(1, 3, 224, 224) for _ in range(9)]  # 588 KiB each
+    assert not runtime.direct_pays([rows, image])
+    assert runtime.direct_pays([image])
+    assert runtime.direct_pays([rows[0], [rows[1]]])  # one block per input: one transfer either way
+
+
 @pytest.fixture(scope="module")
 def gpu_graphs(entry):
     """The module captured on one stream at buckets 1, 2, 4 and 8, in one pool,
