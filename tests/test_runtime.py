@@ -58,6 +58,36 @@ def test_row_blocks_of_several_requests_run_as_one_batch(entry, module):
     assert runner.batches == {3: 1}
 
 
+def test_small_host_blocks_are_gathered_on_the_host_and_large_ones_sent_as_they_lie():
+    rows = [torch.zeros(1, 13) for _ in range(9)]  # DeepFM's dense input from 9 requests: 52 bytes each
+    image = [torch.zeros(1, 3, 224, 224) for _ in range(9)]  # 588 KiB each
+    assert not runtime.direct_pays([rows, image])
+    assert runtime.direct_pays([image])
+    assert runtime.direct_pays([rows[0], [rows[1]]])  # one block per input: one transfer either way
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pinned", [False, True])
+def test_many_small_host_blocks_go_through_the_staging_and_answer_as_eager(pinned, strict_fp32):
+    """DeepFM's rows from nine requests (52 and 208 bytes each): gathered on the
+    host and sent once per input (`direct_pays`), pinned or not."""
+    device = torch.device("cuda")
+    deepfm = zoo.get("deepfm")
+    gpu_module = deepfm.build().to(device)
+    pool = torch.cuda.graph_pool_handle()
+    with torch.inference_mode():
+        graphs = {b: capture_module(gpu_module, [x.to(device) for x in deepfm.example_inputs(b, seed=b)], pool) for b in (1, 2, 4, 8, 16)}
+    runner = runtime.GraphRunner(graphs, deepfm.inputs, deepfm.outputs, device, max_batch=16)
+    inputs = deepfm.example_inputs(9, seed=21)
+    blocks = [[(x[i : i + 1].pin_memory() if pinned else x[i : i + 1]) for i in range(9)] for x in inputs]
+    assert not runtime.direct_pays(blocks)
+    (out,) = runner.run(blocks)
+    with torch.inference_mode():
+        expected = gpu_module(*(x.to(device) for x in inputs)).cpu()
+    assert max_relative_error(out.cpu(), expected) <= 1e-4
+    assert runner.batches == {16: 1}
+
+
 @pytest.fixture(scope="module")
 def gpu_graphs(entry):
     """The module captured on one stream at buckets 1, 2, 4 and 8, in one pool,

@@ -73,6 +73,26 @@ def _staging(specs: Sequence[TensorSpec], rows: int, device: torch.device | str 
     return [torch.zeros((rows, *s.shape), dtype=s.dtype, device=device, pin_memory=pin) for s in specs]
 
 
+# below this many bytes per row block on average, a batch's host blocks are
+# gathered on the host first: one transfer per input instead of one per block
+DIRECT_MIN_BLOCK_BYTES = 64 * 1024
+
+
+def direct_pays(inputs: Sequence[Blocks]) -> bool:
+    """Whether host blocks should go to the GPU one transfer each, straight from
+    page-locked memory, rather than be gathered into the pinned staging first
+    (a CPU copy) and sent one transfer per input. A transfer costs the host a
+    few microseconds to issue and the GPU its own latency, while gathering small
+    rows on the host costs next to nothing: DeepFM's batch of 9 requests, two
+    inputs of 52 and 104 bytes a row, would issue 18 transfers instead of 2. An
+    image (GoogLeNet's 588 KiB) is worth sending where it lies."""
+    for blocks in inputs:
+        parts = _blocks(blocks)
+        if len(parts) > 1 and sum(p.nbytes for p in parts) < DIRECT_MIN_BLOCK_BYTES * len(parts):
+            return False
+    return True
+
+
 def gather(blocks: Blocks, out: torch.Tensor) -> torch.Tensor:
     """Copy the row blocks into `out`'s first rows: the batch's one copy (or,
     from the host into GPU memory, its one transfer)."""
@@ -173,7 +193,9 @@ class GraphRunner:
                 captured = self._graph_for(n)
                 self._wait_inputs_read()
                 # host blocks in page-locked memory (serving.pinned_host) go straight to the graph's inputs
-                direct = on_gpu or (not self._inputs_on_host and all(t.is_pinned() for blocks in inputs for t in _blocks(blocks)))
+                direct = on_gpu or (
+                    not self._inputs_on_host and direct_pays(inputs) and all(t.is_pinned() for blocks in inputs for t in _blocks(blocks))
+                )
                 staged = captured.inputs if direct else self._host_in
                 for blocks, buffer, static in zip(inputs, staged, captured.inputs):
                     gather(blocks, buffer)
