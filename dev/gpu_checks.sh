@@ -85,8 +85,13 @@
 # still leaves its log. The serving stack must be importable: the nvidia-pytriton
 # wheel (tritonserver 2.51) and tritonclient on PYTHONPATH, perf_analyzer 2.60 in
 # $PERF_ANALYZER, and OPARA_ADMIN_KEY set: on the GPU machine, carry .gpuenv
-# (dev/make_gpuenv.sh makes it here) and `source .gpuenv/setup_env.sh` first.
+# (dev/make_gpuenv.sh makes it here); this script sources .gpuenv/setup_env.sh itself
+# where it is carried and PERF_ANALYZER is not set yet (a servestart without it
+# ended at once on 2026-12-06: "nvidia-pytriton is not installed").
 set -u
+if [ -z "${PERF_ANALYZER:-}" ] && [ -f .gpuenv/setup_env.sh ]; then
+    source .gpuenv/setup_env.sh
+fi
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
