@@ -192,7 +192,8 @@ class GraphRunner:
             if n <= self.buckets[-1]:
                 captured = self._graph_for(n)
                 self._wait_inputs_read()
-                # host blocks in page-locked memory (serving.pinned_host) go straight to the graph's inputs
+                # host blocks in page-locked memory (serving.pinned_host) go straight to the graph's inputs,
+                # unless they are many small ones (direct_pays): those are gathered into the staging first
                 direct = on_gpu or (
                     not self._inputs_on_host and direct_pays(inputs) and all(t.is_pinned() for blocks in inputs for t in _blocks(blocks))
                 )
