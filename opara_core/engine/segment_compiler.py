@@ -329,6 +329,8 @@ def _first_runs(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]]) -> N
     devices = {x.device for _, inputs in runs for x in inputs if x.is_cuda}
     for device in devices:
         torch.cuda.synchronize(device)
+    if devices:  # their activations were cached for this thread's stream, where no graph of the build reuses them
+        torch.cuda.empty_cache()
 
 
 # A segment's inputs: (its submodule's name, their metas, the tensors themselves or None where read from a record).
