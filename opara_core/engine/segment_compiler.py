@@ -214,12 +214,16 @@ def prepare(
     (NASNet's first captures of remembered choices: 23.8 s of its turn in the
     shipped repository's warm start on an H100, 2026-12-06, with 540 segments
     loaded in 5.1 s before them). The captures then find the plans made: on
-    this thread (they run on it, engine.fused_lanes) and in this mode."""
+    this thread (they run on it, engine.fused_lanes) and in this mode. Not
+    with `autotune`: its first runs time cuDNN's algorithms, which needs the
+    GPU to itself; its captures run them inside the turn, as before."""
     with cudnn_algorithms(benchmark=autotune):
-        return _prepare(runs, cache_dir, workers)
+        return _prepare(runs, cache_dir, workers, first_runs_aside=not autotune)
 
 
-def _prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_dir: Path, workers: int | None) -> CompileCount:
+def _prepare(
+    runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_dir: Path, workers: int | None, first_runs_aside: bool = True
+) -> CompileCount:
     wanted: dict[str, list[tuple[CompiledSegment, tuple]]] = {}
     jobs: dict[str, tuple[GraphModule, list[TensorMeta]]] = {}
     samples: dict[str, tuple] = {}  # one call's inputs per key
@@ -280,7 +284,7 @@ def _prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_d
                 unsaved.add(key)
         seconds["compile"] = time.perf_counter() - start
     # a warm build only loads (host work) and runs each module once: other builds may have the GPU meanwhile
-    warm = bool(runs) and read == len(runs)
+    warm = first_runs_aside and bool(runs) and read == len(runs)
     with gpu_turn.aside(f"fused lanes: loading {len(on_disk)} segments, running {len(runs)} plans once") if warm else contextlib.nullcontext():
         # loading and checking compile what they still need here, one kernel at a time, as the
         # workers do (_worker_setup): see in_this_process
