@@ -98,3 +98,39 @@ def test_outside_a_turn_stepping_aside_does_nothing_and_a_second_turn_is_refused
             with gpu_turn.held(path):
                 pass
     assert not gpu_turn.holding()
+
+
+def test_a_turn_held_lazily_is_taken_when_the_build_asks_and_then_works_as_any(tmp_path):
+    path = tmp_path / "gpu.lock"
+    with gpu_turn.held(path, lazily=True):
+        assert not gpu_turn.holding() and _free_in_another_process(path)
+        with gpu_turn.aside("tracing"):  # before the turn is taken: nothing to give, nothing taken after
+            assert _free_in_another_process(path)
+        assert not gpu_turn.holding() and _free_in_another_process(path)
+        gpu_turn.take()
+        assert gpu_turn.holding() and not _free_in_another_process(path)
+        gpu_turn.take()  # taken already: nothing more
+        with gpu_turn.aside("compiling"):
+            assert _free_in_another_process(path)
+        assert gpu_turn.holding() and not _free_in_another_process(path)
+        with pytest.raises(RuntimeError, match="already holds"):
+            with gpu_turn.held(path):
+                pass
+    assert not gpu_turn.holding() and _free_in_another_process(path)
+    gpu_turn.take()  # outside a turn: nothing
+    assert not gpu_turn.holding() and _free(path)
+
+
+def test_taking_a_lazily_held_turn_waits_for_the_build_that_has_it(tmp_path):
+    path = tmp_path / "gpu.lock"
+    ready = CONTEXT.Event()
+    with gpu_turn.held(path, lazily=True):
+        other = CONTEXT.Process(target=_hold, args=(path, 1.5, ready))
+        other.start()  # takes the turn while this build has not yet asked for it
+        assert ready.wait(60)
+        start = time.perf_counter()
+        gpu_turn.take()
+        waited = time.perf_counter() - start
+        other.join(30)
+    assert other.exitcode == 0
+    assert waited >= 1.0, waited
