@@ -3,7 +3,6 @@ by a later process without compiling, equal to the segments run eagerly (CPU).""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -15,6 +14,7 @@ import pytest
 import torch
 from torch.fx import Graph, GraphModule
 
+from conftest import turn_is_free
 from opara_core.engine.fused_lanes import fused_lanes
 from opara_core.engine.interpreter import plan_graph, run_plan
 from opara_core.engine import gpu_turn, segment_compiler
@@ -527,32 +527,18 @@ def test_a_record_is_not_read_while_a_segment_still_needs_its_check(tmp_path, mo
         assert torch.allclose(run_plan(fused, plan, x), module(x), rtol=1e-5, atol=1e-6)
 
 
-def _turn_is_free(lock: Path) -> bool:
-    """Whether another process could take the GPU turn of `lock` now (a
-    descriptor of its own conflicts with this process's flock as another
-    process's would)."""
-    descriptor = os.open(lock, os.O_RDONLY)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(descriptor)
-
-
 def test_a_warm_build_loads_and_runs_its_modules_once_while_other_builds_have_the_gpu(tmp_path, monkeypatch):
     module, x, cold = _cold_build(tmp_path, monkeypatch, seed=9)
     lock = tmp_path / "turn.lock"
     fused, plan = _fused(module, torch.randn(2, 16))
     runs = []
-    fused.module.register_forward_pre_hook(lambda top, args: runs.append(_turn_is_free(lock)))
+    fused.module.register_forward_pre_hook(lambda top, args: runs.append(turn_is_free(lock)))
     loads = []
     load_saved = segment_compiler.load_saved
-    monkeypatch.setattr(segment_compiler, "load_saved", lambda path: loads.append(_turn_is_free(lock)) or load_saved(path))
+    monkeypatch.setattr(segment_compiler, "load_saved", lambda path: loads.append(turn_is_free(lock)) or load_saved(path))
     with gpu_turn.held(lock):
         warm = prepare([(fused.module, [x])], tmp_path, workers=1)
-        assert gpu_turn.holding() and not _turn_is_free(lock), "the turn was not taken back"
+        assert gpu_turn.holding() and not turn_is_free(lock), "the turn was not taken back"
     assert warm.records_read == 1 and warm.compiled == 0 and warm.first_run_s > 0, warm
     assert runs == [True], f"one run of the module, with the turn free: {runs}"
     assert loads and all(loads), f"code loaded while the turn was held: {loads}"
@@ -561,7 +547,7 @@ def test_a_warm_build_loads_and_runs_its_modules_once_while_other_builds_have_th
     # a build that has to record (inputs of another shape) checks its new code inside its turn
     checks = []
     checked = segment_compiler._checked
-    monkeypatch.setattr(segment_compiler, "_checked", lambda *a, **k: checks.append(_turn_is_free(lock)) or checked(*a, **k))
+    monkeypatch.setattr(segment_compiler, "_checked", lambda *a, **k: checks.append(turn_is_free(lock)) or checked(*a, **k))
     monkeypatch.setattr(segment_compiler, "_loaded", {})
     with gpu_turn.held(lock):
         other = prepare([(fused.module, [x[:3]])], tmp_path, workers=1)
@@ -571,7 +557,7 @@ def test_a_warm_build_loads_and_runs_its_modules_once_while_other_builds_have_th
     runs.clear()
     loads.clear()
     fused, _ = _fused(module, torch.randn(2, 16))
-    fused.module.register_forward_pre_hook(lambda top, args: runs.append(_turn_is_free(lock)))
+    fused.module.register_forward_pre_hook(lambda top, args: runs.append(turn_is_free(lock)))
     with gpu_turn.held(lock):
         timed = prepare([(fused.module, [x])], tmp_path, workers=1, autotune=True)
     assert timed.records_read == 1 and timed.first_run_s == 0 and runs == [] and loads and not any(loads), (timed, runs, loads)
