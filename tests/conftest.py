@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -26,6 +27,20 @@ def interpreted_worst_error(code: str, *args: str) -> float:
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return float(done.stdout.strip().splitlines()[-1])
+
+
+def turn_is_free(lock: Path) -> bool:
+    """Whether a build could take the GPU turn of `lock` now (engine.gpu_turn),
+    by a try that never blocks: a descriptor of its own conflicts with this
+    process's flock as another process's would."""
+    descriptor = os.open(lock, os.O_RDONLY | os.O_CREAT)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(descriptor)
 
 
 def load_script(name: str, folder: str = "scripts"):

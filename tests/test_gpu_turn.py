@@ -3,13 +3,12 @@ and a build that only compiles leaves the GPU to the others meanwhile."""
 
 from __future__ import annotations
 
-import fcntl
 import multiprocessing
-import os
 import time
 
 import pytest
 
+from conftest import turn_is_free
 from opara_core.engine import gpu_turn
 
 CONTEXT = multiprocessing.get_context("spawn")
@@ -21,20 +20,8 @@ def _hold(path, seconds, ready):
         time.sleep(seconds)
 
 
-def _free(path) -> bool:
-    """Whether nobody holds the lock file now (a try that never blocks)."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_CREAT)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(descriptor)
-
-
 def _probe(path, answer):
-    answer.put(_free(path))
+    answer.put(turn_is_free(path))
 
 
 def _free_in_another_process(path) -> bool:
@@ -92,9 +79,45 @@ def test_the_turn_comes_back_only_after_the_other_build_is_done_with_the_gpu(tmp
 def test_outside_a_turn_stepping_aside_does_nothing_and_a_second_turn_is_refused(tmp_path):
     path = tmp_path / "gpu.lock"
     with gpu_turn.aside("compiling"):
-        assert _free(path)
+        assert turn_is_free(path)
     with gpu_turn.held(path):
         with pytest.raises(RuntimeError, match="already holds"):
             with gpu_turn.held(path):
                 pass
     assert not gpu_turn.holding()
+
+
+def test_a_turn_held_lazily_is_taken_when_the_build_asks_and_then_works_as_any(tmp_path):
+    path = tmp_path / "gpu.lock"
+    with gpu_turn.held(path, lazily=True):
+        assert not gpu_turn.holding() and _free_in_another_process(path)
+        with gpu_turn.aside("tracing"):  # before the turn is taken: nothing to give, nothing taken after
+            assert _free_in_another_process(path)
+        assert not gpu_turn.holding() and _free_in_another_process(path)
+        gpu_turn.take()
+        assert gpu_turn.holding() and not _free_in_another_process(path)
+        gpu_turn.take()  # taken already: nothing more
+        with gpu_turn.aside("compiling"):
+            assert _free_in_another_process(path)
+        assert gpu_turn.holding() and not _free_in_another_process(path)
+        with pytest.raises(RuntimeError, match="already holds"):
+            with gpu_turn.held(path):
+                pass
+    assert not gpu_turn.holding() and _free_in_another_process(path)
+    gpu_turn.take()  # outside a turn: nothing
+    assert not gpu_turn.holding() and turn_is_free(path)
+
+
+def test_taking_a_lazily_held_turn_waits_for_the_build_that_has_it(tmp_path):
+    path = tmp_path / "gpu.lock"
+    ready = CONTEXT.Event()
+    with gpu_turn.held(path, lazily=True):
+        other = CONTEXT.Process(target=_hold, args=(path, 1.5, ready))
+        other.start()  # takes the turn while this build has not yet asked for it
+        assert ready.wait(60)
+        start = time.perf_counter()
+        gpu_turn.take()
+        waited = time.perf_counter() - start
+        other.join(30)
+    assert other.exitcode == 0
+    assert waited >= 1.0, waited

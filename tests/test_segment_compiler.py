@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch.fx import Graph, GraphModule
 
+from conftest import turn_is_free
 from opara_core.engine.fused_lanes import fused_lanes
 from opara_core.engine.interpreter import plan_graph, run_plan
-from opara_core.engine import segment_compiler
+from opara_core.engine import gpu_turn, segment_compiler
 from opara_core.engine.segment_compiler import CompiledSegment, TensorMeta, canonical, prepare, segment_key
 from opara_core.engine.trace import trace
 
@@ -524,6 +525,42 @@ def test_a_record_is_not_read_while_a_segment_still_needs_its_check(tmp_path, mo
     assert passed[0].exists()  # checked against the inputs the run found
     with torch.inference_mode():
         assert torch.allclose(run_plan(fused, plan, x), module(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_warm_build_loads_and_runs_its_modules_once_while_other_builds_have_the_gpu(tmp_path, monkeypatch):
+    module, x, cold = _cold_build(tmp_path, monkeypatch, seed=9)
+    lock = tmp_path / "turn.lock"
+    fused, plan = _fused(module, torch.randn(2, 16))
+    runs = []
+    fused.module.register_forward_pre_hook(lambda top, args: runs.append(turn_is_free(lock)))
+    loads = []
+    load_saved = segment_compiler.load_saved
+    monkeypatch.setattr(segment_compiler, "load_saved", lambda path: loads.append(turn_is_free(lock)) or load_saved(path))
+    with gpu_turn.held(lock):
+        warm = prepare([(fused.module, [x])], tmp_path, workers=1)
+        assert gpu_turn.holding() and not turn_is_free(lock), "the turn was not taken back"
+    assert warm.records_read == 1 and warm.compiled == 0 and warm.first_run_s > 0, warm
+    assert runs == [True], f"one run of the module, with the turn free: {runs}"
+    assert loads and all(loads), f"code loaded while the turn was held: {loads}"
+    with torch.inference_mode():
+        assert torch.allclose(run_plan(fused, plan, x), module(x), rtol=1e-5, atol=1e-6)
+    # a build that has to record (inputs of another shape) checks its new code inside its turn
+    checks = []
+    checked = segment_compiler._checked
+    monkeypatch.setattr(segment_compiler, "_checked", lambda *a, **k: checks.append(turn_is_free(lock)) or checked(*a, **k))
+    monkeypatch.setattr(segment_compiler, "_loaded", {})
+    with gpu_turn.held(lock):
+        other = prepare([(fused.module, [x[:3]])], tmp_path, workers=1)
+    assert other.records_read == 0 and other.first_run_s == 0 and checks and not any(checks), (other, checks)
+    # autotune's first runs time cuDNN's algorithms: they stay in the turn, for the captures to do
+    monkeypatch.setattr(segment_compiler, "_loaded", {})
+    runs.clear()
+    loads.clear()
+    fused, _ = _fused(module, torch.randn(2, 16))
+    fused.module.register_forward_pre_hook(lambda top, args: runs.append(turn_is_free(lock)))
+    with gpu_turn.held(lock):
+        timed = prepare([(fused.module, [x])], tmp_path, workers=1, autotune=True)
+    assert timed.records_read == 1 and timed.first_run_s == 0 and runs == [] and loads and not any(loads), (timed, runs, loads)
 
 
 def _calls_custom_ops() -> list[tuple[GraphModule, list[torch.Tensor], torch.Tensor]]:

@@ -321,6 +321,7 @@ def _build_in_precision(
     build = Build(module, model, device, settings, pool, BuildReport(precision=settings.precision), LanePool(device) if pool is None else pool.lanes)
     build.reference = reference if settings.precision != precision.FP32 else None
     build.traced = trace_for_build(module, model, device, build.report)
+    gpu_turn.take()  # from here the build uses the GPU: a turn held lazily (serving) is taken once traced
     heap.freeze_more()
     if build.traced is not None and settings.remember_choices:
         build.key = recipe_key(build.traced, settings, device)

@@ -15,6 +15,11 @@ One turn per process at a time (a model's build runs in its own backend
 process), whichever thread then steps aside (fused lanes compile on a
 planning thread of their own); `aside` outside a turn does nothing, so the
 engine may step aside wherever it compiles, whoever called it.
+
+A turn held `lazily` is taken only when the build calls `take`: a batch
+model's build traces first (host work, NASNet's 10.5 s of reading its traced
+graph in the shipped repository's warm start, H100 2026-12-06), and waiting
+for the others' turns before it, as that start did, only delayed it.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ import torch
 log = logging.getLogger(__name__)
 
 class _Turn:
-    """The turn this process holds: its lock file and descriptor (None while aside)."""
+    """The turn this process holds: its lock file and descriptor (None while
+    aside, or until `take` where held lazily: then `lazy` is what to log while it waits)."""
 
     path: Path | None = None
     fd: int | None = None
+    lazy: str | None = None
 
 
 _state = _Turn()
@@ -63,19 +70,32 @@ def _acquire(path: Path, waiting: str) -> int:
 
 
 @contextlib.contextmanager
-def held(path: Path, waiting: str = "") -> Iterator[None]:
+def held(path: Path, waiting: str = "", lazily: bool = False) -> Iterator[None]:
     """Hold the turn of the GPU whose lock file is `path` (blocking until it
-    is free; `waiting` is logged first where it is not free at once)."""
+    is free; `waiting` is logged first where it is not free at once); with
+    `lazily`, from the first `take` on (before it, `aside` has nothing to give)."""
     if _state.path is not None:
         raise RuntimeError(f"this process already holds the GPU turn {_state.path}")
-    _state.fd = _acquire(path, waiting)
+    if lazily:
+        _state.lazy = waiting
+    else:
+        _state.fd = _acquire(path, waiting)
     _state.path = path
     try:
         yield
     finally:
         if _state.fd is not None:
             os.close(_state.fd)  # releases the lock
-        _state.path = _state.fd = None
+        _state.path = _state.fd = _state.lazy = None
+
+
+def take() -> None:
+    """Take a turn held lazily now (blocking until it is free): the build is
+    about to use the GPU. Nothing where the turn is taken already, or none is held."""
+    with _guard:
+        if _state.lazy is not None and _state.path is not None:
+            _state.fd = _acquire(_state.path, _state.lazy)
+            _state.lazy = None
 
 
 def holding() -> bool:

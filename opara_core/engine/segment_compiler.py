@@ -16,7 +16,8 @@ every name made canonical) with `torch._inductor.standalone_compile`:
 - what is missing compiles in parallel worker processes, one segment each:
   Inductor's own compile is mostly single-threaded Python;
 - which segments a plan calls with which input layouts is found by running it
-  once, and kept, so that a warm build runs nothing before its captures.
+  once, and kept, so that a warm build need not record: it loads the code and
+  runs each plan once, both while other builds have the GPU (`prepare`).
 
 Inductor converts a convolution weight that is an input to channels-last at
 every call unless it already is (its convolution lowering), so fused lanes
@@ -164,6 +165,7 @@ class CompileCount:
     load_s: float = 0.0  # load_saved
     check_s: float = 0.0  # each new code's check against its ATen operators
     records_read: int = 0  # runs whose segments' inputs came from the cache directory, not a run
+    first_run_s: float = 0.0  # where every record was read: running each module once (see `prepare`)
 
     def __add__(self, other: CompileCount) -> CompileCount:
         return CompileCount(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -171,6 +173,7 @@ class CompileCount:
     def __str__(self) -> str:
         unsaved = f" ({self.unsaved} not saved: Inductor bypassed its cache)" if self.unsaved else ""
         seconds = f"; seconds: record {self.record_s:.1f}, compile {self.compile_s:.1f}, load {self.load_s:.1f}, check {self.check_s:.1f}"
+        seconds += f", first runs {self.first_run_s:.1f}" if self.first_run_s else ""
         read = f"; {self.records_read} recorded runs read from the cache" if self.records_read else ""
         return f"{self.segments} segment calls, {self.distinct} distinct: {self.loaded} loaded, {self.compiled} compiled{unsaved}{seconds}{read}"
 
@@ -202,12 +205,25 @@ def prepare(
     most of that was cuDNN planning each convolution at its first call, which
     the captures then do instead: warm build 52.3 -> ~49 s, run 20.) Those
     runs pick each convolution's cuDNN algorithm by timing them with
-    `autotune`, by cuDNN's heuristics without (engine.fused_lanes)."""
+    `autotune`, by cuDNN's heuristics without (engine.fused_lanes).
+
+    Where every run's record was read (a warm build), loading the code and
+    one run of each module, which plans its convolutions and loads its
+    kernels, happen aside from the build's GPU turn (engine.gpu_turn): it is
+    host work, and inside the turn it held every other model's build back
+    (NASNet's first captures of remembered choices: 23.8 s of its turn in the
+    shipped repository's warm start on an H100, 2026-12-06, with 540 segments
+    loaded in 5.1 s before them). The captures then find the plans made: on
+    this thread (they run on it, engine.fused_lanes) and in this mode. Not
+    with `autotune`: its first runs time cuDNN's algorithms, which needs the
+    GPU to itself; its captures run them inside the turn, as before."""
     with cudnn_algorithms(benchmark=autotune):
-        return _prepare(runs, cache_dir, workers)
+        return _prepare(runs, cache_dir, workers, first_runs_aside=not autotune)
 
 
-def _prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_dir: Path, workers: int | None) -> CompileCount:
+def _prepare(
+    runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_dir: Path, workers: int | None, first_runs_aside: bool = True
+) -> CompileCount:
     wanted: dict[str, list[tuple[CompiledSegment, tuple]]] = {}
     jobs: dict[str, tuple[GraphModule, list[TensorMeta]]] = {}
     samples: dict[str, tuple] = {}  # one call's inputs per key
@@ -218,17 +234,19 @@ def _prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_d
     on_disk: list[str] = []
     missing: list[str] = []
     unsaved: set[str] = set()  # segments an earlier build could not save: compiled here at once, not twice
-    calls = read = 0
-    seconds = dict.fromkeys(("record", "compile", "load", "check"), 0.0)
+    calls = 0
+    read = 0  # runs whose record was read: their module has not run in this process
+    seconds = dict.fromkeys(("record", "compile", "load", "check", "first run"), 0.0)
     start = time.perf_counter()
     with _Workers(cache_dir, workers) as compiler:
         for top, inputs in runs:
             record = _record_path(cache_dir, top, inputs)
             found = _read_record(record, top, cache_dir)
-            read += found is not None
             if found is None:
                 found = _record(top, inputs)
                 _write_record(record, found)
+            else:
+                read += 1
             for target, arg_metas, args in found:
                 segment = top.get_submodule(target)
                 shapes = tuple(m.layout for m in arg_metas)
@@ -265,36 +283,58 @@ def _prepare(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]], cache_d
                 _unsaved_marker(cache_dir, key).touch()
                 unsaved.add(key)
         seconds["compile"] = time.perf_counter() - start
-    # loading and checking compile what they still need here, one kernel at a time, as the
-    # workers do (_worker_setup): see in_this_process
-    with in_this_process():
-        for key in wrong:  # an earlier build found its code wrong (the marker says how)
-            loaded[key] = wanted[key][0][0].code
-        for key in (*on_disk, *missing):
-            segment = wanted[key][0][0]
-            start = time.perf_counter()
-            if key in unsaved:  # Inductor compiled it but could not save it: compile it again here, kept in memory
-                code = _compile(*jobs[key])
-                seconds["compile"] += time.perf_counter() - start
-            else:
-                code = load_saved(_path(cache_dir, key))
-                seconds["load"] += time.perf_counter() - start
-            start = time.perf_counter()
-            fresh = key in missing and key not in unsaved  # compiled by a worker just now: one more try here if wrong
-            loaded[key] = _checked(segment, code, samples.get(key), cache_dir, key, saved=key not in unsaved, retry=fresh)
-            seconds["check"] += time.perf_counter() - start
-            if loaded[key] is segment.code and fresh:
+    # a warm build only loads (host work) and runs each module once: other builds may have the GPU meanwhile
+    warm = first_runs_aside and bool(runs) and read == len(runs)
+    with gpu_turn.aside(f"fused lanes: loading {len(on_disk)} segments, running {len(runs)} plans once") if warm else contextlib.nullcontext():
+        # loading and checking compile what they still need here, one kernel at a time, as the
+        # workers do (_worker_setup): see in_this_process
+        with in_this_process():
+            for key in wrong:  # an earlier build found its code wrong (the marker says how)
+                loaded[key] = wanted[key][0][0].code
+            for key in (*on_disk, *missing):
+                segment = wanted[key][0][0]
                 start = time.perf_counter()
-                loaded[key] = _compiled_here(segment, jobs[key], samples[key], cache_dir, key)
-                seconds["compile"] += time.perf_counter() - start
-    for key, uses in wanted.items():
-        for segment, shapes in uses:
-            segment.compiled[shapes] = loaded[key]
-    for top, _ in runs:
-        for segment in top.modules():
-            if isinstance(segment, CompiledSegment):
-                segment.eager_calls = 0  # the recording runs' do not count
-    return CompileCount(calls, len(wanted), len(on_disk), len(missing), len(unsaved), *(seconds[k] for k in ("record", "compile", "load", "check")), read)
+                if key in unsaved:  # Inductor compiled it but could not save it: compile it again here, kept in memory
+                    code = _compile(*jobs[key])
+                    seconds["compile"] += time.perf_counter() - start
+                else:
+                    code = load_saved(_path(cache_dir, key))
+                    seconds["load"] += time.perf_counter() - start
+                start = time.perf_counter()
+                fresh = key in missing and key not in unsaved  # compiled by a worker just now: one more try here if wrong
+                loaded[key] = _checked(segment, code, samples.get(key), cache_dir, key, saved=key not in unsaved, retry=fresh)
+                seconds["check"] += time.perf_counter() - start
+                if loaded[key] is segment.code and fresh:
+                    start = time.perf_counter()
+                    loaded[key] = _compiled_here(segment, jobs[key], samples[key], cache_dir, key)
+                    seconds["compile"] += time.perf_counter() - start
+        for key, uses in wanted.items():
+            for segment, shapes in uses:
+                segment.compiled[shapes] = loaded[key]
+        for top, _ in runs:
+            for segment in top.modules():
+                if isinstance(segment, CompiledSegment):
+                    segment.eager_calls = 0  # the recording runs' do not count
+        if warm:
+            start = time.perf_counter()
+            _first_runs(runs)
+            seconds["first run"] = time.perf_counter() - start
+    counts = (seconds[k] for k in ("record", "compile", "load", "check"))
+    return CompileCount(calls, len(wanted), len(on_disk), len(missing), len(unsaved), *counts, read, seconds["first run"])
+
+
+def _first_runs(runs: Sequence[tuple[GraphModule, Sequence[torch.Tensor]]]) -> None:
+    """Run each module once on its inputs and wait for it: what a recording
+    run does besides recording (cuDNN plans each convolution at its first
+    call, CUDA loads each kernel at its first launch)."""
+    with torch.inference_mode():
+        for top, inputs in runs:
+            top(*inputs)
+    devices = {x.device for _, inputs in runs for x in inputs if x.is_cuda}
+    for device in devices:
+        torch.cuda.synchronize(device)
+    if devices:  # their activations were cached for this thread's stream, where no graph of the build reuses them
+        torch.cuda.empty_cache()
 
 
 # A segment's inputs: (its submodule's name, their metas, the tensors themselves or None where read from a record).
