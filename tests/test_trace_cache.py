@@ -95,3 +95,29 @@ def test_a_forward_of_varargs_exports_with_a_dynamic_batch(tmp_path):
     gm = trace_cache.exported_module(Varargs(), inputs, ({0: batch}, {0: batch}), tmp_path)
     other = (torch.randn(7, 4), torch.randn(7, 5))
     torch.testing.assert_close(gm(*other), Varargs()(*other))
+
+
+def test_reading_a_cached_graph_asks_for_each_schema_classs_type_hints_once(tmp_path, monkeypatch):
+    """torch.export's deserialiser asked typing.get_type_hints for every object
+    it read (pytorch/pytorch#196452): a quarter of NASNet's warm trace."""
+    import typing
+
+    from torch._export.serde import serialize
+
+    asked: list[object] = []
+    real = typing.get_type_hints
+
+    def counting(obj, *args, **kwargs):
+        asked.append(obj)
+        return real(obj, *args, **kwargs)
+
+    monkeypatch.setattr(serialize, "typing", typing)  # as torch has it, before any read
+    monkeypatch.setattr(typing, "get_type_hints", counting)
+    entry = zoo.get("deepfm")
+    module = entry.build()
+    first = trace_model(entry, module, "cpu", cache=tmp_path)
+    asked.clear()
+    for _ in range(2):
+        second = trace_model(entry, module, "cpu", cache=tmp_path)
+        assert second.module.code == first.module.code
+    assert asked and len(asked) == len(set(asked)), f"{len(asked)} questions about {len(set(asked))} classes"
