@@ -45,10 +45,14 @@ MODEL = "googlenet"
 
 
 def full_log(terminal: str) -> str:
-    """The whole output of a server whose terminal said `full log: PATH`."""
+    """The whole output of a server whose terminal said `full log: PATH`,
+    without the seconds since the start that begin each of its lines."""
     found = re.search(r"full log: (\S+)", terminal)
     assert found, terminal[:3000]
-    return Path(found.group(1)).read_text()
+    lines = Path(found.group(1)).read_text().splitlines()
+    stamped = [re.fullmatch(r" *\d+\.\d\d (.*)", line) for line in lines]
+    assert all(stamped), [line for line, m in zip(lines, stamped) if not m][:5]
+    return "\n".join(m[1] for m in stamped) + "\n"
 
 
 def images(batch: int, seed: int) -> np.ndarray:
