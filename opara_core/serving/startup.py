@@ -83,9 +83,9 @@ class StartupLog:
     `out`: the terminal. `expected`: the models the server will load (None:
     unknown, e.g. explicit model control). `hide_no_gpu_noise`: replace the
     CUDA lines of a GPU-less host by one note. `full_log`: where every line
-    goes, after the seconds since the server started (`stamped`: a model's
-    own lines have no clock, and a start's time goes where they say); with one, `out` gets only what a person reads (warnings, errors,
-    a line per model, the progress and ready lines).
+    goes, after the seconds since the server started (a model's own lines
+    have no clock of their own); with one, `out` gets only what a person
+    reads (warnings, errors, a line per model, the progress and ready lines).
     """
 
     def __init__(self, out: TextIO, expected: Sequence[str] | None, hide_no_gpu_noise: bool, full_log: TextIO | None = None):
@@ -116,7 +116,7 @@ class StartupLog:
             if progress:
                 self.last_output = now
             if self.full_log is not None:
-                self.full_log.write(self.stamped(line, now) + "\n")
+                self.full_log.write(self._stamped(line, now) + "\n")
                 self.full_log.flush()
             if self.hide_no_gpu_noise and NO_GPU_NOISE.search(line):
                 if not self._noted:
@@ -187,10 +187,10 @@ class StartupLog:
         self.out.write(text + "\n")
         self.out.flush()
         if full and self.full_log is not None:
-            self.full_log.write(self.stamped(text, time.monotonic()) + "\n")
+            self.full_log.write(self._stamped(text, time.monotonic()) + "\n")
             self.full_log.flush()
 
-    def stamped(self, line: str, now: float) -> str:
+    def _stamped(self, line: str, now: float) -> str:
         """`line` as the full log keeps it: after the seconds since the start."""
         return f"{now - self.started:8.2f} {line}"
 
