@@ -561,6 +561,14 @@ def test_a_warm_build_loads_and_runs_its_modules_once_while_other_builds_have_th
     with gpu_turn.held(lock):
         timed = prepare([(fused.module, [x])], tmp_path, workers=1, autotune=True)
     assert timed.records_read == 1 and timed.first_run_s == 0 and runs == [] and loads and not any(loads), (timed, runs, loads)
+    # a turn held lazily (a serving build of remembered choices takes it only to capture): autotune takes it first
+    monkeypatch.setattr(segment_compiler, "_loaded", {})
+    loads.clear()
+    fused, _ = _fused(module, torch.randn(2, 16))
+    with gpu_turn.held(lock, lazily=True):
+        prepare([(fused.module, [x])], tmp_path, workers=1, autotune=True)
+        assert gpu_turn.holding()
+    assert loads and not any(loads), loads
 
 
 def _calls_custom_ops() -> list[tuple[GraphModule, list[torch.Tensor], torch.Tensor]]:

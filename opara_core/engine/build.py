@@ -321,12 +321,13 @@ def _build_in_precision(
     build = Build(module, model, device, settings, pool, BuildReport(precision=settings.precision), LanePool(device) if pool is None else pool.lanes)
     build.reference = reference if settings.precision != precision.FP32 else None
     build.traced = trace_for_build(module, model, device, build.report)
-    gpu_turn.take()  # from here the build uses the GPU: a turn held lazily (serving) is taken once traced
     heap.freeze_more()
     if build.traced is not None and settings.remember_choices:
         build.key = recipe_key(build.traced, settings, device)
     tried = attempts(build)
     for number, attempt in enumerate(tried):
+        if attempt.known is None:  # it profiles and times candidates: the GPU to itself from the start (engine.gpu_turn)
+            gpu_turn.take()
         start = time.perf_counter()
         try:
             captured, references = (capture_multi_stream if attempt.kind == "multi-stream graph" else capture_sequential)(build, attempt)
@@ -429,6 +430,7 @@ def capture_multi_stream(build: Build, attempt: Attempt) -> tuple[dict[int, Capt
     compiled = _prepare_fused(captures, build.model, build.device, settings.buckets, known)
     if segment_cache is not None:
         report.seconds["fused lanes prepare"] = time.perf_counter() - start
+    gpu_turn.take()  # remembered choices: fused, loaded and run once before the turn; captured and timed in it
     chosen = capture_fastest(captures, build.model, build.device, settings.buckets, report, None if build.pool is None else build.pool.handle, known)
     if segment_cache is not None:
         counts = [compiled, *(c.count for c in captures.values() if isinstance(c, InductorCapture))]

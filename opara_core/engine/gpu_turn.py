@@ -17,9 +17,12 @@ planning thread of their own); `aside` outside a turn does nothing, so the
 engine may step aside wherever it compiles, whoever called it.
 
 A turn held `lazily` is taken only when the build calls `take`: a batch
-model's build traces first (host work, NASNet's 10.5 s of reading its traced
-graph in the shipped repository's warm start, H100 2026-12-06), and waiting
-for the others' turns before it, as that start did, only delayed it.
+model's build takes it before it profiles and times candidates, and, where
+it captures remembered choices (a warm start), only before its captures.
+Until then it traces, fuses, loads its compiled segments and runs them once:
+host work, or GPU work that times nothing (NASNet's 10.5 s of reading its
+traced graph in the shipped repository's warm start, H100 2026-12-06, and
+~25 s of first runs, H200), which waiting for the others' turns only delayed.
 """
 
 from __future__ import annotations

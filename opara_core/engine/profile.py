@@ -36,7 +36,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from opara_core.planning.dag import Dag
-from opara_core.engine import cache
+from opara_core.engine import cache, gpu_turn
 from opara_core.engine.trace import OpGraph
 
 log = logging.getLogger(__name__)
@@ -320,6 +320,7 @@ def profile_graph(
         if cached is not None:
             log.info("profile of %s from the cache (%s)", graph.name or "graph", key[:12])
             return cached
+    gpu_turn.take()  # timing kernels needs the GPU to itself
     with torch.cuda.device(device):
         measured = measure(graph, inputs, iterations)
     result = dataclasses.replace(measured, key=key, device=torch.cuda.get_device_name(device))

@@ -217,6 +217,8 @@ def prepare(
     this thread (they run on it, engine.fused_lanes) and in this mode. Not
     with `autotune`: its first runs time cuDNN's algorithms, which needs the
     GPU to itself; its captures run them inside the turn, as before."""
+    if autotune:
+        gpu_turn.take()  # its runs time cuDNN's algorithms: the GPU to itself (a turn held lazily is taken here)
     with cudnn_algorithms(benchmark=autotune):
         return _prepare(runs, cache_dir, workers, first_runs_aside=not autotune)
 

@@ -631,7 +631,7 @@ class VarLenModel(OparaModel):
     """The adapter for models with variable sequence axes (model.py of bert, t5)."""
 
     PARAMETER_KIND = parameters.VARLEN
-    TURN_AFTER_TRACING = False  # its build times its shapes from the start: the turn from the start
+    TURN_TAKEN_BY_BUILD = False  # its build times its shapes from the start: the turn from the start
 
     def _check_config(self, config: dict, values: parameters.Values) -> None:
         check_config(self.entry, config)
