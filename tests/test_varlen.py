@@ -276,6 +276,25 @@ def test_a_sub_batch_runs_on_a_cheaper_longer_shape_and_answers_as_eager():
         assert_close(answer[0].numpy(), reference.numpy())
 
 
+def test_the_build_takes_the_gpu_turn_once_its_whole_model_is_loaded_and_before_its_shapes(tmp_path, monkeypatch):
+    """A server's model holds its GPU turn lazily (engine.gpu_turn): a variable-length
+    build casts its module and loads (or compiles, aside) its saved artifact without
+    the turn, and takes it before it captures and times its first shape: on an H100's
+    warm start (2026-12-07) BERT and T5 held it 10 and 6.5 s, 4-5 s of it loading."""
+    from opara_core.engine import gpu_turn
+    from opara_core.engine.build import EngineSettings
+    from opara_core.serving.varlen import VarLenRunners, VarLenSettings
+
+    seen = []
+    monkeypatch.setattr(VarLenRunners, "_whole_model", lambda self, module, compiler: seen.append(("whole model", gpu_turn.holding())))
+    build = VarLenRunners._build
+    monkeypatch.setattr(VarLenRunners, "_build", lambda self, shape: seen.append((shape, gpu_turn.holding())) or build(self, shape))
+    entry = zoo.get("bert")
+    with gpu_turn.held(tmp_path / "turn.lock", lazily=True):
+        VarLenRunners(entry.build(), entry, torch.device("cpu"), EngineSettings(buckets=(1,)), VarLenSettings(((16, 32),), capture="load"))
+    assert seen == [("whole model", False), ((32,), True), ((16,), True)], seen
+
+
 def test_each_request_is_answered_once_with_its_rows_as_their_eager_runs():
     """Requests of one and of several rows and mixed lengths, through every
     scheduler: `run` hands each request over to `answered` exactly once, with the

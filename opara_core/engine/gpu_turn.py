@@ -23,6 +23,8 @@ Until then it traces, fuses, loads its compiled segments and runs them once:
 host work, or GPU work that times nothing (NASNet's 10.5 s of reading its
 traced graph in the shipped repository's warm start, H100 2026-12-06, and
 ~25 s of first runs, H200), which waiting for the others' turns only delayed.
+A variable-length model's build (serving.varlen) takes it once its saved
+whole-model artifact is loaded, before it captures and times its shapes.
 """
 
 from __future__ import annotations

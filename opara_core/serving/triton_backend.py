@@ -243,7 +243,8 @@ class OparaModel:
         # the server's models take turns on each GPU, stepping aside while they compile (engine.gpu_turn)
         waiting = f"waiting for {self.device}: another model on this machine is building on it"
         lock = gpu_turn.lock_path(self.device) if self.device.type == "cuda" else None
-        turn = gpu_turn.held(lock, waiting, lazily=self.TURN_TAKEN_BY_BUILD) if lock else contextlib.nullcontext()
+        # held lazily: the build takes it when it first uses the GPU (engine.build, serving.varlen)
+        turn = gpu_turn.held(lock, waiting, lazily=True) if lock else contextlib.nullcontext()
         with turn:
             log.info("building on %s", self.device)
             self.runner, self.report = self._build(module, settings, config)
@@ -297,7 +298,6 @@ class OparaModel:
 
     # Hooks for subclasses that serve differently (serving.varlen: variable lengths)
     PARAMETER_KIND = BATCH  # which parameters the config may set (opara_core.parameters)
-    TURN_TAKEN_BY_BUILD = True  # engine.build takes the GPU turn when it first times (a warm build: when it captures)
 
     def load(self, config: dict, version_dir: Path) -> tuple[Values, torch.nn.Module]:
         """What `initialize` does before the build, outside Triton too

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opara_core import parameters
-from opara_core.engine import cache, precision
+from opara_core.engine import cache, gpu_turn, precision
 from opara_core.engine.build import BuildReport, EngineSettings, GuardError, build_runner, check_against_fp32, check_rows_against_eager, static_inputs
 from opara_core.engine.capture import CapturedGraph, CaptureError, GraphPool, pool_mb, time_replays
 from opara_core.engine.inductor_cache import use_inductor_cache
@@ -351,6 +351,9 @@ class VarLenRunners:
         self._cuda = device.type == "cuda"
         self.pool = GraphPool.new(device) if self._cuda else None
         self.whole_model = self._whole_model(served, varlen.compiler)
+        # from here it captures its shapes and times their replays: the GPU turn (engine.gpu_turn), taken
+        # only now, so that casting the module and loading its saved artifact never wait for other builds
+        gpu_turn.take()
         self._inputs = {shape: entry.at(shape).inputs for shape in batching.grid(varlen.axes)}
         self._along = {n: a for a, axis in enumerate(entry.lengths) for n in axis.outputs}
         self._axes, self._batches = varlen.axes, tuple(sorted(settings.buckets))
@@ -631,7 +634,6 @@ class VarLenModel(OparaModel):
     """The adapter for models with variable sequence axes (model.py of bert, t5)."""
 
     PARAMETER_KIND = parameters.VARLEN
-    TURN_TAKEN_BY_BUILD = False  # its build times its shapes from the start: the turn from the start
 
     def _check_config(self, config: dict, values: parameters.Values) -> None:
         check_config(self.entry, config)
