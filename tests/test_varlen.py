@@ -280,7 +280,7 @@ def test_the_build_takes_the_gpu_turn_once_its_whole_model_is_loaded_and_before_
     """A server's model holds its GPU turn lazily (engine.gpu_turn): a variable-length
     build casts its module and loads (or compiles, aside) its saved artifact without
     the turn, and takes it before it captures and times its first shape: on an H100's
-    warm start (2026-12-07) BERT and T5 held it 10 and 6.5 s, 4-5 s of it loading."""
+    warm start (2026-12-07) BERT and T5 held it 10 and 6.5 s, 4 and 2.8 s of it loading."""
     from opara_core.engine import gpu_turn
     from opara_core.engine.build import EngineSettings
     from opara_core.serving.varlen import VarLenRunners, VarLenSettings
