@@ -17,12 +17,15 @@ from opara_core.engine.depthwise_conv import DepthwiseConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 # NASNet's filter sizes and strides, with ragged edges: channels not a multiple of a
-# tile, pixels over the batch not a multiple of BLOCK_P, padding on and off, dilation
+# tile, pixels over the batch not a multiple of BLOCK_P, padding on and off, dilation;
+# in the dtype its argument names (float32 unless told), every tiling in float32
 INTERPRETED = textwrap.dedent(
     """
+    import sys
     import torch
     import torch.nn.functional as F
     from opara_core.engine.depthwise_conv import DepthwiseConfig, depthwise_conv2d
+    dtype = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "float32")
     generator = torch.Generator().manual_seed(0)
     worst = 0.0
     cases = [  # (N, C, H, W), kernel, stride, padding, dilation
@@ -31,19 +34,20 @@ INTERPRETED = textwrap.dedent(
     ]
     # one-column tiles, and groups of 4 and 2 neighbouring outputs (rows of 7, 11 and 12 outputs: ragged groups)
     configs = (DepthwiseConfig(16, 16), DepthwiseConfig(8, 32, 2), DepthwiseConfig(32, 8), DepthwiseConfig(8, 16, 4, 4), DepthwiseConfig(16, 8, 2, 2))
+    configs = configs if dtype == torch.float32 else configs[::3]
     for i, (shape, k, stride, padding, dilation) in enumerate(cases):
         kh, kw = (k, k) if isinstance(k, int) else k
-        x = torch.randn(*shape, generator=generator)
-        weight = torch.randn(shape[1], 1, kh, kw, generator=generator)
+        x = torch.randn(*shape, generator=generator).to(dtype)
+        weight = torch.randn(shape[1], 1, kh, kw, generator=generator).to(dtype)
         # every other case with a bias, and with a weight view of other strides
-        b = torch.randn(shape[1], generator=generator) if i % 2 else None
+        b = torch.randn(shape[1], generator=generator).to(dtype) if i % 2 else None
         w = weight.permute(2, 3, 1, 0).contiguous().permute(3, 2, 0, 1) if i % 2 else weight
         exact = F.conv2d(x.double(), weight.double(), None if b is None else b.double(), stride, padding, dilation, groups=shape[1])
         # channels-last (fused lanes' layout) with every tiling, contiguous with one
         for rows, config in [(x.contiguous(memory_format=torch.channels_last), c) for c in configs] + [(x, configs[i % len(configs)])]:
             got = depthwise_conv2d(rows, w, b, stride, padding, dilation, config)
             assert got.shape == exact.shape, (got.shape, exact.shape)
-            assert got.is_contiguous(memory_format=torch.channels_last)
+            assert got.is_contiguous(memory_format=torch.channels_last) and got.dtype == dtype
             worst = max(worst, float((got.double() - exact).abs().max() / exact.abs().max()))
     print(worst)
     """
@@ -55,12 +59,23 @@ def test_the_kernel_computes_the_depthwise_convolution_for_every_tiling_and_layo
     assert interpreted_worst_error(INTERPRETED) <= 1e-6
 
 
+@pytest.mark.parametrize("dtype, bound", [("float16", 2**-11), ("bfloat16", 2**-7)])
+def test_in_half_precision_it_sums_in_fp32_and_rounds_once(dtype, bound):
+    # exact: the float64 convolution of the same half-precision values, so only the output's rounding is left:
+    # at most half a unit in the last place of fp16 (2^-11 of an entry); bf16's is 2^-8 on a GPU, but the
+    # interpreter truncates to bf16 (a whole unit, 2^-7). Summing in the half dtype itself would err more
+    # (NASNet's 7x7 filters: 49 roundings).
+    assert interpreted_worst_error(INTERPRETED, dtype) <= bound
+
+
 def test_shapes_it_does_not_take_are_refused_by_name():
     x = torch.randn(1, 8, 5, 5)
     with pytest.raises(ValueError, match=r"weight \(8, 2, 3, 3\) is not \[8, 1, KH, KW\]"):
         depthwise_conv.depthwise_conv2d(x, torch.randn(8, 2, 3, 3), None, 1, 1, 1, DepthwiseConfig(16, 16))
-    with pytest.raises(TypeError, match="float32"):
+    with pytest.raises(TypeError, match="takes float32, bfloat16 or float16 tensors of one dtype, got torch.float64, torch.float64"):
         depthwise_conv.depthwise_conv2d(x.double(), torch.randn(8, 1, 3, 3).double(), None, 1, 1, 1, DepthwiseConfig(16, 16))
+    with pytest.raises(TypeError, match="got torch.bfloat16, torch.float32"):  # a mixed pair: the kernel reads one dtype
+        depthwise_conv.depthwise_conv2d(x.bfloat16(), torch.randn(8, 1, 3, 3), None, 1, 1, 1, DepthwiseConfig(16, 16))
     with pytest.raises(ValueError, match=r"bias \(4,\) is not \[8\]"):
         depthwise_conv.depthwise_conv2d(x, torch.randn(8, 1, 3, 3), torch.randn(4), 1, 1, 1, DepthwiseConfig(16, 16))
 
@@ -106,26 +121,32 @@ def test_output_size_is_the_convolutions():
 NASNET_SHAPES = [((336, 21, 21), 3, 1, 1), ((672, 11, 11), 5, 1, 2), ((168, 42, 42), 5, 1, 2), ((42, 83, 83), 7, 1, 3), ((96, 171, 171), 7, 2, 0), ((84, 87, 87), 5, 2, 0)]
 
 
+# the float64 convolution of the same values: fp32 sums; in half precision the output's one rounding (half a unit)
+BOUNDS = {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-11}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(BOUNDS))
 @pytest.mark.parametrize("batch", [1, 8, 32])
-def test_every_candidate_equals_the_float64_convolution_on_the_gpu(batch):
+def test_every_candidate_equals_the_float64_convolution_on_the_gpu(batch, dtype):
     for (c, h, w), k, stride, padding in NASNET_SHAPES:
-        x = torch.randn(batch, c, h, w, device="cuda").contiguous(memory_format=torch.channels_last)
-        weight = torch.randn(c, 1, k, k, device="cuda")
-        bias = torch.randn(c, device="cuda")
+        x = torch.randn(batch, c, h, w, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+        weight = torch.randn(c, 1, k, k, device="cuda", dtype=dtype)
+        bias = torch.randn(c, device="cuda", dtype=dtype)
         exact = depthwise_conv.cudnn_conv2d(x.double(), weight.double(), bias.double(), stride, padding, 1)
         for config in depthwise_conv.CANDIDATES:
             got = depthwise_conv.depthwise_conv2d(x, weight, bias, stride, padding, 1, config)
-            assert depthwise_conv.relative_error(got, exact) <= 1e-6, (batch, c, h, k, stride, config)
+            assert got.dtype == dtype and depthwise_conv.relative_error(got, exact) <= BOUNDS[dtype], (batch, c, h, k, stride, config)
 
 
 @pytest.mark.gpu
-def test_time_shape_times_cudnn_and_the_candidates_that_answer_right():
-    x = torch.randn(8, 336, 21, 21, device="cuda").contiguous(memory_format=torch.channels_last)
-    weight = torch.randn(336, 1, 3, 3, device="cuda")
+@pytest.mark.parametrize("dtype", list(BOUNDS))
+def test_time_shape_times_cudnn_and_the_candidates_that_answer_right(dtype):
+    x = torch.randn(8, 336, 21, 21, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+    weight = torch.randn(336, 1, 3, 3, device="cuda", dtype=dtype)
     timings, errors = depthwise_conv.time_shape(x, weight, None, 1, 1, candidates=(DepthwiseConfig(32, 64),))
     assert set(timings) == {depthwise_conv.CUDNN, DepthwiseConfig(32, 64)} and all(v > 0 for v in timings.values())
-    assert errors[depthwise_conv.CUDNN] <= 1e-6 and errors[DepthwiseConfig(32, 64)] <= 1e-6
+    assert errors[depthwise_conv.CUDNN] <= BOUNDS[dtype] and errors[DepthwiseConfig(32, 64)] <= BOUNDS[dtype]
 
 
 def test_on_the_cpu_the_op_is_the_convolution_and_its_fake_output_matches_the_real_one():
@@ -178,7 +199,8 @@ def test_the_kernel_is_chosen_unless_cudnn_is_much_faster():
 
 
 @pytest.mark.gpu
-def test_the_pass_routes_depthwise_convolutions_through_the_op_and_answers_as_eager(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])  # of the largest output: bf16 rounds both ways apart
+def test_the_pass_routes_depthwise_convolutions_through_the_op_and_answers_as_eager(tmp_path, monkeypatch, dtype, tolerance):
     from opara_core.engine import fusion
     from opara_core.engine.trace import trace
 
@@ -187,22 +209,22 @@ def test_the_pass_routes_depthwise_convolutions_through_the_op_and_answers_as_ea
     module = torch.nn.Sequential(
         torch.nn.ReLU(), torch.nn.Conv2d(96, 96, 5, padding=2, groups=96, bias=False), torch.nn.Conv2d(96, 64, 1),
         torch.nn.ReLU(), torch.nn.Conv2d(64, 64, 3, stride=2, groups=64), torch.nn.Conv2d(64, 32, 3),  # the last: dense, left alone
-    ).cuda().eval()
-    x = torch.randn(8, 96, 21, 21, device="cuda")
+    ).cuda().eval().to(dtype)
+    x = torch.randn(8, 96, 21, 21, device="cuda", dtype=dtype)
     graph = trace(module, (x,))
     fused, report = fusion.fuse_graph(graph, torch.device("cuda"), passes=("depthwise_convs",))
     assert report.rewrites["depthwise_convs"] == 2
     targets = [n.target for n in fused.module.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.opara.depthwise_conv2d.default) == 2
     with torch.no_grad():
-        torch.testing.assert_close(fused.module(x), module(x), rtol=1e-4, atol=1e-4)
+        assert depthwise_conv.relative_error(fused.module(x), module(x).double()) <= tolerance
     # and inside Inductor's code replayed from a CUDA graph, channels-last as fused lanes run it
     compiled = torch.compile(fused.module, mode="reduce-overhead")
     xl = x.contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         for _ in range(3):
             got = compiled(xl)
-        torch.testing.assert_close(got, module(xl), rtol=1e-4, atol=1e-4)
+        assert depthwise_conv.relative_error(got, module(xl).double()) <= tolerance
     # only channels-last calls are timed: Inductor's code handed the op the layout fused lanes run
     timed = depthwise_conv.choices_for(x.device).known
     assert timed and all("channels_last" in shape for shape in timed), timed

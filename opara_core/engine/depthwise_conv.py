@@ -40,7 +40,7 @@ from opara_core.engine.shape_choices import ShapeChoices, per_call_ms, relative_
 
 log = logging.getLogger(__name__)
 
-KERNEL_VERSION = 5  # bump when the kernel or the candidates change: the choices on disk are then timed again
+KERNEL_VERSION = 6  # bump when the kernel or the candidates change: the choices on disk are then timed again
 # The kernel is chosen unless cuDNN takes less than 1 / MAX_SLOWDOWN of its time. Not a margin the
 # kernel must win by: cuDNN plans each depthwise shape again in every process, ~210 ms per shape and
 # batch size on an H200 (docs/benchmarks.md run 21), which a warm build pays before it can capture
@@ -50,7 +50,10 @@ KERNEL_VERSION = 5  # bump when the kernel or the candidates change: the choices
 # cuDNN one shape of 69 (3x3 over 42 channels at 83x83, batch 32: 1.67x).
 MAX_SLOWDOWN = 1.5
 CUDNN = "cudnn"
-ACCURACY = 1e-5  # largest error against a float64 convolution, relative to its largest entry (fp32 sums of <= 49 taps: ~1e-7)
+# The dtypes the kernel takes (one for input, filter, bias and output; it sums in fp32), and the largest error
+# against a float64 convolution of the same values, relative to its largest entry: fp32 sums of <= 49 taps
+# ~1e-7; in bf16 and fp16 the output's one rounding (<= 2^-8 and 2^-11 of the largest entry) dominates.
+ACCURACY = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ def _pair(value) -> tuple[int, int]:
 
 def depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation, config: DepthwiseConfig) -> torch.Tensor:
     """F.conv2d(x, weight, bias, stride, padding, dilation, groups=C) for x [N, C, H, W]
-    and weight [C, 1, KH, KW], float32, any strides; the output is channels-last."""
+    and weight [C, 1, KH, KW], all float32, bfloat16 or float16, any strides; the
+    output is channels-last, in their dtype."""
     return _run(x, weight, bias, stride, padding, dilation, config, compile_only=False)
 
 
@@ -95,13 +99,14 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, strid
     n, c, h, w = x.shape
     if weight.dim() != 4 or weight.shape[0] != c or weight.shape[1] != 1:
         raise ValueError(f"depthwise_conv2d: weight {tuple(weight.shape)} is not [{c}, 1, KH, KW] for {c} channels")
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
-        raise TypeError(f"depthwise_conv2d takes float32 tensors, got {x.dtype} and {weight.dtype}")
+    if not takes_dtypes(x, weight, bias):
+        dtypes = ", ".join(str(t.dtype) for t in (x, weight, bias) if t is not None)
+        raise TypeError(f"depthwise_conv2d takes float32, bfloat16 or float16 tensors of one dtype, got {dtypes}")
     if bias is not None and bias.shape != (c,):
         raise ValueError(f"depthwise_conv2d: bias {tuple(bias.shape)} is not [{c}]")
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = weight.shape[2:], _pair(stride), _pair(padding), _pair(dilation)
     oh, ow = output_size(h, kh, sh, ph, dh), output_size(w, kw, sw, pw, dw)
-    out = torch.empty((n, c, oh, ow), device=x.device, dtype=torch.float32, memory_format=torch.channels_last)
+    out = torch.empty((n, c, oh, ow), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     if out.numel() == 0:
         return out
     from opara_core.engine import depthwise_kernels
@@ -129,12 +134,19 @@ def used_columns(columns: int, kernel_w: int, stride_w: int, dilation_w: int) ->
     return sum({1 << (k * stride_w + t * dilation_w) for k in range(columns) for t in range(kernel_w)})
 
 
+def takes_dtypes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the kernel takes these tensors: one dtype of ACCURACY's for all."""
+    return x.dtype in ACCURACY and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+
+
 def vector_width(channels: int, x: torch.Tensor, out: torch.Tensor) -> int:
-    """Floats per vector load the kernel may use (4, 2 or 1): the largest that
-    divides the channel count and every stride but the channels' of both tensors
-    (depthwise_kernels' docstring says why the kernel needs to be told)."""
+    """Elements per vector load the kernel may use (up to 16 bytes: 4 fp32 or
+    8 bf16/fp16 elements, else 2 or 1): the largest that divides the channel count
+    and every stride but the channels' of both tensors (depthwise_kernels'
+    docstring says why the kernel needs to be told)."""
     strides = [s for t in (x, out) for axis, s in enumerate(t.stride()) if axis != 1]
-    return next(a for a in (4, 2, 1) if channels % a == 0 and all(s % a == 0 for s in strides))
+    widths = [a for a in (8, 4, 2, 1) if a * x.element_size() <= 16]
+    return next(a for a in widths if channels % a == 0 and all(s % a == 0 for s in strides))
 
 
 def compile_candidates(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation, candidates=CANDIDATES) -> None:
@@ -162,7 +174,7 @@ def cudnn_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def time_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation=1, candidates=CANDIDATES) -> tuple[dict, dict]:
     """(ms per call of cuDNN and of each candidate that builds and answers within
-    ACCURACY, each candidate's error or the reason it was dropped) at this shape,
+    ACCURACY for its dtype, each candidate's error or the reason it was dropped) at this shape,
     calls captured back to back in one CUDA graph; cuDNN with its heuristics
     (benchmark mode off, as fused lanes capture)."""
     exact = cudnn_conv2d(x.double(), weight.double(), None if bias is None else bias.double(), stride, padding, dilation)
@@ -176,7 +188,7 @@ def time_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         except (*triton_failures(), RuntimeError) as error:
             errors[config] = f"{type(error).__name__}: {str(error)[:200]}"
             continue
-        if errors[config] <= ACCURACY:
+        if errors[config] <= ACCURACY[x.dtype]:
             timings[config] = per_call_ms([lambda c=config: depthwise_conv2d(x, weight, bias, stride, padding, dilation, c)] * 8)
     return timings, errors
 
@@ -209,18 +221,18 @@ class Choices(ShapeChoices):
 
     def __init__(self, device: torch.device):
         self.device = device
-        key = [KERNEL_VERSION, MAX_SLOWDOWN, ACCURACY, [asdict(c) for c in CANDIDATES]]
+        key = [KERNEL_VERSION, MAX_SLOWDOWN, {str(t): a for t, a in ACCURACY.items()}, [asdict(c) for c in CANDIDATES]]
         super().__init__("depthwise", key, DepthwiseConfig, CUDNN, software=("gpu", "torch", "triton", "cudnn"), device=device)
 
     def choose(self, x: torch.Tensor, weight: torch.Tensor, bias: bool, stride, padding, dilation) -> DepthwiseConfig | str:
         fmt = output_format(x)
-        shape = f"{list(x.shape)},{list(weight.shape[2:])},s{list(stride)},p{list(padding)},d{list(dilation)},{str(fmt).removeprefix('torch.')}" + ("+bias" if bias else "")
+        shape = f"{list(x.shape)},{list(weight.shape[2:])},s{list(stride)},p{list(padding)},d{list(dilation)},{str(fmt).removeprefix('torch.')},{str(x.dtype).removeprefix('torch.')}" + ("+bias" if bias else "")
 
         def time_and_pick() -> DepthwiseConfig | str:
             start = time.perf_counter()
-            sample = torch.randn(x.shape, device=x.device).contiguous(memory_format=fmt)
-            filters = torch.randn(weight.shape, device=x.device)
-            timings, _ = time_shape(sample, filters, torch.randn(x.shape[1], device=x.device) if bias else None, stride, padding, dilation)
+            sample = torch.randn(x.shape, device=x.device, dtype=x.dtype).contiguous(memory_format=fmt)
+            filters = torch.randn(weight.shape, device=x.device, dtype=x.dtype)
+            timings, _ = time_shape(sample, filters, torch.randn(x.shape[1], device=x.device, dtype=x.dtype) if bias else None, stride, padding, dilation)
             chosen = best_of(timings)
             log.info("depthwise convolution %s: %s (%.1f us; cuDNN %.1f us; chosen in %.1f s)", shape, chosen, timings[chosen] * 1e3, timings[CUDNN] * 1e3, time.perf_counter() - start)
             return chosen
@@ -239,14 +251,16 @@ def choices_for(device: torch.device) -> Choices:
 
 def depthwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation) -> torch.Tensor:
     """F.conv2d(..., groups=C) for a weight [C, 1, KH, KW]: for a channels-last
-    fp32 input on a GPU the kernel unless its first call at this shape measured
-    cuDNN much faster (`best_of`), else cuDNN; the output in `output_format(x)`. Only
+    input on a GPU the kernel unless its first call at this shape measured
+    cuDNN much faster (`best_of`), else cuDNN; the output in `output_format(x)`.
+    In fp32, bf16 and fp16 alike (a half-precision build's graph holds its
+    convolutions in that dtype: cuDNN plans those per shape too). Only
     channels-last inputs are timed: fused lanes run the network channels-last
     (build.channels_last_graph), and an NCHW call (a fusion check, a profile)
     would only add a second set of shapes for Triton to compile candidates for."""
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
     fmt = output_format(x)
-    usable = x.is_cuda and fmt == torch.channels_last and x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32) and x.numel() > 0
+    usable = x.is_cuda and fmt == torch.channels_last and takes_dtypes(x, weight, bias) and x.numel() > 0
     if usable and weight.dim() == 4 and weight.shape[:2] == (x.shape[1], 1):
         choice = choices_for(x.device).choose(x, weight, bias is not None, stride, padding, dilation)
         if isinstance(choice, DepthwiseConfig):

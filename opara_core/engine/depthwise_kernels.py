@@ -5,10 +5,11 @@ in Triton's interpreter).
 channel multiplier 1) over a batch of images in any strides; with channels-last
 tensors (what fused lanes run) the channels are the contiguous axis, so each
 program reads a BLOCK_P x BLOCK_C tile of (output pixel, channel) per filter tap
-in coalesced rows and sums the taps in fp32 registers. The taps, strides,
-padding and dilation are compile-time constants; one compiled kernel per
-(filter size, stride, padding, dilation), tile, ALIGN and COLUMNS (below), whatever the
-image size, batch size or channel count.
+in coalesced rows and sums the taps in fp32 registers, whatever the tensors'
+dtype (fp32, bf16 or fp16: loads are widened, the sum is rounded once at the
+store). The taps, strides, padding and dilation are compile-time constants; one
+compiled kernel per (filter size, stride, padding, dilation), dtype, tile, ALIGN
+and COLUMNS (below), whatever the image size, batch size or channel count.
 
 Only a filter row's taps are unrolled; the rows are a loop. Unrolling all 49
 taps of a 7x7 filter over a 128 x 64 tile took Triton 228 s to compile for an
@@ -17,13 +18,16 @@ candidate tile at every new shape: likely where two cold NASNet builds spent
 their 10-minute device calls (docs/benchmarks.md run 25). With the row loop
 the 7x7 tiles compile in 2-7 s.
 
-The channel count comes in units of ALIGN (4 floats, 16 bytes, where the
-channel count and every pixel stride allow; else 2 or 1), and the pixel offsets
+The channel count comes in units of ALIGN (16 bytes: 4 fp32 or 8 bf16/fp16
+elements, where the channel count and every pixel stride allow; else fewer), and the pixel offsets
 are asserted multiples of it: Triton knows an integer argument's divisibility
 only by 16, so at NASNet's 42, 84 and 168 channels it compiled scalar loads
 (PTX for sm_90, checked on the CPU), and those shapes ran at 0.22-0.48x cuDNN's
 speed against 0.56-1.58x at 96, 336 and 672 (H200, 2026-11-28, docs/benchmarks.md
 run 26). With ALIGN they compile to the same 128-bit loads as 336 (64-bit at 42).
+A load is also at most a thread's share of a tile row: 4 elements in every
+candidate tile, so bf16 and fp16 load 64 bits at a time (PTX for sm_90 of the
+5x5 tile at ALIGN 8, checked on the CPU, 2026-12-07).
 The image sizes and pixel strides are not specialised on (the multiple of ALIGN
 is all the loads need), so one compile serves every image and channel count of
 an alignment.
@@ -69,7 +73,7 @@ def depthwise_conv2d(
     channels = offs_c[None, :] * stride_xc
     acc0 = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
     if HAS_BIAS:
-        acc0 += tl.load(bias_ptr + offs_c, mask=in_c, other=0.0)[None, :]
+        acc0 += tl.load(bias_ptr + offs_c, mask=in_c, other=0.0).to(tl.float32)[None, :]
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
@@ -82,7 +86,7 @@ def depthwise_conv2d(
                 iw = ow0 * SW - PW + j
                 ok = row_ok & (iw >= 0) & (iw < W)
                 pixel = tl.multiple_of(x_images + ih * stride_xh + iw * stride_xw, ALIGN)
-                x = tl.load(x_ptr + pixel[:, None] + channels, mask=ok[:, None] & in_c[None, :], other=0.0)
+                x = tl.load(x_ptr + pixel[:, None] + channels, mask=ok[:, None] & in_c[None, :], other=0.0).to(tl.float32)
                 acc0 = _tap(acc0, x, w_row, stride_ww, in_c, j, KW, DW)
                 if COLUMNS > 1:
                     acc1 = _tap(acc1, x, w_row, stride_ww, in_c, j - SW, KW, DW)
@@ -106,12 +110,13 @@ def _tap(acc, x, w_row, stride_ww, in_c, T: tl.constexpr, KW: tl.constexpr, DW: 
     if T >= 0:
         if T % DW == 0:
             if T // DW < KW:
-                acc += x * tl.load(w_row + (T // DW) * stride_ww, mask=in_c, other=0.0)[None, :]
+                acc += x * tl.load(w_row + (T // DW) * stride_ww, mask=in_c, other=0.0).to(tl.float32)[None, :]
     return acc
 
 
 @triton.jit
 def _store(out_ptr, acc, out_row, ow, stride_ow, out_channels, in_g, in_c, OW, ALIGN: tl.constexpr):
-    """One output column of the groups (those past the row's end are not written)."""
+    """One output column of the groups (those past the row's end are not written),
+    rounded to the output's dtype."""
     out_pixel = tl.multiple_of(out_row + ow * stride_ow, ALIGN)
-    tl.store(out_ptr + out_pixel[:, None] + out_channels, acc, mask=(in_g & (ow < OW))[:, None] & in_c[None, :])
+    tl.store(out_ptr + out_pixel[:, None] + out_channels, acc.to(out_ptr.dtype.element_ty), mask=(in_g & (ow < OW))[:, None] & in_c[None, :])

@@ -835,8 +835,8 @@ def fuse_conv_add_relu(gm: GraphModule) -> int:
 
 
 def depthwise_convs(gm: GraphModule) -> int:
-    """Run fp32 depthwise convolutions (one filter per channel, weight [C, 1, KH, KW])
-    on CUDA values through `opara::depthwise_conv2d` (engine.depthwise_conv): for a
+    """Run depthwise convolutions (one filter per channel, weight [C, 1, KH, KW]) in
+    fp32, bf16 or fp16 on CUDA values through `opara::depthwise_conv2d` (engine.depthwise_conv): for a
     channels-last input (fused lanes' layout) the Triton kernel where its first call
     at that shape measured it faster than cuDNN, else cuDNN. In the fused-lanes
     graphs' passes (build.INDUCTOR_PASSES), not the ATen graphs'."""
@@ -846,7 +846,7 @@ def depthwise_convs(gm: GraphModule) -> int:
             continue
         x, w, bias, stride, padding, dilation, _, _, groups = conv.args
         val, weight = conv.meta.get("val"), w.meta.get("val") if isinstance(w, Node) else None
-        if not isinstance(val, torch.Tensor) or not isinstance(weight, torch.Tensor) or val.device.type != "cuda" or val.dtype != torch.float32:
+        if not isinstance(val, torch.Tensor) or not isinstance(weight, torch.Tensor) or val.device.type != "cuda" or val.dtype not in depthwise_conv.ACCURACY:
             continue
         if val.dim() != 4 or weight.dim() != 4 or weight.shape[1] != 1 or groups != weight.shape[0] or len(stride) != 2:
             continue

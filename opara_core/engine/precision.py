@@ -11,9 +11,9 @@ matrix products and convolutions while the model is built and captured (a CUDA
 graph keeps the kernels it captured).
 
 The guard of such a build compares it with the fp32 module (`tolerance`); the
-engine's own kernels (small-row GEMM, short attention, depthwise convolution)
-take fp32 only, so in half precision their passes step aside for cuBLAS,
-cuDNN and Inductor.
+engine's small-row GEMM and short attention take fp32 only, so in half
+precision their passes step aside for cuBLAS and Inductor; the depthwise
+convolution (engine.depthwise_conv) takes bf16 and fp16 too.
 """
 
 from __future__ import annotations
