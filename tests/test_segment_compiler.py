@@ -315,6 +315,26 @@ def test_only_a_half_precision_segment_is_checked_against_fp32_and_its_own_casts
     assert got.dtype == torch.float32 and torch.equal(got, x * 3)
 
 
+def test_the_fp32_reference_runs_atens_depthwise_convolution_not_the_engines_op(monkeypatch):
+    # the engine's op in fp32 times each shape it meets (139 of NASNet's in its bf16 cold build's checks)
+    from opara_core.engine import custom_ops, depthwise_conv
+
+    op = custom_ops.register_all()[1]
+    engine_calls = []
+    monkeypatch.setattr(depthwise_conv, "depthwise_conv", lambda *args: engine_calls.append(args) or depthwise_conv.cudnn_conv2d(*args))
+    torch.manual_seed(6)
+    weight = torch.randn(8, 1, 3, 3, dtype=torch.bfloat16)
+    segment = _half_segment(lambda x, w: op(x, w, None, [1, 1], [1, 1], [1, 1]), weight)
+    sample = (torch.randn(2, 8, 5, 5, dtype=torch.bfloat16),)
+    (got,) = segment_compiler._in_fp32(segment, sample)
+    assert not engine_calls
+    want = torch.nn.functional.conv2d(sample[0].float(), weight.float(), padding=1, groups=8)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-5)
+    with torch.inference_mode():
+        segment.code(*sample, *segment.weights)  # the segment itself still calls the engine's op
+    assert len(engine_calls) == 1
+
+
 def test_segments_an_earlier_build_found_wrong_run_their_aten_operators_with_their_own_weights(tmp_path, monkeypatch):
     torch.manual_seed(4)
     module = Twins().eval()

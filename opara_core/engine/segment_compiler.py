@@ -448,7 +448,9 @@ def _in_fp32(segment: CompiledSegment, sample: tuple) -> tuple | None:
     were compiled again one after another (about 90 s of NASNet's cold start)
     to run ATen's kernels. So a half-precision segment's code also passes
     where it is within EAGER_FACTOR times the ATen operators' own error
-    against fp32, the bound the model's guard uses (engine.precision)."""
+    against fp32, the bound the model's guard uses (engine.precision). The
+    engine's own ops run as ATen's (custom_ops.aten_references): in fp32 they
+    would time every shape they meet."""
     half = set(HALF.values())
     named: list[torch.dtype] = []  # the half-precision dtypes the operators name
 
@@ -461,8 +463,11 @@ def _in_fp32(segment: CompiledSegment, sample: tuple) -> tuple | None:
         return value
 
     graph = copy.deepcopy(segment.code.graph)
+    references = custom_ops.aten_references()
     for node in graph.nodes:
         node.args, node.kwargs = map_aggregate(node.args, up), map_aggregate(node.kwargs, up)
+        if node.op == "call_function" and node.target in references:  # ATen's computation, not the engine's timed choice
+            node.target = references[node.target]
     if not named and not any(t.dtype in half for t in (*sample, *segment.weights) if isinstance(t, torch.Tensor)):
         return None
     try:
