@@ -18,15 +18,20 @@ import pytest
 from opara_core.serving.launcher import ADMIN_KEY_ENV, DEFAULT_MODEL_REPOSITORY, ServerConfig, TritonServer, free_ports
 
 
-def interpreted_worst_error(code: str, *args: str) -> float:
-    """Run `code` (a script that prints a kernel's worst error last) in a new
-    process under Triton's interpreter, which runs the kernel's Python on the
-    CPU: the same index arithmetic and masks the GPU runs. Its exit must be 0."""
+def interpreted_output(code: str, *args: str) -> list[str]:
+    """The lines `code` prints, run in a new process under Triton's interpreter,
+    which runs the kernel's Python on the CPU: the same index arithmetic and
+    masks the GPU runs. Its exit must be 0."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    return float(done.stdout.strip().splitlines()[-1])
+    return done.stdout.strip().splitlines()
+
+
+def interpreted_worst_error(code: str, *args: str) -> float:
+    """The last line `code` prints under the interpreter (`interpreted_output`): a kernel's worst error."""
+    return float(interpreted_output(code, *args)[-1])
 
 
 def turn_is_free(lock: Path) -> bool:

@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import interpreted_worst_error
+from conftest import interpreted_output
 import torch
 
 from opara_core.engine import depthwise_conv
@@ -18,54 +18,63 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # NASNet's filter sizes and strides, with ragged edges: channels not a multiple of a
 # tile, pixels over the batch not a multiple of BLOCK_P, padding on and off, dilation;
-# in the dtype its argument names (float32 unless told), every tiling in float32
+# in each dtype its arguments name: every tiling in float32, one a case in half precision
 INTERPRETED = textwrap.dedent(
     """
     import sys
     import torch
     import torch.nn.functional as F
     from opara_core.engine.depthwise_conv import DepthwiseConfig, depthwise_conv2d
-    dtype = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "float32")
-    generator = torch.Generator().manual_seed(0)
-    worst = 0.0
     cases = [  # (N, C, H, W), kernel, stride, padding, dilation
         ((2, 42, 13, 11), 5, 2, 2, 1), ((1, 21, 9, 9), 3, 1, 1, 1), ((3, 10, 8, 7), 7, 1, 3, 1),
         ((2, 17, 10, 12), 3, 2, 0, 1), ((1, 12, 11, 11), 3, 1, 2, 2), ((2, 33, 6, 6), (3, 5), (1, 2), (1, 2), 1),
     ]
     # one-column tiles, and groups of 4 and 2 neighbouring outputs (rows of 7, 11 and 12 outputs: ragged groups)
     configs = (DepthwiseConfig(16, 16), DepthwiseConfig(8, 32, 2), DepthwiseConfig(32, 8), DepthwiseConfig(8, 16, 4, 4), DepthwiseConfig(16, 8, 2, 2))
-    configs = configs if dtype == torch.float32 else configs[::3]
-    for i, (shape, k, stride, padding, dilation) in enumerate(cases):
-        kh, kw = (k, k) if isinstance(k, int) else k
-        x = torch.randn(*shape, generator=generator).to(dtype)
-        weight = torch.randn(shape[1], 1, kh, kw, generator=generator).to(dtype)
-        # every other case with a bias, and with a weight view of other strides
-        b = torch.randn(shape[1], generator=generator).to(dtype) if i % 2 else None
-        w = weight.permute(2, 3, 1, 0).contiguous().permute(3, 2, 0, 1) if i % 2 else weight
-        exact = F.conv2d(x.double(), weight.double(), None if b is None else b.double(), stride, padding, dilation, groups=shape[1])
-        # channels-last (fused lanes' layout) with every tiling, contiguous with one
-        for rows, config in [(x.contiguous(memory_format=torch.channels_last), c) for c in configs] + [(x, configs[i % len(configs)])]:
-            got = depthwise_conv2d(rows, w, b, stride, padding, dilation, config)
-            assert got.shape == exact.shape, (got.shape, exact.shape)
-            assert got.is_contiguous(memory_format=torch.channels_last) and got.dtype == dtype
-            worst = max(worst, float((got.double() - exact).abs().max() / exact.abs().max()))
-    print(worst)
+    for name in sys.argv[1:]:
+        dtype, generator, worst = getattr(torch, name), torch.Generator().manual_seed(0), 0.0
+        for i, (shape, k, stride, padding, dilation) in enumerate(cases):
+            kh, kw = (k, k) if isinstance(k, int) else k
+            x = torch.randn(*shape, generator=generator).to(dtype)
+            weight = torch.randn(shape[1], 1, kh, kw, generator=generator).to(dtype)
+            # every other case with a bias, and with a weight view of other strides
+            b = torch.randn(shape[1], generator=generator).to(dtype) if i % 2 else None
+            w = weight.permute(2, 3, 1, 0).contiguous().permute(3, 2, 0, 1) if i % 2 else weight
+            exact = F.conv2d(x.double(), weight.double(), None if b is None else b.double(), stride, padding, dilation, groups=shape[1])
+            channels_last = x.contiguous(memory_format=torch.channels_last)
+            # fp32: channels-last (fused lanes' layout) with every tiling, contiguous with one; half precision
+            # (the same index arithmetic, other loads and stores): channels-last with one tiling per case, in turn
+            runs = [(channels_last, c) for c in configs] + [(x, configs[i % len(configs)])] if name == "float32" else [(channels_last, configs[i % len(configs)])]
+            for rows, config in runs:
+                got = depthwise_conv2d(rows, w, b, stride, padding, dilation, config)
+                assert got.shape == exact.shape, (got.shape, exact.shape)
+                assert got.is_contiguous(memory_format=torch.channels_last) and got.dtype == dtype
+                worst = max(worst, float((got.double() - exact).abs().max() / exact.abs().max()))
+        print(name, worst)
     """
 )
 
 
-def test_the_kernel_computes_the_depthwise_convolution_for_every_tiling_and_layout():
+@pytest.fixture(scope="module")
+def worst_errors() -> dict[str, float]:
+    """Each dtype's worst error of the interpreted kernel against float64, one process for all three (an
+    interpreter process costs seconds of imports before its first kernel)."""
+    lines = interpreted_output(INTERPRETED, "float32", "float16", "bfloat16")
+    return {name: float(worst) for name, worst in (line.split() for line in lines[-3:])}
+
+
+def test_the_kernel_computes_the_depthwise_convolution_for_every_tiling_and_layout(worst_errors):
     # Triton's interpreter runs the kernel on the CPU: its index arithmetic and masks
-    assert interpreted_worst_error(INTERPRETED) <= 1e-6
+    assert worst_errors["float32"] <= 1e-6
 
 
 @pytest.mark.parametrize("dtype, bound", [("float16", 2**-11), ("bfloat16", 2**-7)])
-def test_in_half_precision_it_sums_in_fp32_and_rounds_once(dtype, bound):
+def test_in_half_precision_it_sums_in_fp32_and_rounds_once(worst_errors, dtype, bound):
     # exact: the float64 convolution of the same half-precision values, so only the output's rounding is left:
     # at most half a unit in the last place of fp16 (2^-11 of an entry); bf16's is 2^-8 on a GPU, but the
     # interpreter truncates to bf16 (a whole unit, 2^-7). Summing in the half dtype itself would err more
     # (NASNet's 7x7 filters: 49 roundings).
-    assert interpreted_worst_error(INTERPRETED, dtype) <= bound
+    assert worst_errors[dtype] <= bound
 
 
 def test_shapes_it_does_not_take_are_refused_by_name():
