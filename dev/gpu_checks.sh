@@ -42,8 +42,8 @@
 #              every GPU of the machine, $TWOGPU_INSTANCES instances per GPU (default 1), shared memory
 #              $TWOGPU_SHM (default none,system): $OUT/twogpu_one.json, $OUT/twogpu_all.json
 #   varlen     scripts/varlen_bench.py: BERT ($VARLEN_MODELS, default bert) with seeded lengths (mean 50, cap 512)
-#              at concurrency 1, 16, 64 under the padded, single, greedy and dp schedulers, with where
-#              each level's execute time went; $OUT/varlen_bench.json, $OUT/varlen_server.log; $VARLEN_ARGS
+#              at concurrency 1, 16, 64 against its no-op floor and under the padded, single, greedy and dp
+#              schedulers, with where each level's execute time went (JSON after every row); $OUT/varlen_bench.json, $OUT/varlen_server.log; $VARLEN_ARGS
 #              adds arguments (e.g. "--instances 2", "--set bert:compiler=engine")
 #   varlentests the variable-length GPU tests: two BERT shapes in one graph pool replayed in turns, and
 #              every scheduler on a few shapes' graphs, each against eager (tests/test_capture.py, tests/test_varlen.py);

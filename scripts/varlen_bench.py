@@ -15,7 +15,10 @@ sequence bucket, the cost table timed from their replays), then:
    sequence bucket; dp: TurboTransformers' DP) and each concurrency, runs
    `client.bench` over gRPC with the seeded lengths, the scheduler chosen by
    the request parameter `scheduler`, so all four share one server and one set
-   of graphs.
+   of graphs; first, at each concurrency, the same requests against the
+   model's no-op floor (`<model>_floor`, made from its config as
+   serving_bench's: what Triton's Python backend costs with no model work),
+   which no scheduler can serve faster (unless `--no-floor`).
 
 Where each level's time went, per `execute`, from the model's own metrics:
 the stages of `execute` (validate: read and check the requests; stage:
@@ -24,8 +27,9 @@ the sub-batches run (opara_batches_total by "shape x batch" cell) and what
 those cells cost by the model's cost table (the GPU time the scheduler
 expected), so a gap between `run` + `stage` and the table is overhead.
 
-Prints markdown tables and writes JSON (rows, the models' build reports with
-their cost tables from the server log, the check's errors, meta). `--precision
+Prints markdown tables and writes JSON after every row (rows, the models' build
+reports with their cost tables from the server log, the check's errors, meta),
+so a run cut short keeps what it measured. `--precision
 bf16` serves every model in bf16 (a `--set MODEL:precision=P` wins for its
 model); meta and the line above the table say each model's.
 """
@@ -53,15 +57,18 @@ from opara_core import zoo
 from opara_core.planning import batching
 from opara_core.serving.launcher import ServerConfig, TritonServer, free_port
 from opara_core.serving.triton_backend import ServingMetrics, StageClock
-from serving_bench import PRECISION, batch_counts, copy_model, execute_counters, precision_title
+from serving_bench import FLOOR_SUFFIX, PRECISION, add_floor_model, batch_counts, copy_model, execute_counters, precision_title
 
 SCHEDULERS = ("padded", "single", "greedy", "dp")
 
 
-def make_repository(models: list[str], root: Path, overrides: dict[str, dict[str, str]], queue_delay_us: int | None, instances: int = 1) -> Path:
+def make_repository(
+    models: list[str], root: Path, overrides: dict[str, dict[str, str]], queue_delay_us: int | None, instances: int = 1, floor: bool = True
+) -> Path:
     """Copies of the models; `overrides[model]` replaces (or adds) config
     parameters; `instances` model instances each (stub processes, each with its
-    own graphs: one's host work overlaps the other's replays).
+    own graphs: one's host work overlaps the other's replays); with `floor`
+    each model's no-op floor beside it, made from its config.
 
     Every shape is built at load (`capture` "load") unless an override says
     otherwise: with "first_use" a level pays the builds of the shapes it is the
@@ -71,6 +78,8 @@ def make_repository(models: list[str], root: Path, overrides: dict[str, dict[str
     repository = root / "models"
     for name in models:
         copy_model(repository, name, instances, queue_delay_us, {"capture": "load", **overrides.get(name, {})})
+        if floor:
+            add_floor_model(repository, name)
     return repository
 
 
@@ -169,18 +178,20 @@ def counters(server: TritonServer, model: str) -> tuple[tuple[int, int], dict[st
 
 
 def measure(server: TritonServer, model: str, scheduler: str, concurrency: int, lengths: str, duration_s: float, warmup: int, costs: dict[str, float]) -> dict:
+    """One level; `scheduler` "floor": the same requests to the model's floor (no stages, no cells)."""
+    served = model + FLOOR_SUFFIX if scheduler == "floor" else model
     config = bench.BenchConfig(
-        model=model, url=server.grpc_url, protocol="grpc", concurrency=(concurrency,), duration_s=duration_s,
+        model=served, url=server.grpc_url, protocol="grpc", concurrency=(concurrency,), duration_s=duration_s,
         warmup=warmup, timeout_s=600, lengths=lengths, parameters=(("scheduler", scheduler),), progress=False,
     )  # fmt: skip
-    before = counters(server, model)
+    before = counters(server, served)
     result = bench.run(config)
-    after = counters(server, model)
+    after = counters(server, served)
     executions = after[0][1] - before[0][1]
     row = asdict(result.rows[0])
     row["mean_batch"] = round((after[0][0] - before[0][0]) / executions, 2) if executions else None
     row["error_messages"] = list(result.error_messages)
-    if executions:
+    if executions and served == model:
         # the level's warm-up requests are in these counts too: per execute, they change little
         row["execute_ms"] = {stage: round((after[1].get(stage, 0) - before[1].get(stage, 0)) * 1e3 / executions, 3) for stage in StageClock.STAGES}
         cells = {cell: after[2][cell] - before[2].get(cell, 0) for cell in after[2] if after[2][cell] > before[2].get(cell, 0)}
@@ -202,6 +213,22 @@ def breakdown(rows: list[dict]) -> str:
         cells = [r["model"], r["scheduler"], r["concurrency"], r.get("mean_batch") or "-", r.get("sub_batches_per_execute", "-")]
         cells += ["-" if r.get("table_ms_per_execute") is None else f"{r['table_ms_per_execute']:.2f}"]
         cells += [f"{stages[k]:.2f}" if k in stages else "-" for k in StageClock.STAGES]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> str:
+    """Per model and concurrency: req/s of the floor and of each scheduler, the
+    DP's against padding, greedy grouping and the floor, and the floor against
+    padding: the most any scheduler could gain over padding on this host."""
+    rps = {(r["model"], r["concurrency"], r["scheduler"]): r["throughput_rps"] for r in rows if r.get("throughput_rps")}
+    names = [n for n in ("floor", *SCHEDULERS) if any(key[2] == n for key in rps)]
+    pairs = [("dp", "padded"), ("dp", "greedy"), ("dp", "floor"), ("floor", "padded")]
+    lines = ["| model | conc | " + " | ".join(names) + " | " + " | ".join(f"{a} / {b}" for a, b in pairs) + " |", "|---|---|" + "---|" * (len(names) + len(pairs))]
+    for model, concurrency in dict.fromkeys(key[:2] for key in rps):
+        got = {n: rps.get((model, concurrency, n)) for n in (*names, *(n for pair in pairs for n in pair))}
+        cells = [model, concurrency, *("-" if got[n] is None else f"{got[n]:.1f}" for n in names)]
+        cells += ["-" if got[a] is None or got[b] is None else f"{got[a] / got[b]:.2f}x" for a, b in pairs]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
@@ -249,6 +276,7 @@ def argument_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--queue-delay-us", type=int, default=None, help="max_queue_delay_microseconds (default: the config's)")
     parser.add_argument("--instances", type=int, default=1, help="model instances per model (instance_group count; default 1)")
+    parser.add_argument("--no-floor", action="store_true", help="no floor model, no floor levels")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, help="where the server log goes")
     parser.add_argument("--predict", type=Path, metavar="JSON", help="only print what the cost tables of an earlier run's JSON predict for --lengths")
@@ -274,7 +302,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="varlen_bench_"))
     if args.instances < 1:
         raise SystemExit(f"--instances must be at least 1, got {args.instances}")
-    repository = make_repository(models, work, overrides, args.queue_delay_us, args.instances)
+    repository = make_repository(models, work, overrides, args.queue_delay_us, args.instances, floor=not args.no_floor)
     config = ServerConfig(model_repository=repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     log_path = args.log or work / "server.log"
     rows: list[dict] = []
@@ -287,6 +315,13 @@ def main() -> int:
         "precision": {model: overrides.get(model, {}).get("precision") for model in models},  # None: the config's own
         "instances": args.instances,
     }
+
+    def save() -> None:
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+    levels = ([] if args.no_floor else ["floor"]) + args.schedulers.split(",")
     started = time.perf_counter()
     server = TritonServer(config, log_path).start()
     try:
@@ -294,7 +329,7 @@ def main() -> int:
         meta["load_seconds"] = round(time.perf_counter() - started, 1)
         print(f"server ready with {models} in {meta['load_seconds']:.0f} s", flush=True)
         meta["check_relative_error"], meta["lone_16_tokens"] = {}, {}
-        reports = model_reports(log_path.read_text(errors="replace"))
+        meta["reports"] = reports = model_reports(log_path.read_text(errors="replace"))
         for model in models:
             costs = cost_table(reports.get(model, ""))
             meta.setdefault("table_prediction", {})[model] = predicted(costs, args.lengths)
@@ -306,22 +341,25 @@ def main() -> int:
             meta["lone_16_tokens"][model] = lone
             print(f"{model}: a lone 16-token request: p50 {lone['p50_ms']:.3f} ms, server compute {lone['server_compute_infer_ms']:.3f} ms, "
                   f"ms per execute {lone.get('execute_ms')}, cells {lone.get('cells')}", flush=True)  # fmt: skip
-            for scheduler in args.schedulers.split(","):
+            for scheduler in levels:
                 for concurrency in (int(c) for c in args.concurrency.split(",")):
                     rows.append(measure(server, model, scheduler, concurrency, args.lengths, args.duration, args.warmup, costs))
+                    rows[-1]["model"] = model  # the floor's row too
                     print(json.dumps(rows[-1]), flush=True)
+                    save()
     finally:
         server.stop()
         meta["reports"] = model_reports(log_path.read_text(errors="replace"))
+        save()
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
             print(f"wrote {args.json}")
     for model, report in meta["reports"].items():
         print(f"\n{model}:\n{report}")
     print()
     print(precisions_title(overrides, models))
     print(table(rows))
+    print()
+    print(ratios(rows))
     print()
     print(breakdown([*meta.get("lone_16_tokens", {}).values(), *rows]))
     for model, prediction in meta.get("table_prediction", {}).items():

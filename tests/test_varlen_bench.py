@@ -71,3 +71,29 @@ def test_the_cost_table_is_read_back_from_a_first_use_report_with_kept_timings(t
     _, runners = first_use_runners_with_kept_table(tmp_path, monkeypatch)
     read = varlen_bench.cost_table(runners.report.summary())
     assert read == pytest.approx({f"{shape[0]}x{batch}": seconds * 1e3 for (shape, batch), seconds in KEPT.items()})
+
+
+def test_each_model_gets_its_floor_with_its_own_config_unless_asked_not_to(tmp_path):
+    overrides = {"bert": {"precision": "bf16"}}
+    repository = varlen_bench.make_repository(["bert", "t5"], tmp_path / "a", overrides, queue_delay_us=250, instances=2)
+    for model in ("bert", "t5"):
+        config, floor = config_of(model, repository), config_of(model + "_floor", repository)
+        assert {k: v for k, v in floor.items() if k != "name"} == {k: v for k, v in config.items() if k != "name"}
+        assert "FloorModel" in (repository / f"{model}_floor" / "1" / "model.py").read_text()
+    repository = varlen_bench.make_repository(["bert"], tmp_path / "b", {}, None, floor=False)
+    assert sorted(p.name for p in repository.iterdir()) == ["bert"]
+
+
+def test_the_ratio_table_sets_the_dp_against_padding_greedy_and_the_floor_that_bounds_them():
+    rows = [
+        {"model": "bert", "concurrency": 16, "scheduler": "floor", "throughput_rps": 2400.0},
+        {"model": "bert", "concurrency": 16, "scheduler": "padded", "throughput_rps": 1200.0},
+        {"model": "bert", "concurrency": 16, "scheduler": "greedy", "throughput_rps": 1500.0},
+        {"model": "bert", "concurrency": 16, "scheduler": "dp", "throughput_rps": 1800.0},
+        {"model": "bert", "concurrency": 64, "scheduler": "padded", "throughput_rps": 1000.0},  # a cut run: no dp, no floor
+    ]
+    header, _, c16, c64 = varlen_bench.ratios(rows).splitlines()
+    assert header.split(" | ")[2:6] == ["floor", "padded", "greedy", "dp"]
+    assert header.split(" | ")[6:] == ["dp / padded", "dp / greedy", "dp / floor", "floor / padded |"]
+    assert c16.split(" | ")[2:] == ["2400.0", "1200.0", "1500.0", "1800.0", "1.50x", "1.20x", "0.75x", "2.00x |"]
+    assert c64.split(" | ")[2:] == ["-", "1000.0", "-", "-", "-", "-", "-", "- |"]
