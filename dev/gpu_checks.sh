@@ -43,8 +43,9 @@
 #              $TWOGPU_SHM (default none,system): $OUT/twogpu_one.json, $OUT/twogpu_all.json
 #   varlen     scripts/varlen_bench.py: BERT ($VARLEN_MODELS, default bert) with seeded lengths (mean 50, cap 512)
 #              at concurrency 1, 16, 64 against its no-op floor and under the padded, single, greedy and dp
-#              schedulers, with where each level's execute time went (JSON after every row); $OUT/varlen_bench.json, $OUT/varlen_server.log; $VARLEN_ARGS
-#              adds arguments (e.g. "--instances 2", "--set bert:compiler=engine")
+#              schedulers, with where each level's execute time went; $OUT/varlen_bench.json (written after
+#              every row), $OUT/varlen_server.log; $VARLEN_ARGS adds arguments (e.g. "--instances 2",
+#              "--set bert:compiler=engine")
 #   varlentests the variable-length GPU tests: two BERT shapes in one graph pool replayed in turns, and
 #              every scheduler on a few shapes' graphs, each against eager (tests/test_capture.py, tests/test_varlen.py);
 #              BERT's and T5's whole-model Inductor compiles make it longer than 210 s cold (H100, 2026-11-26: 302 s,
