@@ -182,7 +182,7 @@ def measure(server: TritonServer, model: str, scheduler: str, concurrency: int, 
     served = model + FLOOR_SUFFIX if scheduler == "floor" else model
     config = bench.BenchConfig(
         model=served, url=server.grpc_url, protocol="grpc", concurrency=(concurrency,), duration_s=duration_s,
-        warmup=warmup, timeout_s=600, lengths=lengths, parameters=(("scheduler", scheduler),), progress=False,
+        warmup=warmup, timeout_s=600, lengths=lengths, parameters=() if served != model else (("scheduler", scheduler),), progress=False,
     )  # fmt: skip
     before = counters(server, served)
     result = bench.run(config)
@@ -344,7 +344,6 @@ def main() -> int:
             for scheduler in levels:
                 for concurrency in (int(c) for c in args.concurrency.split(",")):
                     rows.append(measure(server, model, scheduler, concurrency, args.lengths, args.duration, args.warmup, costs))
-                    rows[-1]["model"] = model  # the floor's row too
                     print(json.dumps(rows[-1]), flush=True)
                     save()
     finally:
