@@ -73,9 +73,10 @@
 #              ($SERVE_CACHE to keep one), until its "ready after" line, once per word of $SERVE_RUNS
 #              (default "cold"; "cold warm": a second start on the same cache): the terminal in
 #              $OUT/servestart_RUN_terminal.log, the whole server log in $OUT/servestart_RUN_full.log
-#   guardcost  scripts/guard_cost.sh: the HTTP guard's cost, `launcher serve` with and without it in turns,
+#   guardcost  scripts/guard_cost.sh: the HTTP guard's cost, `launcher serve` with each guard of $GUARDS in turns
+#              (default "python none"; "python nginx none" adds nginx, from .gpuenv where the machine has none),
 #              $GUARD_MODEL (default googlenet) over HTTP at concurrency 1 and 16, $GUARD_ROUNDS rounds of
-#              $GUARD_SECONDS per level: $OUT/guard_cost/<guard|noguard><round>.json
+#              $GUARD_SECONDS per level: $OUT/guard_cost/<guard><round>.json
 #   (transport, serving, varlen, generation: $PRECISION, e.g. bf16, serves every model in that precision)
 #   soak       GoogLeNet served by `python -m opara_core.serving.launcher serve` on ports 18000-18002,
 #              scripts/soak.py over gRPC at 1, 8 and 64 ($SOAK_SECONDS each, default 30, and as long a warm-up): errors, wrong

@@ -9,6 +9,9 @@
 #                        the HTTP client's gevent stack (downloaded from PyPI)
 #   cuda-python.tar.xz   cuda-python 12.6 for Python 3.12 (tritonclient's CUDA shared memory),
 #                        its compiled modules only: the wheel is 24 MB, this 11 MB
+#   nginx.tar.xz         this machine's nginx (Debian's, `make setup`) with the libraries it links
+#                        but libc, and a wrapper that runs it with them: the nginx guard's cost on
+#                        the GPU host (`GUARDS="python nginx none" bash dev/gpu_checks.sh guardcost`)
 #   setup_env.sh         `source .gpuenv/setup_env.sh` on the GPU machine: unpacks all of
 #                        it under /tmp and sets PYTHONPATH and OPARA_ADMIN_KEY
 #
@@ -44,6 +47,21 @@ XZ_OPT=-9 tar -C "$tmp/unpacked" --exclude='*.cpp' --exclude='*.pyx' --exclude='
     -cJf "$out/cuda-python.tar.xz" cuda
 rm -rf "$tmp"
 
+nginx=$(command -v nginx || echo /usr/sbin/nginx)
+tmp=$(mktemp -d)
+mkdir -p "$tmp/nginx/bin" "$tmp/nginx/lib"
+cp "$nginx" "$tmp/nginx/lib/nginx"
+ldd "$nginx" | awk '$3 ~ /^\// {print $3}' | grep -v '/libc\.so' | xargs -I{} cp -L {} "$tmp/nginx/lib/"
+cat >"$tmp/nginx/bin/nginx" <<'EOF'
+#!/bin/sh
+# Debian's nginx with the libraries it was built against (dev/make_gpuenv.sh)
+lib=$(dirname "$(dirname "$(readlink -f "$0")")")/lib
+LD_LIBRARY_PATH=$lib exec "$lib/nginx" "$@"
+EOF
+chmod +x "$tmp/nginx/bin/nginx"
+XZ_OPT=-9 tar -C "$tmp" -cJf "$out/nginx.tar.xz" nginx
+rm -rf "$tmp"
+
 cat >"$out/setup_env.sh" <<'EOF'
 # source me on the GPU machine, in the repository root (made by dev/make_gpuenv.sh)
 if [ ! -d /tmp/site/pytriton ]; then
@@ -55,6 +73,10 @@ if [ ! -d /tmp/site/pytriton ]; then
     .gpuenv/uvloop-*.whl 2>/dev/null
   tar -C /tmp/tc -xzf .gpuenv/tritonclient.tar.gz
 fi
+if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ] && [ ! -d /tmp/nginx ]; then
+  tar -C /tmp -xJf .gpuenv/nginx.tar.xz
+fi
+[ -d /tmp/nginx ] && export PATH=/tmp/nginx/bin:$PATH
 if [ ! -d /tmp/cudapy/cuda ]; then
   mkdir -p /tmp/cudapy && tar -C /tmp/cudapy -xJf .gpuenv/cuda-python.tar.xz
 fi
