@@ -148,6 +148,19 @@ def test_segments_go_to_the_compile_workers_while_later_runs_still_record(tmp_pa
             assert torch.allclose(run_plan(fused, plan, x), module(x), rtol=1e-5, atol=1e-6)
 
 
+def test_compile_workers_run_below_the_building_process_cpu_priority(tmp_path):
+    # at a cold start several builds share the CPU with their compile workers: the builds' own steps go first
+    segment = _segment_with_weights()
+    metas = [TensorMeta.of(torch.randn(4, 16)), *map(TensorMeta.of, segment.weights)]
+    with segment_compiler._Workers(tmp_path, workers=2) as workers:
+        workers.submit("a", segment.code, metas)
+        workers.submit("b", segment.code, metas)  # the pool starts with the second segment
+        assert workers.pool is not None
+        worker_niceness = workers.pool.submit(os.nice, 0).result()
+        assert workers.wait() == set()
+    assert worker_niceness > os.nice(0) or os.nice(0) == 19
+
+
 def test_a_lone_segment_compiles_in_this_process_without_starting_workers(tmp_path):
     segment = _segment_with_weights()
     x = torch.randn(4, 16)
