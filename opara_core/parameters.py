@@ -211,7 +211,7 @@ SCHEMA: tuple[Parameter, ...] = (
     P("FORCE_CPU_ONLY_INPUT_TENSORS", "choice", "yes", "read by Triton's Python backend itself, hence its own spelling `yes`/`no`: `no` lets inputs stay where the client put them (CUDA shared memory reaches a GPU instance as GPU tensors, checked and copied device to device); `yes` copies every input to the host first (the shipped configs say `no`)",
       SERVED, TRITON, choices=("yes", "no")),
     # --- the engine's build (opara_core.engine.build.EngineSettings, in its field order)
-    P("policy", "choice", "auto", "the stream plan: `auto` captures and times several plans per bucket and keeps the fastest (never slower than the sequential graph); or one of the planners: `sequential`, `opara` (the paper's Alg. 1 + 2), `nimble`, `asap`, `wavefront`",
+    P("policy", "choice", "auto", "the stream plan: `auto` captures and times several plans per bucket and keeps the fastest (never slower than the sequential graph); or one of the planners: `sequential`, `opara` (the paper's Alg. 1 + 2), `nimble`, `asap`, `wavefront`, `side` (the critical path on one lane, only large branches beside it: few segments for fused lanes)",
       SERVED, ENGINE, choices=("auto", *policies.names())),
     P("max_streams", "integer", 8, "lane budget: CUDA streams per graph",
       SERVED, ENGINE, minimum=1),

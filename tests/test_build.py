@@ -116,7 +116,9 @@ def test_the_cudnn_fused_lanes_graph_is_offered_with_the_fused_policies_only():
     graph = traced_graphs(module, entry, CPU, EngineSettings(fusion=False, layout="nchw"), BuildReport())["nchw"]
     found = candidates({"nchw": graph, "inductor": graph, "inductor-cudnn": graph}, EngineSettings())
     cudnn = {c for c in found if c.graph == "inductor-cudnn"}
-    assert {c.policy for c in cudnn} == {policy for policy, _ in FUSED_CANDIDATES}
+    # side's plan of GoogLeNet is one lane (no branch holds 5% of the cost): the whole graph, not offered
+    assert {c.policy for c in cudnn} == {policy for policy, _ in FUSED_CANDIDATES} - {"side"}
+    assert not any(c.fused and c.policy != "sequential" and c.lanes == 1 for c in found)
     assert Candidate("inductor", "sequential", 1) in found and Candidate("nchw", "sequential", 1) in found
     assert all(c.fused for c in cudnn) and not any(c.fused for c in found if c.graph == "nchw")
     for candidate in found:

@@ -21,7 +21,7 @@ BUDGETS = st.sampled_from([None, 1, 2, 3, 5])
 
 
 def test_registry_names_every_policy():
-    assert policies.names() == ["sequential", "opara", "nimble", "asap", "wavefront"]
+    assert policies.names() == ["sequential", "opara", "nimble", "asap", "wavefront", "side"]
     with pytest.raises(ValueError, match="unknown policy 'fastest'"):
         policies.get("fastest")
 
@@ -63,6 +63,30 @@ def test_asap_keeps_the_critical_path_on_one_lane():
     dag = Dag(nodes, (("src", "cheap"), ("src", "heavy"), ("cheap", "join"), ("heavy", "join")))
     stream = policies.asap(dag).stream
     assert stream[0] == stream[2] == stream[3] != stream[1]
+
+
+def test_side_gives_only_heavy_branches_a_lane_of_their_own():
+    # The path p0..p3; a heavy branch h1-h2 (60 of 511: over SIDE_SHARE), a tiny one t,
+    # and a bias b (with its own input a) that two path nodes read: b and a stay on the path's lane.
+    costs = {"a": 10, "b": 40, "p0": 100, "t": 1, "p1": 100, "h1": 30, "h2": 30, "p2": 100, "p3": 100}
+    edges = (("p0", "p1"), ("p1", "p2"), ("p2", "p3"), ("p0", "h1"), ("h1", "h2"), ("h2", "p3"),
+             ("p0", "t"), ("t", "p2"), ("a", "b"), ("b", "p1"), ("b", "p2"))
+    dag = Dag(tuple(OpNode(n, cost=c) for n, c in costs.items()), edges)
+    plan = make_plan(dag, "side", 8)
+    lane = dict(plan.stream)
+    assert {lane[n] for n in ("p0", "p1", "p2", "p3", "t", "a", "b")} == {lane["p0"]}
+    assert lane["h1"] == lane["h2"] != lane["p0"]
+    assert plan.num_streams == 2 and len(plan.waits) == 2  # into the branch and out of it
+    assert make_plan(dag, "side", 1).num_streams == 1
+
+
+def test_side_puts_two_heavy_branches_on_the_least_loaded_side_lanes():
+    costs = {"s": 10, "p1": 100, "p2": 100, "x": 40, "y": 30, "j": 10}
+    edges = (("s", "p1"), ("p1", "p2"), ("p2", "j"), ("s", "x"), ("x", "j"), ("s", "y"), ("y", "j"))
+    dag = Dag(tuple(OpNode(n, cost=c) for n, c in costs.items()), edges)
+    assert len({dict(make_plan(dag, "side", 3).stream)[n] for n in ("p1", "x", "y")}) == 3
+    two = dict(make_plan(dag, "side", 2).stream)
+    assert two["x"] == two["y"] != two["p1"]
 
 
 def test_wavefront_launches_wave_by_wave():

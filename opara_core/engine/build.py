@@ -61,7 +61,11 @@ AUTO_DROP = 1.5
 # Fused lanes: the plans auto tries with Inductor-compiled segments (sequential
 # is one segment, i.e. torch.compile of the whole graph). On an H100 the
 # policies were within 2% of each other with Inductor (docs/benchmarks.md).
-FUSED_CANDIDATES: tuple[tuple[str, int], ...] = (("opara", 8),)
+# `side` cuts a transformer into a few segments where opara cuts it into
+# hundreds: T5-small bf16 at batch 8 (H100, 2026-12-07) replayed 0.789 ms
+# with side/2 against 0.830 sequential and 0.911 opara/8 (at batch 1 0.611
+# against 0.597: sequential kept).
+FUSED_CANDIDATES: tuple[tuple[str, int], ...] = (("opara", 8), ("side", 8))
 # The graph Inductor compiles: the project's rewrites that Inductor does not
 # do itself; cuDNN's fused convolution ops would hide the convolutions from it.
 # Inductor merges linear layers only with freezing, which lifted weights rule out;
@@ -755,6 +759,8 @@ def candidates(graphs: dict[str, OpGraph], settings: EngineSettings) -> dict[Can
         wanted = (FUSED_CANDIDATES if name in FUSED_GRAPHS else AUTO_CANDIDATES) if settings.policy == "auto" else ((settings.policy, settings.max_streams),)
         for policy, lanes in ((("sequential", 1),) if base_graph(name) != "inductor-cudnn" else ()) + tuple(wanted):
             plan = plan_graph(graph, policy, min(lanes, settings.max_streams))
+            if name in FUSED_GRAPHS and policy != "sequential" and plan.num_streams == 1:
+                continue  # one lane is one segment: the whole-graph compile `sequential` is
             found.setdefault(Candidate(name, policy, plan.num_streams), plan)
     return found
 

@@ -14,6 +14,7 @@ from opara_core.planning.policies.lanes import StreamAssignment
 from opara_core.planning.policies.nimble import nimble
 from opara_core.planning.policies.opara import opara
 from opara_core.planning.policies.sequential import sequential
+from opara_core.planning.policies.side import side
 from opara_core.planning.policies.wavefront import wavefront
 
 Policy = Callable[[Dag, "int | None"], StreamAssignment]
@@ -24,6 +25,7 @@ POLICIES: dict[str, Policy] = {
     "nimble": nimble,
     "asap": asap,
     "wavefront": wavefront,
+    "side": side,
 }
 
 
@@ -40,4 +42,4 @@ def get(name: str) -> Policy:
         raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}") from None
 
 
-__all__ = ["POLICIES", "StreamAssignment", "asap", "get", "names", "nimble", "opara", "sequential", "wavefront"]
+__all__ = ["POLICIES", "StreamAssignment", "asap", "get", "names", "nimble", "opara", "sequential", "side", "wavefront"]
