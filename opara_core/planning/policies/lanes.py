@@ -1,11 +1,12 @@
 """What the policies share: the answer's type, and chains folded onto a bounded set of lanes.
 
 The chain policies (opara, nimble, asap, wavefront) first cut the DAG into chains
-(paths whose consecutive operators can run back to back on one stream without an event) and then decide which lane
-(CUDA stream) each chain runs on. Lanes are reused, never aliased: a chain goes to
-a lane whose last operator is an ancestor of the chain's head (no false
-dependency), a new lane is opened while the budget allows, and only past the budget
-does a chain share a lane that is still busy, the one expected to free first.
+(paths whose consecutive operators can run back to back on one stream without an
+event) and then decide which lane (CUDA stream) each chain runs on. Lanes are
+reused, never aliased: a chain goes to a lane whose last operator is an ancestor
+of the chain's head (no false dependency), a new lane is opened while the budget
+allows, and only past the budget does a chain share a lane that is still busy,
+the one expected to free first.
 """
 
 from __future__ import annotations
