@@ -46,14 +46,15 @@ def side(dag: Dag, max_streams: int | None = None) -> StreamAssignment:
     graph.add_nodes_from(free)
     graph.add_edges_from((u, v) for u, v in dag.index_edges if u in graph and v in graph)
     total = sum(dag.costs) or 1.0
-    branches = [c for c in nx.connected_components(graph) if sum(dag.costs[v] for v in c) >= SIDE_SHARE * total]
+    costed = ((sum(dag.costs[v] for v in c), min(c), c) for c in nx.connected_components(graph))
+    branches = sorted((-cost, first, c) for cost, first, c in costed if cost >= SIDE_SHARE * total)  # heaviest first
     side_lanes = len(branches) if max_streams is None else max_streams - 1
     stream = [0] * n
     if side_lanes > 0:
         load = [0.0] * side_lanes
-        for branch in sorted(branches, key=lambda c: (-sum(dag.costs[v] for v in c), min(c))):
+        for negative_cost, _, branch in branches:
             lane = min(range(side_lanes), key=lambda lane: (load[lane], lane))
-            load[lane] += sum(dag.costs[v] for v in branch)
+            load[lane] -= negative_cost
             for v in branch:
                 stream[v] = lane + 1
     return StreamAssignment(stream=renumber(stream), order=orders.critical_path(dag), order_name="critical_path")
