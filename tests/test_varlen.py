@@ -456,23 +456,28 @@ def test_a_cpu_instance_in_bf16_says_so_and_what_its_guard_measured():
 
 
 @pytest.mark.gpu
-def test_a_requests_gpu_inputs_come_to_the_host_with_one_wait():
-    """Ids from CUDA shared memory: both of BERT's inputs queued to the host, then one
-    wait (`.cpu()` per input waits twice), the values intact."""
-    inputs = {spec.name: tensor.cuda() for spec, tensor in zip(zoo.get("bert").inputs, zoo.get("bert").example_inputs(3, seed=1))}
+def test_an_executes_gpu_inputs_come_to_the_host_with_one_wait():
+    """Ids from CUDA shared memory: every input of three requests queued to the
+    host, then one wait for them all (`.cpu()` per input waits six times, a wait
+    per request three), the values intact and each request's own."""
+    entry = zoo.get("bert")
+    arrived = [{spec.name: tensor.cuda() for spec, tensor in zip(entry.inputs, entry.at((n,)).example_inputs(rows, seed=n))} for n, rows in ((7, 1), (30, 3), (12, 2))]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            host = on_host(inputs)
+            host = on_host(arrived)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     waits = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert len(waits) == 1, waits
-    assert all(host[name].device.type == "cpu" and torch.equal(host[name], tensor.cpu()) for name, tensor in inputs.items())
+    assert len(host) == len(arrived)
+    for got, sent in zip(host, arrived):
+        assert all(got[name].device.type == "cpu" and torch.equal(got[name], tensor.cpu()) for name, tensor in sent.items())
 
 
 def test_host_inputs_stay_as_they_are():
-    inputs = dict(zip(("input_ids", "attention_mask"), zoo.get("bert").example_inputs(2, seed=0)))
-    assert all(on_host(inputs)[name] is tensor for name, tensor in inputs.items())
+    arrived = [dict(zip(("input_ids", "attention_mask"), zoo.get("bert").example_inputs(2, seed=k))) for k in range(2)]
+    host = on_host(arrived)
+    assert all(host[k][name] is tensor for k, inputs in enumerate(arrived) for name, tensor in inputs.items())

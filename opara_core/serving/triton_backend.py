@@ -268,9 +268,9 @@ class OparaModel:
         clock.restart()
         responses: list = [None] * len(requests)
         good: list[tuple[int, list[torch.Tensor]]] = []
-        for i, request in enumerate(requests):
+        arrived = self._arrived([{t.name(): input_tensor(t) for t in request.inputs()} for request in requests])
+        for i, (request, tensors) in enumerate(zip(requests, arrived)):
             try:
-                tensors = {t.name(): input_tensor(t) for t in request.inputs()}
                 good.append((i, self._request(request, tensors)))
             except RequestError as error:
                 responses[i] = _error(pb_utils, str(error), pb_utils.TritonError.INVALID_ARG)
@@ -330,6 +330,10 @@ class OparaModel:
 
     def _build(self, module: torch.nn.Module, settings: EngineSettings, config: dict):
         return build_runner(module, self.graph_entry, self.device, self.max_batch, settings)
+
+    def _arrived(self, arrived: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """Every request's inputs by name, where this model reads them (serving.varlen: on the host)."""
+        return arrived
 
     def _request(self, request, tensors: dict[str, torch.Tensor]):
         return request_tensors(self.entry, tensors, check_ids=False)  # ids: the graph checks them (serving.id_guard)

@@ -618,13 +618,14 @@ def request_scheduler(request, default: str) -> str:
     return asked
 
 
-def on_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A request's inputs on the host: those on a GPU all queued first, then one
-    wait for the lot (`.cpu()` on each waits once per input)."""
-    devices = [tensor.device for tensor in tensors.values() if tensor.is_cuda]
+def on_host(arrived: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """The inputs of an execute's requests on the host: every one on a GPU
+    queued first, then one wait per device for the lot (`.cpu()` on each
+    waits once per input, and a wait per request would be one per request)."""
+    devices = [tensor.device for tensors in arrived for tensor in tensors.values() if tensor.is_cuda]
     if not devices:
-        return tensors
-    copies = {name: tensor.to("cpu", non_blocking=True) for name, tensor in tensors.items()}
+        return arrived
+    copies = [{name: tensor.to("cpu", non_blocking=True) for name, tensor in tensors.items()} for tensors in arrived]
     for device in dict.fromkeys(devices):
         torch.cuda.current_stream(device).synchronize()
     return copies
@@ -643,15 +644,17 @@ class VarLenModel(OparaModel):
         runners = VarLenRunners(module, self.entry, self.device, settings, self.varlen)
         return runners, runners.report
 
+    def _arrived(self, arrived: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        return on_host(arrived)  # ids from CUDA shared memory come on the GPU; lengths and ranges are checked on the host
+
     def _request(self, request, tensors: dict[str, torch.Tensor]) -> VarLenRequest:
-        # ids from CUDA shared memory come on the GPU; lengths and ranges are checked on the host
-        return check_request(self.entry, on_host(tensors), request_scheduler(request, self.varlen.scheduler))
+        return check_request(self.entry, tensors, request_scheduler(request, self.varlen.scheduler))
 
     def _in_graph(self, module: torch.nn.Module) -> tuple[torch.nn.Module, ModelSpec]:
         return module, self.entry  # _request checks each request's ids against its own length
 
     def _place(self, good: list) -> bool:
-        return False  # each request was brought to the host by _request; the runners copy it up
+        return False  # the requests were brought to the host by _arrived; the runners copy them up
 
     def _run(self, good: list[tuple[int, VarLenRequest]], on_device: bool = False) -> list:
         # stage: schedule, pad, queue every sub-batch (copy up, replay, copy back); then, sub-batch
