@@ -515,14 +515,17 @@ def plot_speedups(rows: Sequence[Row], path: Path) -> None:
     plt.close(fig)
 
 
-def auto_graph(name: str, batch: int, max_streams: int, fusion: bool) -> tuple[CapturedGraph, str]:
+def auto_graph(name: str, batch: int, max_streams: int, fusion: bool, numerics: str = "fp32", fused_lanes_autotune: bool = False) -> tuple[CapturedGraph, str]:
     """The graph `auto` builds for one bucket, as serving does (fused lanes
-    among the candidates), and its choice."""
+    among the candidates, in `numerics`), and its choice."""
     device = torch.device("cuda")
     entry = model_for(name)
     module = entry.build().to(device).eval()
-    settings = EngineSettings(max_streams=max_streams, buckets=(batch,), guard=False, fusion=fusion, fused_lanes=True)
-    runner, report = build_runner(module, entry, device, batch, settings)
+    settings = EngineSettings(
+        max_streams=max_streams, buckets=(batch,), guard=False, fusion=fusion, fused_lanes=True, fused_lanes_autotune=fused_lanes_autotune, precision=numerics
+    )
+    with precision.numerics(numerics):
+        runner, report = build_runner(module, entry, device, batch, settings)
     return runner.graphs[batch], str(report.choices.get(batch, "?"))
 
 
@@ -564,14 +567,55 @@ def draw_timeline(events: Sequence[dict[str, Any]], title: str, path: Path) -> N
     plt.close(fig)
 
 
-def plot_timeline(name: str, batch: int, path: Path, max_streams: int, fusion: bool) -> str:
-    """Profile a replay of the auto graph and draw its kernels per CUDA stream."""
-    captured, choice = auto_graph(name, batch, max_streams, fusion)
-    replays = profile_replays(captured, 1, path.with_suffix(".trace.json"))
+def _merged_us(intervals: list[tuple[float, float]]) -> float:
+    """Microseconds covered by the union of (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def replay_stats(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One replay's device events summed up (µs): `span` from the first start
+    to the last end, `busy` when any stream ran, `idle` (span - busy: waiting
+    on launches and cross-stream dependencies), `one_stream` when exactly one
+    ran (no overlap), `sum` of the durations, and per stream its events and
+    their sum. A schedule cannot end before its busiest stream's sum."""
+    streams: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        streams.setdefault(str(e["args"].get("stream", e.get("tid"))), []).append((e["ts"], e["ts"] + e["dur"]))
+    edges = sorted([(a, 1) for v in streams.values() for a, _ in v] + [(b, -1) for v in streams.values() for _, b in v])
+    one_stream, running, last = 0.0, 0, None
+    for at, step in edges:
+        if running == 1:
+            one_stream += at - last
+        running, last = running + step, at
+    span = max(b for v in streams.values() for _, b in v) - min(a for v in streams.values() for a, _ in v)
+    busy = _merged_us([iv for v in streams.values() for iv in v])
+    return {
+        "events": len(events), "span": span, "busy": busy, "idle": span - busy, "one_stream": one_stream,
+        "sum": sum(b - a for v in streams.values() for a, b in v),
+        "streams": {s: {"events": len(v), "sum": sum(b - a for a, b in v)} for s, v in sorted(streams.items(), key=lambda kv: -sum(b - a for a, b in kv[1]))},
+    }  # fmt: skip
+
+
+def plot_timeline(name: str, batch: int, path: Path, max_streams: int, fusion: bool, numerics: str = "fp32", fused_lanes_autotune: bool = False) -> str:
+    """Profile 20 replays of the auto graph, draw the median one's kernels per
+    CUDA stream (`path`, PNG) and write every replay's `replay_stats` beside it
+    (`path` as .json). Returns a line that says what was drawn."""
+    captured, choice = auto_graph(name, batch, max_streams, fusion, numerics, fused_lanes_autotune)
+    replays = profile_replays(captured, 20, path.with_suffix(".trace.json"))
     if not replays:
         return "no kernels in the trace"
-    draw_timeline(replays[0], f"{name} batch {batch}: {choice} graph replay, kernels per stream", path)
-    return choice
+    stats = [replay_stats(events) for events in replays]
+    median = sorted(range(len(stats)), key=lambda k: stats[k]["span"])[len(stats) // 2]
+    draw_timeline(replays[median], f"{name} batch {batch}, {numerics}: {choice} graph replay, kernels per stream", path)
+    meta = {"model": name, "batch": batch, "precision": numerics, "choice": choice, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    path.with_suffix(".json").write_text(json.dumps({"meta": meta, "median": stats[median], "replays": stats}, indent=1))
+    m = stats[median]
+    return f"{choice}, {numerics}; median replay (µs): span {m['span']:.1f}, busy {m['busy']:.1f}, idle {m['idle']:.1f}, one stream {m['one_stream']:.1f}, kernel sum {m['sum']:.1f} on {len(m['streams'])} streams"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -592,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", choices=("auto", "nchw", "nhwc"), default="auto", help="layouts auto may choose (policy columns: NCHW unless nhwc)")
     parser.add_argument("--precision", default="fp32", help="what every column computes in, comma-separated for a run of each (rows per precision): fp32, tf32, bf16, fp16 (the engine setting `precision`; eager and torch.compile run the module cast to it)")
     parser.add_argument("--plot", type=Path, help="PNG of speedups over the sequential graph")
-    parser.add_argument("--timeline", type=Path, help="PNG of the first model's stream timeline at batch 1")
+    parser.add_argument("--timeline", type=Path, help="PNG of the first model's auto graph at batch 1 (the first --precision), its kernels per stream over a median replay, and beside it (.json) per replay: span, busy, idle and one-stream time, kernel sums per stream")
     parser.add_argument("--report", type=Path, nargs="+", help="no run: print the table (and --plot) of these JSON files")
     parser.add_argument("--compile-here", action="store_true", help=argparse.SUPPRESS)  # the torch.compile columns in this process (compiled_elsewhere's)
     parser.add_argument("--build-only", metavar="MODEL", help=argparse.SUPPRESS)  # one serving build, its report as JSON (the warm build)
@@ -677,8 +721,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot_speedups(rows, args.plot)
     if args.timeline:
-        choice = plot_timeline(models[0], 1, args.timeline, args.max_streams, not args.no_fusion)
-        print(f"timeline: {models[0]} batch 1, {choice}")
+        line = plot_timeline(models[0], 1, args.timeline, args.max_streams, not args.no_fusion, precisions[0], names[models[0]] in lanes_models)
+        print(f"timeline: {models[0]} batch 1, {line}")
     return 0
 
 

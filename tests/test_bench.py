@@ -149,3 +149,24 @@ def test_a_build_times_the_graphs_it_captured_at_the_buckets_asked_for(tmp_path,
         assert 0 < timing.median_ms <= timing.p99_ms
     # a build asked for no batches (the second warm build) times nothing
     assert bench._build_report("deepfm", torch.device("cuda"), 8, True, "auto")["served"] == {}
+
+
+def _event(stream, start, duration):
+    return {"ts": start, "dur": duration, "args": {"stream": stream}}
+
+
+def test_replay_stats_sum_a_two_stream_replay():
+    """Stream 7: 0-10 and 12-20; stream 9: 5-15 and 30-34. By hand: span 34,
+    busy 0-20 and 30-34 = 24, idle 10, exactly one stream 0-5, 10-12, 15-20
+    and 30-34 = 16, kernel sum 32."""
+    events = [_event(7, 0, 10), _event(9, 5, 10), _event(7, 12, 8), _event(9, 30, 4)]
+    stats = bench.replay_stats(events)
+    assert (stats["span"], stats["busy"], stats["idle"], stats["sum"], stats["events"]) == (34, 24, 10, 32, 4)
+    assert stats["one_stream"] == 16
+    assert stats["streams"] == {"7": {"events": 2, "sum": 18}, "9": {"events": 2, "sum": 14}}
+    assert list(stats["streams"]) == ["7", "9"]  # busiest first
+
+
+def test_replay_stats_of_one_stream_with_back_to_back_kernels():
+    stats = bench.replay_stats([_event(3, 0, 4), _event(3, 4, 6), _event(3, 12, 1)])
+    assert (stats["span"], stats["busy"], stats["idle"], stats["one_stream"], stats["sum"]) == (13, 11, 2, 11, 11)
