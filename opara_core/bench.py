@@ -567,37 +567,27 @@ def draw_timeline(events: Sequence[dict[str, Any]], title: str, path: Path) -> N
     plt.close(fig)
 
 
-def _merged_us(intervals: list[tuple[float, float]]) -> float:
-    """Microseconds covered by the union of (start, end) intervals."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
 def replay_stats(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One replay's device events summed up (µs): `span` from the first start
     to the last end, `busy` when any stream ran, `idle` (span - busy: waiting
     on launches and cross-stream dependencies), `one_stream` when exactly one
-    ran (no overlap), `sum` of the durations, and per stream its events and
-    their sum. A schedule cannot end before its busiest stream's sum."""
+    ran (no overlap), `sum` of the durations, and per stream (busiest first) its
+    events and their sum. A schedule cannot end before its busiest stream's sum."""
     streams: dict[str, list[tuple[float, float]]] = {}
     for e in events:
         streams.setdefault(str(e["args"].get("stream", e.get("tid"))), []).append((e["ts"], e["ts"] + e["dur"]))
     edges = sorted([(a, 1) for v in streams.values() for a, _ in v] + [(b, -1) for v in streams.values() for _, b in v])
-    one_stream, running, last = 0.0, 0, None
-    for at, step in edges:
-        if running == 1:
-            one_stream += at - last
+    busy = one_stream = 0.0
+    running, last = 0, edges[0][0]
+    for at, step in edges:  # at equal times an end sorts before a start
+        busy += at - last if running else 0.0
+        one_stream += at - last if running == 1 else 0.0
         running, last = running + step, at
-    span = max(b for v in streams.values() for _, b in v) - min(a for v in streams.values() for a, _ in v)
-    busy = _merged_us([iv for v in streams.values() for iv in v])
+    sums = {s: sum(b - a for a, b in v) for s, v in streams.items()}
+    span = edges[-1][0] - edges[0][0]
     return {
-        "events": len(events), "span": span, "busy": busy, "idle": span - busy, "one_stream": one_stream,
-        "sum": sum(b - a for v in streams.values() for a, b in v),
-        "streams": {s: {"events": len(v), "sum": sum(b - a for a, b in v)} for s, v in sorted(streams.items(), key=lambda kv: -sum(b - a for a, b in kv[1]))},
+        "events": len(events), "span": span, "busy": busy, "idle": span - busy, "one_stream": one_stream, "sum": sum(sums.values()),
+        "streams": {s: {"events": len(streams[s]), "sum": sums[s]} for s in sorted(sums, key=lambda s: -sums[s])},
     }  # fmt: skip
 
 
