@@ -128,6 +128,30 @@ def test_graph_runner_equals_eager_on_every_bucket_and_chunks(entry, gpu_graphs,
     assert max_relative_error(out.cpu(), expected) <= 1e-4
 
 
+@pytest.mark.gpu
+def test_one_runner_answers_each_batch_in_turn_and_refills_its_staging_only_after_the_gpu_read_it(entry, gpu_graphs, strict_fp32):
+    """Batches of different sizes through one runner (each size's slices of the
+    graphs and staging made once), host and GPU inputs, outputs on the device or
+    the host; a run that returns on the device leaves its copy from the staging
+    queued behind a long kernel, and the next run must not refill the staging
+    before that copy has read it."""
+    device = torch.device("cuda")
+    gpu_module, graphs = gpu_graphs
+    runner = runtime.GraphRunner(graphs, entry.inputs, entry.outputs, device, max_batch=8)
+    answers = []
+    for rows, where, on_device in ((3, "host", True), (1, "host", False), (2, "gpu", True), (3, "host", False), (8, "pinned", True), (4, "host", True)):
+        (x,) = entry.example_inputs(rows, seed=10 + rows)
+        x = {"host": x, "pinned": x.pin_memory(), "gpu": x.to(device)}[where]
+        torch.cuda._sleep(50_000_000)  # what this run queues waits behind it
+        (out,) = runner.run([x], outputs_on_device=on_device)
+        answers.append((x, out.clone()))  # a device output's clone is queued after its replay
+    for x, out in answers:
+        with torch.inference_mode():
+            expected = gpu_module(x.to(device)).cpu()
+        assert max_relative_error(out.cpu(), expected) <= 1e-4, tuple(x.shape)
+    assert runner.batches == {4: 3, 1: 1, 2: 1, 8: 1} and runner.padded_rows == 2
+
+
 def test_packed_inputs_need_one_dtype():
     ids = zoo.TensorSpec("ids", torch.int64, (4,))
     assert runtime.PackedInputs.fits([ids, zoo.TensorSpec("mask", torch.int64, (4,))])

@@ -63,7 +63,8 @@ def _blocks(value: Blocks) -> list[torch.Tensor]:
 
 def batch_rows(inputs: Sequence[Blocks], max_batch: int) -> int:
     """Rows in the batch; a batch outside 1..max_batch is refused."""
-    n = sum(block.shape[0] for block in _blocks(inputs[0]))
+    first = inputs[0]
+    n = first.shape[0] if isinstance(first, torch.Tensor) else sum(block.shape[0] for block in first)
     if not 1 <= n <= max_batch:
         raise ValueError(f"batch of {n} rows is outside 1..{max_batch}")
     return n
@@ -86,9 +87,8 @@ def direct_pays(inputs: Sequence[Blocks]) -> bool:
     rows on the host costs next to nothing: DeepFM's batch of 9 requests, two
     inputs of 52 and 104 bytes a row, would issue 18 transfers instead of 2. An
     image (GoogLeNet's 588 KiB) is worth sending where it lies."""
-    for blocks in inputs:
-        parts = _blocks(blocks)
-        if len(parts) > 1 and sum(p.nbytes for p in parts) < DIRECT_MIN_BLOCK_BYTES * len(parts):
+    for parts in inputs:
+        if not isinstance(parts, torch.Tensor) and len(parts) > 1 and sum(p.nbytes for p in parts) < DIRECT_MIN_BLOCK_BYTES * len(parts):
             return False
     return True
 
@@ -96,7 +96,13 @@ def direct_pays(inputs: Sequence[Blocks]) -> bool:
 def gather(blocks: Blocks, out: torch.Tensor) -> torch.Tensor:
     """Copy the row blocks into `out`'s first rows: the batch's one copy (or,
     from the host into GPU memory, its one transfer)."""
-    parts = _blocks(blocks)
+    if isinstance(blocks, torch.Tensor) or len(blocks) == 1:  # one request: no slicing to do when `out` has its rows
+        part = blocks if isinstance(blocks, torch.Tensor) else blocks[0]
+        rows = part.shape[0]
+        out = out if out.shape[0] == rows else out[:rows]
+        out.copy_(part, non_blocking=True)
+        return out
+    parts = list(blocks)
     rows = sum(p.shape[0] for p in parts)
     if len(parts) == 1 or out.device != parts[0].device:
         offset = 0
@@ -136,6 +142,27 @@ class EagerRunner:
             return [t[:n] for t in self._host_out]
 
 
+@dataclass(frozen=True)
+class _RowViews:
+    """What a batch of `rows` rows touches, sliced once when the runner is made
+    rather than on every run: its bucket's graph and the first `rows` rows of
+    that graph's inputs and outputs and of the runner's host staging."""
+
+    bucket: int
+    captured: CapturedGraph
+    static_in: tuple[torch.Tensor, ...]
+    staging_in: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+    host_out: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, captured: CapturedGraph, rows: int, host_in: Sequence[torch.Tensor], host_out: Sequence[torch.Tensor]) -> _RowViews:
+        def first(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            return tuple(t[:rows] for t in tensors)
+
+        return cls(captured.rows, captured, first(captured.inputs), first(host_in), first(captured.outputs), first(host_out))
+
+
 class GraphRunner:
     """Replays one captured CUDA graph per batch bucket (all built by `build`, in
     one memory pool).
@@ -167,13 +194,15 @@ class GraphRunner:
         self.buckets = tuple(self.graphs)
         self._host_in = _staging(inputs, max_batch, pin=True)
         self._host_out = _staging(outputs, max_batch, pin=True)
-        # recorded after each copy up from `_host_in`: a run that returns its outputs on the
-        # device does not wait for the GPU, so the next one must not refill the pinned
-        # staging while the previous copy may still be reading it
+        # recorded after a copy up from host memory by a run that returns its outputs on the
+        # device without waiting for the GPU: the next run must not refill the pinned
+        # staging while that copy may still be reading it (`_staging_queued`)
         self._host_in_read = torch.cuda.Event()
+        self._staging_queued = False
         self._device_in: list[torch.Tensor] | None = None  # for GPU batches above the largest bucket
         self._input_specs = tuple(inputs)
         self._inputs_on_host = any(t.device.type == "cpu" for captured in graphs.values() for t in captured.inputs)
+        self._views = {rows: _RowViews.of(self.graphs[self.bucket_for(rows)], rows, self._host_in, self._host_out) for rows in range(1, self.buckets[-1] + 1)}
         self._lock = threading.Lock()
         self.info = RunnerInfo("cuda-graph", str(device), self.buckets)
         self.batches: Counter[int] = Counter()  # bucket -> replays
@@ -185,47 +214,53 @@ class GraphRunner:
 
     def run(self, inputs: Sequence[Blocks], outputs_on_device: bool = False) -> list[torch.Tensor]:
         n = batch_rows(inputs, self.max_batch)
-        on_gpu = _blocks(inputs[0])[0].device.type == "cuda"
-        with self._lock, torch.inference_mode():
-            if not on_gpu:
-                self._host_in_read.synchronize()  # returns at once unless that copy is still queued
-            if n <= self.buckets[-1]:
-                captured = self._graph_for(n)
-                self._wait_inputs_read()
-                # host blocks in page-locked memory (serving.pinned_host) go straight to the graph's inputs,
-                # unless they are many small ones (direct_pays): those are gathered into the staging first
-                direct = on_gpu or (
-                    not self._inputs_on_host and direct_pays(inputs) and all(t.is_pinned() for blocks in inputs for t in _blocks(blocks))
-                )
-                staged = captured.inputs if direct else self._host_in
-                for blocks, buffer, static in zip(inputs, staged, captured.inputs):
-                    gather(blocks, buffer)
-                    if not direct:
-                        static[:n].copy_(buffer[:n], non_blocking=True)
-                if not on_gpu:
-                    self._host_in_read.record()
-                captured.replay()
-                if outputs_on_device:
-                    if direct and not on_gpu:  # the caller may reuse the blocks' memory once this returns
-                        self._host_in_read.synchronize()
-                    return [out[:n] for out in captured.outputs]
-                for host, out in zip(self._host_out, captured.outputs):
-                    host[:n].copy_(out[:n], non_blocking=True)
-            else:
-                self._run_chunks(n, [gather(blocks, buffer) for blocks, buffer in zip(inputs, self._staging_for(on_gpu))])
+        first = inputs[0] if isinstance(inputs[0], torch.Tensor) else inputs[0][0]
+        on_gpu = first.device.type == "cuda"
+        with self._lock:
+            if torch.is_inference_mode_enabled():  # a served execute holds it already: entering costs a few us a call
+                return self._run(inputs, n, on_gpu, outputs_on_device)
+            with torch.inference_mode():
+                return self._run(inputs, n, on_gpu, outputs_on_device)
+
+    def _run(self, inputs: Sequence[Blocks], n: int, on_gpu: bool, outputs_on_device: bool) -> list[torch.Tensor]:
+        if self._staging_queued:  # the last run returned on the device: its copy may still be reading the staging
+            self._host_in_read.synchronize()
+            self._staging_queued = False
+        if n > self.buckets[-1]:
+            self._run_chunks(n, [gather(blocks, buffer) for blocks, buffer in zip(inputs, self._staging_for(on_gpu))])
             torch.cuda.current_stream(self.device).synchronize()
             return [t[:n] for t in self._host_out]
+        views = self._views[n]
+        self._count(views.bucket, n)
+        if self._inputs_on_host:  # such a graph reads its host inputs when it replays: the last replay must have run
+            torch.cuda.current_stream(self.device).synchronize()
+        # host blocks in page-locked memory (serving.pinned_host) go straight to the graph's inputs,
+        # unless they are many small ones (direct_pays): those are gathered into the staging first
+        direct = on_gpu or (not self._inputs_on_host and direct_pays(inputs) and all(t.is_pinned() for blocks in inputs for t in _blocks(blocks)))
+        if direct:
+            for blocks, static in zip(inputs, views.static_in):
+                gather(blocks, static)
+        else:
+            for blocks, staged, static in zip(inputs, views.staging_in, views.static_in):
+                gather(blocks, staged)
+                static.copy_(staged, non_blocking=True)
+        views.captured.replay()
+        if outputs_on_device:
+            if not on_gpu:  # the caller may reuse the blocks' memory, and the next run the staging, once they are read
+                self._host_in_read.record()
+                if direct:
+                    self._host_in_read.synchronize()
+                else:
+                    self._staging_queued = True
+            return list(views.outputs)
+        for host, out in zip(views.host_out, views.outputs):
+            host.copy_(out, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return list(views.host_out)
 
-    def _graph_for(self, rows: int) -> CapturedGraph:
-        bucket = self.bucket_for(rows)
+    def _count(self, bucket: int, rows: int) -> None:
         self.batches[bucket] += 1
         self.padded_rows += bucket - rows
-        return self.graphs[bucket]
-
-    def _wait_inputs_read(self) -> None:
-        """Graphs with host inputs read them when they replay: the last replay must have run."""
-        if self._inputs_on_host:
-            torch.cuda.current_stream(self.device).synchronize()
 
     def _staging_for(self, on_gpu: bool) -> list[torch.Tensor]:
         if not on_gpu:
@@ -239,8 +274,11 @@ class GraphRunner:
         done = 0
         while done < n:
             rows = min(n - done, self.buckets[-1])
-            captured = self._graph_for(rows)
-            self._wait_inputs_read()
+            bucket = self.bucket_for(rows)
+            self._count(bucket, rows)
+            captured = self.graphs[bucket]
+            if self._inputs_on_host:
+                torch.cuda.current_stream(self.device).synchronize()
             for static, staged in zip(captured.inputs, batch):
                 static[:rows].copy_(staged[done : done + rows], non_blocking=True)
             captured.replay()
