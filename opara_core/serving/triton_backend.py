@@ -375,7 +375,7 @@ class OparaModel:
             if problem:
                 results.append(_error(self._pb, problem, self._pb.TritonError.INVALID_ARG))
             else:
-                results.append(self._response([out[offset : offset + size] for out in outputs]))
+                results.append(self._response(outputs if len(sizes) == 1 else [out[offset : offset + size] for out in outputs]))  # a lone request's rows are all of them
             offset += size
         return results
 
