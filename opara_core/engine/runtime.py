@@ -223,7 +223,7 @@ class GraphRunner:
                 return self._run(inputs, n, on_gpu, outputs_on_device)
 
     def _run(self, inputs: Sequence[Blocks], n: int, on_gpu: bool, outputs_on_device: bool) -> list[torch.Tensor]:
-        if self._staging_queued:  # the last run returned on the device: its copy may still be reading the staging
+        if self._staging_queued and not on_gpu:  # the last run returned on the device: its copy may still be reading the staging
             self._host_in_read.synchronize()
             self._staging_queued = False
         if n > self.buckets[-1]:
