@@ -152,6 +152,25 @@ def test_one_runner_answers_each_batch_in_turn_and_refills_its_staging_only_afte
     assert runner.batches == {4: 3, 1: 1, 2: 1, 8: 1} and runner.padded_rows == 2
 
 
+@pytest.mark.gpu
+def test_a_run_that_returns_on_the_device_waits_for_its_input_copies_but_not_for_the_replay():
+    """Page-locked host inputs, outputs left on the device: run returns once the
+    copies have read the caller's memory, while a long graph still runs."""
+    device = torch.device("cuda")
+    spec = [zoo.TensorSpec("x", torch.float32, (4,))]
+
+    def slow_double(x):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s at 2 GHz
+        return x * 2
+
+    graphs = {1: capture_module(slow_double, [torch.zeros(1, 4, device=device)], None, warmup=1)}
+    runner = runtime.GraphRunner(graphs, spec, spec, device, max_batch=1)
+    x = torch.arange(4.0).view(1, 4).pin_memory()
+    (out,) = runner.run([x], outputs_on_device=True)
+    assert not torch.cuda.current_stream().query(), "run waited for the replay"
+    assert torch.equal(out.cpu(), x * 2)
+
+
 def test_packed_inputs_need_one_dtype():
     ids = zoo.TensorSpec("ids", torch.int64, (4,))
     assert runtime.PackedInputs.fits([ids, zoo.TensorSpec("mask", torch.int64, (4,))])

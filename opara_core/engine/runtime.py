@@ -244,10 +244,11 @@ class GraphRunner:
             for blocks, staged, static in zip(inputs, views.staging_in, views.static_in):
                 gather(blocks, staged)
                 static.copy_(staged, non_blocking=True)
+        if outputs_on_device and not on_gpu:  # the caller may reuse the blocks' memory, and the next run the staging, once these copies have read them
+            self._host_in_read.record()
         views.captured.replay()
         if outputs_on_device:
-            if not on_gpu:  # the caller may reuse the blocks' memory, and the next run the staging, once they are read
-                self._host_in_read.record()
+            if not on_gpu:
                 if direct:
                     self._host_in_read.synchronize()
                 else:
