@@ -104,7 +104,7 @@ def gather(blocks: Blocks, out: torch.Tensor) -> torch.Tensor:
         return out
     parts = list(blocks)
     rows = sum(p.shape[0] for p in parts)
-    if len(parts) == 1 or out.device != parts[0].device:
+    if out.device != parts[0].device:  # one transfer per block (a GPU can't cat from host memory)
         offset = 0
         for part in parts:
             out[offset : offset + part.shape[0]].copy_(part, non_blocking=True)
