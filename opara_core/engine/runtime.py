@@ -145,10 +145,10 @@ class EagerRunner:
 @dataclass(frozen=True)
 class _RowViews:
     """What a batch of `rows` rows touches, sliced once when the runner is made
-    rather than on every run: its bucket's graph and the first `rows` rows of
-    that graph's inputs and outputs and of the runner's host staging."""
+    rather than on every run: its bucket's graph (`captured.rows` rows) and the
+    first `rows` rows of that graph's inputs and outputs and of the runner's
+    host staging."""
 
-    bucket: int
     captured: CapturedGraph
     static_in: tuple[torch.Tensor, ...]
     staging_in: tuple[torch.Tensor, ...]
@@ -160,7 +160,7 @@ class _RowViews:
         def first(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
             return tuple(t[:rows] for t in tensors)
 
-        return cls(captured.rows, captured, first(captured.inputs), first(host_in), first(captured.outputs), first(host_out))
+        return cls(captured, first(captured.inputs), first(host_in), first(captured.outputs), first(host_out))
 
 
 class GraphRunner:
@@ -231,7 +231,7 @@ class GraphRunner:
             torch.cuda.current_stream(self.device).synchronize()
             return [t[:n] for t in self._host_out]
         views = self._views[n]
-        self._count(views.bucket, n)
+        self._count(views.captured.rows, n)
         if self._inputs_on_host:  # such a graph reads its host inputs when it replays: the last replay must have run
             torch.cuda.current_stream(self.device).synchronize()
         # host blocks in page-locked memory (serving.pinned_host) go straight to the graph's inputs,
