@@ -22,7 +22,10 @@ Beside each model it also serves
 `<model>_peer` (opara_core.serving.peer): the hand-written model.py a user
 writes without this project, torch.compile with freezing and a CUDA graph per
 bucket in the same precision, measured right after the floor at each level
-(`--no-peer` leaves it out).
+(`--no-peer` leaves it out). `--io-floor` adds `<model>_iofloor`
+(opara_core.serving.floor.IOFloorModel): the floor plus moving the tensors to
+the GPU and back around a graph of memsets, what any model.py that replays a
+CUDA graph pays with no model, measured after the floor.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from opara_core.serving.triton_backend import StageClock
 
 FLOOR_SUFFIX = "_floor"
 PEER_SUFFIX = "_peer"
+IO_FLOOR_SUFFIX = "_iofloor"
 PRECISION = get_parameter("precision")  # --precision's choices, and what a config without the parameter gets
 FLOOR_MODEL_PY = '''"""The Python backend's floor beside {model}: no work, zeros out (made by scripts/serving_bench.py)."""
 
@@ -58,6 +62,16 @@ from opara_core.serving.floor import FloorModel
 
 
 class TritonPythonModel(FloorModel):
+    zoo_name = {model!r}
+'''
+
+
+IO_FLOOR_MODEL_PY = '''"""The I/O floor beside {model}: the floor plus moving the tensors, no model (made by scripts/serving_bench.py)."""
+
+from opara_core.serving.floor import IOFloorModel
+
+
+class TritonPythonModel(IOFloorModel):
     zoo_name = {model!r}
 '''
 
@@ -75,6 +89,11 @@ class TritonPythonModel(PeerModel):
 def add_floor_model(repository: Path, model: str) -> str:
     """`<model>_floor` beside `model` in `repository` (see `add_companion`). Returns its name."""
     return add_companion(repository, model, FLOOR_SUFFIX, FLOOR_MODEL_PY)
+
+
+def add_io_floor_model(repository: Path, model: str) -> str:
+    """`<model>_iofloor` beside `model` in `repository` (see `add_companion`). Returns its name."""
+    return add_companion(repository, model, IO_FLOOR_SUFFIX, IO_FLOOR_MODEL_PY)
 
 
 def add_peer_model(repository: Path, model: str) -> str:
@@ -134,6 +153,7 @@ def make_repository(
     queue_delay_us: int | None = None,
     parameters: dict[str, str] | None = None,
     peers: bool = True,
+    io_floors: bool = False,
 ) -> Path:
     """A copy of the selected models, each with `instances` model instances
     (stub processes, each with its own graphs) and its floor model beside it.
@@ -142,11 +162,13 @@ def make_repository(
     preferred size it can form (7 queued: 4 now, 3 later); `queue_delay_us`
     replaces the configs' max_queue_delay_microseconds; `parameters` are set
     in every config (the floor's too: it is made from the model's config);
-    `peers`: the hand-written peer beside each model too."""
+    `peers`: the hand-written peer beside each model too; `io_floors`: the I/O floor too."""
     repository = root / "models"
     for name in models:
         copy_model(repository, name, instances, queue_delay_us, parameters or {}, greedy=batching == "greedy")
         add_floor_model(repository, name)
+        if io_floors:
+            add_io_floor_model(repository, name)
         if peers:
             add_peer_model(repository, name)
     return repository
@@ -237,13 +259,15 @@ def server_ms(result: dict) -> float:
 def table(rows: list[dict], replay: dict[str, float]) -> str:
     """Markdown: perf_analyzer's numbers, Triton's split, the bucket-1 replay,
     the floor model's p50 and server time in the same run and the model's time
-    above them, the hand-written peer's p50 and throughput (and ours against
-    it), and execute's own split."""
+    above them, the I/O floor's p50 and throughput and the p50 above it and the
+    replay, the hand-written peer's p50 and throughput (and ours against it),
+    and execute's own split."""
     lines = [
         "| model | shm | conc | infer/s | p50 ms | p99 ms | mean ms | queue | compute input | compute infer | compute output "
         "| bucket-1 replay | outside replay | floor p50 | floor server | p50 above floor | outside replay above floor "
-        "| floor infer/s | peer p50 | peer infer/s | infer/s / peer | mean batch | execute: validate / stage / run / respond |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| floor infer/s | I/O floor p50 | I/O floor infer/s | p50 above I/O floor + replay "
+        "| peer p50 | peer infer/s | infer/s / peer | mean batch | execute: validate / stage / run / respond |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
@@ -255,6 +279,8 @@ def table(rows: list[dict], replay: dict[str, float]) -> str:
         measured = "error" not in floor and bool(floor)
         peer = r.get("peer") or {}
         peer_measured = "error" not in peer and bool(peer)
+        io = r.get("io_floor") or {}
+        io_measured = "error" not in io and bool(io)
         stages = r.get("execute_ms") or {}
         split = " / ".join(f"{stages[k]:.3f}" for k in StageClock.STAGES if k in stages) or "-"
         cells = [
@@ -268,6 +294,9 @@ def table(rows: list[dict], replay: dict[str, float]) -> str:
             f"{r['p50_ms'] - floor['p50_ms']:.3f}" if measured else "-",
             f"{outside - server_ms(floor):.3f}" if measured and outside is not None else "-",
             f"{floor['throughput_rps']:.0f}" if measured else "-",
+            f"{io['p50_ms']:.3f}" if io_measured else "error" if io else "-",
+            f"{io['throughput_rps']:.0f}" if io_measured else "-",
+            f"{r['p50_ms'] - io['p50_ms'] - graph:.3f}" if io_measured and graph else "-",
             f"{peer['p50_ms']:.3f}" if peer_measured else "error" if peer else "-",
             f"{peer['throughput_rps']:.0f}" if peer_measured else "-",
             f"{r['throughput_rps'] / peer['throughput_rps']:.2f}" if peer_measured and peer["throughput_rps"] else "-",
@@ -323,6 +352,7 @@ def argument_parser() -> argparse.ArgumentParser:
         help="the precision parameter of every served config (docs/precision.md; default: the configs' own)",
     )  # fmt: skip
     parser.add_argument("--no-peer", action="store_true", help="serve no hand-written peer beside the models")
+    parser.add_argument("--io-floor", action="store_true", help="serve the I/O floor beside the models too (the floor plus moving the tensors)")
     parser.add_argument("--requests", type=int, default=1000, help="requests per measurement window")
     parser.add_argument("--perf-analyzer", default=None, help="default: the one of the tritonclient wheel, else on PATH")
     parser.add_argument("--budget", type=float, default=None, metavar="S", help="start no measurement after S seconds; the rest is listed as skipped")
@@ -354,7 +384,7 @@ def main() -> int:
     started = time.perf_counter()
     models = [zoo.get(m).name for m in args.models.split(",")]
     work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
-    repository = make_repository(models, work, args.instances, args.batching, args.queue_delay, parameters, peers=not args.no_peer)
+    repository = make_repository(models, work, args.instances, args.batching, args.queue_delay, parameters, peers=not args.no_peer, io_floors=args.io_floor)
     # the server is ours: its admin key (for the shared-memory API) is OPARA_ADMIN_KEY or a new one
     config = ServerConfig(
         model_repository=repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
@@ -397,6 +427,8 @@ def main() -> int:
             with Client(server.grpc_url) as client:
                 info, floor_info = client.model_info(model), client.model_info(floor)
                 peer_info = client.model_info(peer) if (repository / peer).is_dir() else None
+                io_floor = model + IO_FLOOR_SUFFIX
+                io_floor_info = client.model_info(io_floor) if (repository / io_floor).is_dir() else None
             data = write_input_data(info, work / f"{model}.json", count=4, seed=200)
             for shm in modes:
                 for concurrency in (int(c) for c in args.concurrency.split(",")):
@@ -405,6 +437,8 @@ def main() -> int:
                         continue
                     result = measure(model, info, data, shm, concurrency)
                     result["floor"] = {k: v for k, v in measure(floor, floor_info, data, shm, concurrency).items() if k != "execute_ms"}
+                    if io_floor_info is not None:
+                        result["io_floor"] = {k: v for k, v in measure(io_floor, io_floor_info, data, shm, concurrency).items() if k != "execute_ms"}
                     if peer_info is not None:
                         result["peer"] = {k: v for k, v in measure(peer, peer_info, data, shm, concurrency).items() if k != "execute_ms"}
                     rows.append({"model": model, "shared_memory": shm, "concurrency": concurrency, **result})

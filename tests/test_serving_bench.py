@@ -33,13 +33,14 @@ serving_bench = _load_bench()
 FLOORED = ("googlenet", "deepfm")
 VARLEN_FLOORED = ("bert", "t5")
 PEERED = ("deepfm", "t5")  # a fixed-shape peer (ids checked by its embedding) and a variable-length one
+IO_FLOORED = ("deepfm", "bert")  # two inputs of two dtypes; a variable-length input and output
 
 
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory):
     return serving_bench.make_repository(
         list(FLOORED), tmp_path_factory.mktemp("bench"), instances=2, batching="greedy", queue_delay_us=500,
-        parameters={"FORCE_CPU_ONLY_INPUT_TENSORS": "yes", "torch_threads": "0"},
+        parameters={"FORCE_CPU_ONLY_INPUT_TENSORS": "yes", "torch_threads": "0"}, io_floors=True,
     )  # fmt: skip
 
 
@@ -69,6 +70,12 @@ def test_each_model_gets_a_floor_with_its_own_config(repository, model):
     assert model_config.read(repository / f"{model}_peer" / "config.pbtxt").name == f"{model}_peer"
     assert without_name(repository / f"{model}_peer" / "config.pbtxt") == without_name(config)
     assert "PeerModel" in (repository / f"{model}_peer" / "1" / "model.py").read_text()
+    assert without_name(repository / f"{model}_iofloor" / "config.pbtxt") == without_name(config)
+    assert "IOFloorModel" in (repository / f"{model}_iofloor" / "1" / "model.py").read_text()
+
+
+def test_the_io_floor_is_served_only_when_asked_for(tmp_path):
+    assert not (serving_bench.make_repository(["deepfm"], tmp_path) / "deepfm_iofloor").exists()
 
 
 def test_no_peer_leaves_the_peers_out(tmp_path):
@@ -99,6 +106,8 @@ def floor_server(tmp_path_factory):
         serving_bench.set_parameter(config, "output_memory", "host")
         model_config.write(root / model / "config.pbtxt", config)
         serving_bench.add_floor_model(root, model)
+        if model in IO_FLOORED:
+            serving_bench.add_io_floor_model(root, model)
         if model in PEERED:  # each peer is a stub process of about 0.5 GB more in CI's 24 GiB: one per kind
             serving_bench.add_peer_model(root, model)
         (root / model / "config.pbtxt").unlink()
@@ -117,6 +126,32 @@ def test_the_floor_answers_zeros_of_the_models_output_shapes(floor_server, model
         outputs = result_arrays(request, client.infer(request), [s.name for s in entry.outputs])
     for spec in entry.outputs:
         np.testing.assert_array_equal(outputs[spec.name], np.zeros((3, *spec.shape), dtype=np.float32))
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_the_io_floor_moves_every_request_of_a_batch_and_answers_zeros_at_its_shapes(floor_server, protocol):
+    """Requests of several rows and (bert) several lengths at once: each answer has its own
+    request's shape (the batch's buffers are cut per request), over gRPC and HTTP."""
+    import concurrent.futures
+
+    url = floor_server.grpc_url if protocol == "grpc" else floor_server.http_url
+    sizes = {"deepfm": [(3, None), (1, None), (2, None)], "bert": [(2, 7), (1, 19), (3, 4)]}
+
+    def ask(model, rows, length):
+        entry = zoo.get(model)
+        sized = entry.at((length,)) if length else entry
+        arrays = {s.name: t.numpy() for s, t in zip(sized.inputs, sized.example_inputs(rows, seed=rows))}
+        with Client(url, protocol=protocol) as client:
+            request = client.request(f"{model}_iofloor", arrays)
+            return sized, rows, result_arrays(request, client.infer(request), [s.name for s in entry.outputs])
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda job: ask(*job), [(m, r, n) for m, jobs in sizes.items() for r, n in jobs]))
+    for sized, rows, outputs in answers:
+        for spec in sized.outputs:
+            assert outputs[spec.name].shape == (rows, *spec.shape)
+            assert not outputs[spec.name].any()
 
 
 @pytest.mark.server
@@ -192,6 +227,12 @@ def test_the_table_puts_the_floor_beside_each_row():
     header, _, line = serving_bench.table([row], {"googlenet": 0.4}).splitlines()
     cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in line.split("|")]))
     assert cells["peer p50"] == "1.500" and cells["peer infer/s"] == "640" and cells["infer/s / peer"] == "1.25"
+    assert cells["I/O floor p50"] == "-" and cells["p50 above I/O floor + replay"] == "-"
+    row["io_floor"] = {"throughput_rps": 1200.0, "p50_ms": 0.75, "p99_ms": 1.0, **split}
+    header, _, line = serving_bench.table([row], {"googlenet": 0.4}).splitlines()
+    cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in line.split("|")]))
+    assert cells["I/O floor p50"] == "0.750" and cells["I/O floor infer/s"] == "1200"
+    assert cells["p50 above I/O floor + replay"] == "0.050"  # 1.2 - 0.75 - 0.4
 
 
 
