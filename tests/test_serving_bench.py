@@ -290,6 +290,26 @@ def test_the_bucket_1_replay_is_read_from_the_ready_line_whatever_the_graph(grap
     assert serving_bench.replay_medians(log + "\n") == {"googlenet": 0.202}
 
 
+def test_a_start_that_timed_its_candidates_is_told_from_a_warm_one():
+    """From the ready lines as triton_backend writes them (the build's own report):
+    a multi-stream build without remembered choices timed its candidates in this start;
+    one that remembered them, an eager model and a model not benchmarked do not count,
+    and the last start of a restarted server decides."""
+    chosen = Candidate("inductor", "sequential", 1)
+
+    def line(model: str, device: str, runner: str, remembered: bool) -> str:
+        report = BuildReport(runner=runner, choices={1: chosen} if runner != "eager" else {}, timings_ms={1: {chosen: 0.057}}, remembered=remembered)
+        built = report.runner + (f", {len(report.choices)} buckets" if report.choices else "")
+        return f"INFO [{model}] opara_core.serving.triton_backend: " + ready_line(model, device, 41.4, built, report.summary().splitlines()[1:]) + "\n"
+
+    cold = line("deepfm", "cuda:0", "multi-stream graph", remembered=False)
+    warm = line("deepfm", "cuda:0", "multi-stream graph", remembered=True)
+    others = line("googlenet", "cuda:0", "multi-stream graph", remembered=True) + line("resnet50", "cpu", "eager", remembered=False)
+    assert serving_bench.timed_in_this_start(cold + others, ["deepfm", "googlenet", "resnet50"]) == ["deepfm"]
+    assert serving_bench.timed_in_this_start(cold + warm + others, ["deepfm", "googlenet", "resnet50"]) == []
+    assert serving_bench.timed_in_this_start(cold, ["googlenet"]) == []
+
+
 def test_the_mean_comes_from_perf_analyzers_summary_and_shows_in_the_table():
     """A run stabilised on p50 has no mean in its CSV: the summary's Avg gRPC (or HTTP) time is it."""
     assert serving_bench.mean_latency(PERF_SUMMARY) == 0.872
