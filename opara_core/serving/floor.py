@@ -75,6 +75,7 @@ class FloorModel:
     model it stands in for, which says how long a variable-length output is."""
 
     zoo_name: str | None = None
+    kind = "no-op floor"  # in its loaded line
 
     def initialize(self, args: dict) -> None:
         import triton_python_backend_utils as pb_utils
@@ -88,8 +89,12 @@ class FloorModel:
         limits = {name: axis.limit for name, axis in self.axes.items()}
         self.host = zero_outputs(config, torch.device("cpu"), limits)
         self.gpu = zero_outputs(config, self.device, limits) if self.device.type == "cuda" else None
+        self._prepare(config)
         freeze_heap()  # as the model does: no full collection pauses in either
-        log.info("no-op floor %s loaded on %s", args["model_name"], self.device)  # not "model X ready on": serving_bench reads those lines
+        log.info("%s %s loaded on %s", self.kind, args["model_name"], self.device)  # not "model X ready on": serving_bench reads those lines
+
+    def _prepare(self, config: dict) -> None:
+        """What a floor that does more than answering zeros sets up (`IOFloorModel`)."""
 
     def shape(self, name: str, rows: int, request) -> list[int]:
         """The output's shape for this request: a variable dimension takes the
@@ -127,9 +132,9 @@ class IOFloorModel(FloorModel):
     and gathered, zeros answered. Buffers are flat, sized for
     `max_batch_size` rows at the longest length of a variable axis."""
 
-    def initialize(self, args: dict) -> None:
-        super().initialize(args)
-        config = json.loads(args["model_config"])
+    kind = "I/O floor"
+
+    def _prepare(self, config: dict) -> None:
         rows = int(config["max_batch_size"])
         limits = {name: axis.limit for axis in (zoo.get(self.zoo_name).lengths if self.zoo_name else ()) for name in axis.inputs}
         self.input_names = []
@@ -157,8 +162,6 @@ class IOFloorModel(FloorModel):
             with torch.cuda.graph(self.graph):
                 for head in heads:
                     head.zero_()
-        freeze_heap()
-        log.info("I/O floor %s loaded on %s", args["model_name"], self.device)
 
     def execute(self, requests: list) -> list:
         try:
