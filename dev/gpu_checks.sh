@@ -77,7 +77,8 @@
 #              (default "python none"; "python nginx none" adds nginx, from .gpuenv where the machine has none),
 #              $GUARD_MODEL (default googlenet) over HTTP at concurrency 1 and 16, $GUARD_ROUNDS rounds of
 #              $GUARD_SECONDS per level: $OUT/guard_cost/<guard><round>.json
-#   (transport, serving, varlen, generation: $PRECISION, e.g. bf16, serves every model in that precision)
+#   (transport, serving, varlen, generation: $PRECISION, e.g. bf16, serves every model in that precision;
+#   serving: IO_FLOOR=1 serves each model's I/O floor beside it too, serving_bench --io-floor)
 #   soak       GoogLeNet served by `python -m opara_core.serving.launcher serve` on ports 18000-18002,
 #              scripts/soak.py over gRPC at 1, 8 and 64 ($SOAK_SECONDS each, default 30, and as long a warm-up): errors, wrong
 #              answers, host and GPU memory growth
@@ -269,7 +270,8 @@ for spec in "$@"; do
     transportexp) step transportexp "$limit" bash -c "transportexp $limit" ;;
     serving) step serving "$limit" python3 scripts/serving_bench.py --models "${MODELS:-resnet50,inception_v3,deepfm,bert,t5}" \
         --concurrency 1,16 --shared-memory none,system,cuda --requests 200 --perf-analyzer "${PERF_ANALYZER:-perf_analyzer}" \
-        --budget "${BUDGET:-$((limit - 45))}" --json "$out/serving.json" --log "$out/server.log" ${PRECISION:+--precision "$PRECISION"} ;;
+        --budget "${BUDGET:-$((limit - 45))}" --json "$out/serving.json" --log "$out/server.log" ${PRECISION:+--precision "$PRECISION"} \
+        ${IO_FLOOR:+--io-floor} ;;
     soak) step soak "$limit" bash -c soak ;;
     servestart) step servestart "$limit" bash -c servestart ;;
     warmbuild) step warmbuild "$limit" bash -c warmbuild ;;
