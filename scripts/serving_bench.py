@@ -241,11 +241,17 @@ def execute_split(before: dict[str, float], after: dict[str, float]) -> dict[str
     return {k: round(1000 * (v - before.get(k, 0)) / requests, 4) for k, v in after.items() if k != "requests"}
 
 
+def gpu_ready_lines(log: str) -> dict[str, str]:
+    """What each model on a GPU logged after `ready on cuda...: ` at the end of
+    its `initialize` (opara_core.serving.startup.ready_line); of a restarted
+    server, the last start's."""
+    return dict(re.findall(r"model (\w+) ready on cuda\S* in [\d.]+ s: ([^\n]*)", log))
+
+
 def replay_medians(log: str) -> dict[str, float]:
-    """Bucket-1 replay medians the models logged when they chose their graph
-    (one line each, opara_core.serving.startup.ready_line)."""
+    """Bucket-1 replay medians the models logged when they chose their graph."""
     medians = {}
-    for model, line in re.findall(r"model (\w+) ready on cuda\S* in [\d.]+ s: ([^\n]*)", log):
+    for model, line in gpu_ready_lines(log).items():
         found = re.search(r"bucket 1: ([\w:/-]+)(?: served [\d.]+ ms)? \(median ms: (.*?)\)", line)  # graph names hold '-' (inductor-cudnn)
         if found:
             times = dict(re.findall(r"([\w:/-]+) ([\d.]+)", found.group(2)))
@@ -261,7 +267,7 @@ def timed_in_this_start(log: str, models: list[str]) -> list[str]:
     warm start (DeepFM, one H100, 2026-12-07, docs/benchmarks.md), while a
     deployment serves from a warm cache (`make warm` in its image, and every
     restart)."""
-    last = dict(re.findall(r"model (\w+) ready on cuda\S* in [\d.]+ s: ([^\n]*)", log))
+    last = gpu_ready_lines(log)
     return [m for m in models if last.get(m, "").startswith("multi-stream graph") and "choices: remembered" not in last[m]]
 
 
